@@ -1,0 +1,308 @@
+"""Traces: what every rank communicated and computed, and when.
+
+This module is pure data (no torch.distributed): `parlab.comm` records one
+`Event` per collective or point-to-point call, `region("forward")` records a
+compute span, and `parlab.run` brings every rank's events home and merges them
+into one `Trace`. Lessons draw their figures from a `Trace`, so every picture
+shows what the code really did.
+
+Recording is switched on per process with the `recording()` context manager
+(parlab.run does it for you when ``trace=True``). When nothing records, the
+cost of a traced call is one context-variable lookup.
+
+Bytes. An event stores the *payload* size ``nbytes`` of the call (for
+all-reduce the tensor, for all-gather the gathered output, for reduce-scatter
+the full input, for send/recv the message). How many bytes a rank actually
+puts on the wire depends on the algorithm; `wire_bytes` gives the standard
+ring/pipeline model used by NCCL's performance notes (nccl-tests
+PERFORMANCE.md; Patarasuk & Yuan 2009):
+
+    all_reduce      2 (N-1)/N * X     (reduce-scatter + all-gather)
+    all_gather        (N-1)/N * X     (X = size of the gathered output)
+    reduce_scatter    (N-1)/N * X     (X = size of the full input)
+    all_to_all        (N-1)/N * X     (the block a rank keeps stays home)
+    broadcast, reduce         X       (pipelined chain around the group: every rank but the
+                                       chain's last sends X, every rank but its first receives X)
+    gather / scatter   X/N per non-root rank, (N-1)/N * X at the root
+    send / recv               X
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Iterable, Iterator
+
+__all__ = ["Event", "Recorder", "Trace", "recording", "current_recorder", "region", "mark", "wire_bytes", "now"]
+
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "reduce",
+               "gather", "scatter", "barrier")
+P2P = ("send", "recv")
+
+
+def now() -> float:
+    """The trace clock: wall-clock seconds, comparable across processes (and across NTP-synced nodes)."""
+    return time.time()
+
+
+@dataclass
+class Event:
+    """One traced call on one rank. Times are seconds on the `now()` clock."""
+    rank: int
+    kind: str                   # "collective" | "p2p" | "compute" | "mark"
+    op: str                     # e.g. "all_reduce", "send", or the region name for compute
+    start: float
+    end: float
+    group: tuple[int, ...] = ()  # global ranks of the process group (empty for compute)
+    peer: int | None = None     # global rank of the other side (p2p) or the root (broadcast/reduce/...)
+    numel: int = 0
+    nbytes: int = 0             # payload bytes, see module docstring
+    dtype: str = ""
+    label: str = ""             # free text, e.g. "grad bucket 2" or "stage 1 -> 2 act mb 3"
+    asynchronous: bool = False  # launched with async_op=True (end = completion time)
+
+    @property
+    def duration(self) -> float:
+        return self.end - self.start
+
+    @property
+    def group_size(self) -> int:
+        return len(self.group)
+
+    @property
+    def wire_bytes(self) -> float:
+        """Bytes this rank sends under the standard algorithm (see module docstring)."""
+        return wire_bytes(self.op, self.nbytes, len(self.group), is_root=self.peer == self.rank,
+                          position=_chain_position(self))
+
+
+def wire_bytes(op: str, nbytes: int, group_size: int, is_root: bool = False, position: int | None = None) -> float:
+    """Bytes one rank sends for a call with payload `nbytes` in a group of `group_size` ranks.
+
+    `position` is the rank's place in the broadcast/reduce chain counted from the root (0 = root);
+    when unknown a non-root rank is assumed to be in the middle of the chain."""
+    n = max(group_size, 1)
+    if op == "all_reduce":
+        return 2 * (n - 1) / n * nbytes
+    if op in ("all_gather", "reduce_scatter", "all_to_all"):
+        return (n - 1) / n * nbytes
+    if op in ("broadcast", "reduce"):
+        if n == 1:
+            return 0.0
+        pos = 0 if is_root else (position if position is not None else 1)
+        if op == "broadcast":   # root -> 1 -> 2 -> ... -> n-1: the chain's last rank sends nothing
+            return 0.0 if pos == n - 1 else float(nbytes)
+        return 0.0 if pos == 0 else float(nbytes)   # reduce: n-1 -> ... -> 1 -> root
+    if op == "gather":      # non-roots send their X/N block; the root sends nothing
+        return 0.0 if is_root else nbytes / n
+    if op == "scatter":     # the root sends every block but its own
+        return (n - 1) / n * nbytes if is_root else 0.0
+    if op == "send":
+        return float(nbytes)
+    return 0.0              # recv, barrier, compute
+
+
+class Recorder:
+    """Collects the events of one rank. Use through `recording()`."""
+
+    def __init__(self, rank: int = 0):
+        self.rank = rank
+        self.events: list[Event] = []
+
+    def add(self, event: Event) -> Event:
+        self.events.append(event)
+        return event
+
+
+_RECORDER: contextvars.ContextVar[Recorder | None] = contextvars.ContextVar("parlab_recorder", default=None)
+
+
+def current_recorder() -> Recorder | None:
+    """The recorder active in this context, or None when tracing is off."""
+    return _RECORDER.get()
+
+
+@contextlib.contextmanager
+def recording(rank: int | None = None) -> Iterator[Recorder]:
+    """Record every traced call made inside the block: ``with recording() as rec: ...; rec.events``."""
+    if rank is None:
+        try:
+            import torch.distributed as dist
+            rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        except ImportError:  # pragma: no cover - torch is a dependency
+            rank = 0
+    rec = Recorder(rank)
+    token = _RECORDER.set(rec)
+    try:
+        yield rec
+    finally:
+        _RECORDER.reset(token)
+
+
+@contextlib.contextmanager
+def region(name: str, label: str = "") -> Iterator[None]:
+    """Record the block as a compute span named `name` (a no-op when tracing is off)."""
+    rec = _RECORDER.get()
+    if rec is None:
+        yield
+        return
+    start = now()
+    try:
+        yield
+    finally:
+        rec.add(Event(rank=rec.rank, kind="compute", op=name, start=start, end=now(), label=label))
+
+
+def mark(name: str, label: str = "") -> None:
+    """Record an instant (zero-length) event, e.g. "optimizer step done"."""
+    rec = _RECORDER.get()
+    if rec is not None:
+        t = now()
+        rec.add(Event(rank=rec.rank, kind="mark", op=name, start=t, end=t, label=label))
+
+
+@dataclass
+class Trace:
+    """The merged events of all ranks of one run, sorted by start time."""
+    events: list[Event] = field(default_factory=list)
+
+    def __post_init__(self):
+        self.events = sorted(self.events, key=lambda e: (e.start, e.rank))
+
+    # ------------------------------------------------------------------ access
+    @classmethod
+    def merge(cls, per_rank: Iterable[Iterable[Event]]) -> "Trace":
+        return cls([e for evs in per_rank for e in evs])
+
+    def __len__(self) -> int:
+        return len(self.events)
+
+    def __iter__(self) -> Iterator[Event]:
+        return iter(self.events)
+
+    @property
+    def ranks(self) -> list[int]:
+        return sorted({e.rank for e in self.events})
+
+    @property
+    def t0(self) -> float:
+        return min((e.start for e in self.events), default=0.0)
+
+    def filter(self, rank: int | None = None, op: str | Iterable[str] | None = None, kind: str | None = None,
+               label: str | None = None) -> "Trace":
+        """A sub-trace; `label` matches as a substring, `op` may be one name or several."""
+        ops = {op} if isinstance(op, str) else (set(op) if op is not None else None)
+        return Trace([e for e in self.events
+                      if (rank is None or e.rank == rank) and (ops is None or e.op in ops)
+                      and (kind is None or e.kind == kind) and (label is None or label in e.label)])
+
+    def comm(self) -> "Trace":
+        """Only the communication events (collectives and p2p)."""
+        return Trace([e for e in self.events if e.kind in ("collective", "p2p")])
+
+    # ------------------------------------------------------------------ tables
+    def table(self) -> list[dict]:
+        """One row per (rank, op): calls, payload bytes, bytes sent and received on the wire."""
+        rows: dict[tuple[int, str], dict] = {}
+        for e in self.events:
+            if e.kind not in ("collective", "p2p"):
+                continue
+            r = rows.setdefault((e.rank, e.op), {"rank": e.rank, "op": e.op, "calls": 0, "payload_bytes": 0,
+                                                 "sent_bytes": 0.0, "recv_bytes": 0.0, "seconds": 0.0})
+            r["calls"] += 1
+            r["payload_bytes"] += e.nbytes
+            r["sent_bytes"] += e.wire_bytes
+            r["recv_bytes"] += _recv_bytes(e)
+            r["seconds"] += e.duration
+        return [rows[k] for k in sorted(rows)]
+
+    def bytes_per_rank(self, op: str | None = None, direction: str = "sent") -> dict[int, float]:
+        """Wire bytes each rank sent (or received) over the whole trace, optionally for one op."""
+        out = {r: 0.0 for r in self.ranks}
+        for row in self.table():
+            if op is None or row["op"] == op:
+                out[row["rank"]] += row[f"{direction}_bytes"]
+        return out
+
+    def count(self, op: str | None = None, rank: int | None = None, label: str | None = None) -> int:
+        return len(self.filter(rank=rank, op=op, label=label).comm().events)
+
+    def summary(self) -> str:
+        """A readable text table of `table()`."""
+        lines = [f"{'rank':>4} {'op':<15} {'calls':>5} {'payload':>12} {'sent':>12} {'recv':>12}"]
+        for r in self.table():
+            lines.append(f"{r['rank']:>4} {r['op']:<15} {r['calls']:>5} {_fmt(r['payload_bytes']):>12} "
+                         f"{_fmt(r['sent_bytes']):>12} {_fmt(r['recv_bytes']):>12}")
+        return "\n".join(lines)
+
+    # ------------------------------------------------------------------ export
+    def records(self, relative: bool = True) -> list[dict]:
+        """Plain dicts (times in seconds from the first event when `relative`), for plotting or pandas."""
+        t0 = self.t0 if relative else 0.0
+        out = []
+        for e in self.events:
+            d = asdict(e)
+            d["start"] -= t0
+            d["end"] -= t0
+            d["group"] = list(e.group)
+            d["wire_bytes"] = e.wire_bytes
+            out.append(d)
+        return out
+
+    def to_chrome(self, path: str | None = None) -> dict:
+        """Chrome trace-event JSON (opens in Perfetto / chrome://tracing): one complete event per call,
+        one thread per rank, times in microseconds. Written to `path` when given."""
+        t0 = self.t0
+        evs = []
+        for r in self.ranks:
+            evs.append({"name": "thread_name", "ph": "M", "pid": 0, "tid": r, "args": {"name": f"rank {r}"}})
+        for e in self.events:
+            args = {"op": e.op, "bytes": e.nbytes, "wire_bytes": e.wire_bytes, "dtype": e.dtype,
+                    "group": list(e.group), "label": e.label}
+            if e.peer is not None:
+                args["peer"] = e.peer
+            evs.append({"name": e.label or e.op, "cat": e.kind, "ph": "X", "pid": 0, "tid": e.rank,
+                        "ts": (e.start - t0) * 1e6, "dur": max(e.duration, 0.0) * 1e6, "args": args})
+        doc = {"traceEvents": evs, "displayTimeUnit": "ms"}
+        if path is not None:
+            with open(path, "w") as f:
+                json.dump(doc, f)
+        return doc
+
+
+def _recv_bytes(e: Event) -> float:
+    n = max(len(e.group), 1)
+    if e.op == "recv":
+        return float(e.nbytes)
+    if e.op == "send":
+        return 0.0
+    if e.op in ("broadcast", "reduce"):
+        if n == 1:
+            return 0.0
+        pos = _chain_position(e)
+        if e.op == "broadcast":     # everyone but the root receives
+            return 0.0 if pos == 0 else float(e.nbytes)
+        return 0.0 if pos == n - 1 else float(e.nbytes)   # reduce: everyone but the chain's start receives
+    if e.op == "gather":
+        return (n - 1) / n * e.nbytes if e.peer == e.rank else 0.0
+    if e.op == "scatter":
+        return 0.0 if e.peer == e.rank else e.nbytes / n
+    return e.wire_bytes   # symmetric collectives receive what they send
+
+
+def _chain_position(e: Event) -> int | None:
+    """Distance from the root along the group's rank order (the chain a pipelined broadcast/reduce uses)."""
+    if e.peer is None or e.rank not in e.group or e.peer not in e.group:
+        return None
+    g = list(e.group)
+    return (g.index(e.rank) - g.index(e.peer)) % len(g)
+
+
+def _fmt(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if abs(n) < 1024 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return str(n)  # pragma: no cover

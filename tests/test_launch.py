@@ -1,0 +1,186 @@
+"""The launcher: results in rank order, faults reported (never a hang), no orphan processes."""
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import parlab
+from parlab import RankError, RankKilled, RankTimeout
+
+
+def _rank_info(offset):
+    return dist.get_rank() + offset, dist.get_world_size(), dist.get_backend()
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4, 8])
+def test_results_in_rank_order(world_size):
+    res = parlab.run(_rank_info, world_size, 100)
+    assert res.results == [(100 + r, world_size, "gloo") for r in range(world_size)]
+    assert len(res) == world_size and res[0][0] == 100
+
+
+def _seeded():
+    return torch.rand(3)
+
+
+def test_seeds_same_across_ranks_unless_asked():
+    same = parlab.run(_seeded, 3).results
+    assert all(torch.equal(same[0], t) for t in same)
+    again = parlab.run(_seeded, 3).results
+    assert torch.equal(same[0], again[0]), "the seed must be deterministic from run to run"
+    diff = parlab.run(_seeded, 3, seed_per_rank=True).results
+    assert not torch.equal(diff[0], diff[1])
+
+
+def _talk():
+    print(f"hello from {dist.get_rank()}")
+    return None
+
+
+def test_output_captured_in_rank_order(capsys):
+    res = parlab.run(_talk, 4)
+    assert [o.strip() for o in res.outputs] == [f"hello from {r}" for r in range(4)]
+    printed = capsys.readouterr().out.splitlines()
+    assert printed == [f"[rank {r}] hello from {r}" for r in range(4)]
+
+
+def _fail_on_two():
+    if dist.get_rank() == 2:
+        raise ValueError("bad shard size")
+    t = torch.ones(1)
+    dist.all_reduce(t)  # the others wait here for rank 2, which never comes
+    return t
+
+
+def test_exception_names_rank_and_carries_traceback():
+    t = time.perf_counter()
+    with pytest.raises(RankError) as info:
+        parlab.run(_fail_on_two, 4, timeout=30, echo=False)
+    assert time.perf_counter() - t < 10, "the other ranks must be stopped, not waited for"
+    err = info.value
+    assert err.rank == 2 and err.exc_type == "ValueError" and "bad shard size" in str(err)
+    assert "_fail_on_two" in err.traceback and "raise ValueError" in err.traceback
+
+
+def _hang_on_rank_one():
+    if dist.get_rank() == 1:
+        time.sleep(60)
+    return os.getpid()
+
+
+def test_hang_becomes_timeout_naming_the_ranks():
+    t = time.perf_counter()
+    with pytest.raises(RankTimeout) as info:
+        parlab.run(_hang_on_rank_one, 3, timeout=2, echo=False)
+    assert info.value.unfinished == [1]
+    assert time.perf_counter() - t < 8
+
+
+def _kill_self():
+    if dist.get_rank() == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(30)
+
+
+def test_killed_rank_is_reported():
+    with pytest.raises(RankKilled, match="rank 1 was killed by signal SIGKILL"):
+        parlab.run(_kill_self, 2, timeout=20, echo=False)
+
+
+def _report_pid_then_hang(path):
+    with open(f"{path}.{dist.get_rank()}", "w") as f:
+        f.write(str(os.getpid()))
+    if dist.get_rank() == 0:
+        raise RuntimeError("stop")
+    time.sleep(60)
+
+
+def _alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie still answers kill(0); it has exited and holds no resources
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().split(")")[-1].split()[0] != "Z"
+
+
+@pytest.mark.parametrize("how", ["error", "timeout"])
+def test_no_child_survives(tmp_path, how):
+    path = str(tmp_path / "pid")
+    fn = _report_pid_then_hang if how == "error" else _hang_forever_with_pid
+    with pytest.raises((RankError, RankTimeout)):
+        parlab.run(fn, 4, path, timeout=3, echo=False)
+    pids = [int(open(f"{path}.{r}").read()) for r in range(4)]
+    assert not any(_alive(p) for p in pids)
+
+
+def _hang_forever_with_pid(path):
+    with open(f"{path}.{dist.get_rank()}", "w") as f:
+        f.write(str(os.getpid()))
+    time.sleep(60)
+
+
+def _slow_sum(n):
+    t = torch.full((n,), float(dist.get_rank()))
+    for _ in range(20):
+        dist.all_reduce(t)
+        t /= dist.get_world_size()
+    return dist.get_world_size()
+
+
+def test_two_concurrent_runs_do_not_collide():
+    out = {}
+
+    def go(key, ws):
+        out[key] = parlab.run(_slow_sum, ws, 10_000, echo=False).results
+
+    threads = [threading.Thread(target=go, args=(k, ws)) for k, ws in (("a", 4), ("b", 3))]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    assert out == {"a": [4] * 4, "b": [3] * 3}
+
+
+def test_notebook_style_function_runs():
+    # a function whose code lives in no importable module, like one typed into a notebook cell
+    ns = {}
+    exec("import torch.distributed as dist\ndef g(k):\n    return k * dist.get_rank()\n", ns)
+    assert parlab.run(ns["g"], 3, 7).results == [0, 7, 14]
+
+
+def test_spawn_path_ships_function_by_value():
+    ns = {}
+    exec("import torch, torch.distributed as dist\n"
+         "def g(k):\n    t = torch.ones(1) * k\n    dist.all_reduce(t)\n    return t.item()\n", ns)
+    assert parlab.run(ns["g"], 2, 5, start_method="spawn", timeout=120).results == [10.0, 10.0]
+
+
+def _ctx():
+    c = parlab.init()
+    return c.rank, c.world_size, c.local_rank, str(c.device), c.backend
+
+
+def test_init_describes_the_group_run_made():
+    assert parlab.run(_ctx, 2).results == [(0, 2, 0, "cpu", "gloo"), (1, 2, 1, "cpu", "gloo")]
+
+
+def test_bad_arguments_are_explained():
+    with pytest.raises(ValueError, match="world_size must be a positive integer"):
+        parlab.run(_ctx, 0)
+    with pytest.raises(ValueError, match="backend must be"):
+        parlab.run(_ctx, 2, backend="mpi")
+    with pytest.raises(TypeError, match="needs a function"):
+        parlab.run(3, 2)
+
+
+def _unpicklable():
+    return lambda: 1
+
+
+def test_unpicklable_result_is_explained():
+    with pytest.raises(RankError, match="cannot be sent back"):
+        parlab.run(_unpicklable, 2, echo=False)
