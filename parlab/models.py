@@ -1,0 +1,297 @@
+"""A small GPT-2 style language model: the reference model every lesson shards.
+
+This is the one-process model that tensor parallelism, pipeline parallelism,
+ZeRO/FSDP, ring attention and DDP all split up, and the model their tests
+check against. It is written to be read top to bottom, and it uses plain
+module names so a strategy can find every layer by its path
+(``blocks.0.attn.q``, ``blocks.1.mlp.fc``, ``lm_head``, ...).
+
+Notation used in the shape comments:
+
+    B  batch size             S  sequence length       H  n_embd (hidden size)
+    V  vocab size             nh number of heads       hd head_dim = H // n_head
+    F  MLP hidden size = mlp_ratio * H
+
+How it is put together (a pre-norm decoder-only transformer [1, 2]):
+
+    idx (B, S) --embed--> x (B, S, H) --Block x n_layer--> x --head--> logits (B, S, V)
+    Block:  x = x + attn(ln_1(x));   x = x + mlp(ln_2(x))
+
+Notes for the strategies that shard this model:
+
+* ``CausalSelfAttention`` has separate ``q``, ``k``, ``v`` projections (not one
+  fused ``c_attn`` as in GPT-2 / nanoGPT [3]), so splitting heads across
+  tensor-parallel ranks is a plain split of each weight's output rows. The
+  number of heads is read from the activations at run time
+  (``q.shape[-1] // head_dim``), so a shard holding ``n_head / tp`` heads
+  needs no other change.
+* The attention math itself lives in ``CausalSelfAttention.core_attention``;
+  ring attention and flash-style kernels replace just that.
+* ``GPT.embed``, ``GPT.blocks``, ``GPT.head`` and ``GPT.loss`` are the pieces of
+  ``GPT.forward``, so a pipeline stage can run any sub-range of the model.
+* Initialisation does not touch the global RNG. Each parameter's initial value
+  depends only on (seed, its name, its shape): not on dtype, device, or the other
+  parameters. Two models with the same config and seed are bit-identical, and
+  ``GPT(config, seed, dtype=torch.float64)`` is exactly the float32 model cast.
+* To copy a model, use ``clone_model`` (``copy.deepcopy``, which keeps the
+  tied ``lm_head.weight is wte.weight``).
+
+References
+    [1] A. Radford, J. Wu, R. Child, D. Luan, D. Amodei, I. Sutskever,
+        "Language Models are Unsupervised Multitask Learners" (GPT-2), 2019.
+    [2] A. Vaswani et al., "Attention Is All You Need", NeurIPS 2017.
+    [3] A. Karpathy, nanoGPT, https://github.com/karpathy/nanoGPT (model.py).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import zlib
+from dataclasses import dataclass
+from typing import TypeVar
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+__all__ = ["GPTConfig", "GPT", "Block", "CausalSelfAttention", "MLP", "causal_attention", "clone_model"]
+
+
+# ----------------------------------------------------------------------------- config
+
+
+@dataclass
+class GPTConfig:
+    """Hyper-parameters of the model. The defaults give a ~0.1M-parameter toy GPT."""
+
+    vocab_size: int = 64
+    seq_len: int = 32  # longest sequence the model accepts (size of the position table)
+    n_layer: int = 2
+    n_head: int = 4
+    n_embd: int = 64
+    dropout: float = 0.0
+    tie_embeddings: bool = True  # lm_head.weight is wte.weight, as in GPT-2
+    bias: bool = True  # biases in Linear layers and LayerNorms
+    mlp_ratio: int = 4
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "seq_len", "n_layer", "n_head", "n_embd", "mlp_ratio"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"GPTConfig.{name} must be a positive integer, got {value!r}")
+        if self.n_embd % self.n_head != 0:
+            suggestion = self.n_head * max(1, self.n_embd // self.n_head)
+            raise ValueError(
+                f"GPTConfig.n_embd={self.n_embd} is not divisible by n_head={self.n_head}; "
+                f"every head gets n_embd // n_head channels, so pick e.g. n_embd={suggestion}"
+            )
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"GPTConfig.dropout must be in [0, 1), got {self.dropout!r}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+    def param_count(self) -> int:
+        """Number of distinct parameters of ``GPT(self)``, in closed form.
+
+        A tied ``lm_head`` shares ``wte.weight`` and so adds nothing.
+        """
+        V, S, H, L, F_ = self.vocab_size, self.seq_len, self.n_embd, self.n_layer, self.mlp_ratio * self.n_embd
+        b = 1 if self.bias else 0
+        layer_norm = H + b * H  # weight (+ bias)
+        attn = 4 * (H * H + b * H)  # q, k, v, proj
+        mlp = (H * F_ + b * F_) + (F_ * H + b * H)  # fc, proj
+        block = 2 * layer_norm + attn + mlp
+        embeddings = V * H + S * H  # wte, wpe
+        lm_head = 0 if self.tie_embeddings else V * H
+        return embeddings + L * block + layer_norm + lm_head
+
+
+# ----------------------------------------------------------------------------- attention
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True) -> torch.Tensor:
+    """Softmax attention written out: softmax(q k^T / sqrt(hd) + mask) v.
+
+    q: (B, nh, Sq, hd), k and v: (B, nh, Sk, hd)  ->  (B, nh, Sq, hd).
+    With ``causal`` the Sq queries are the *last* Sq of the Sk positions, so
+    query i may look at keys 0 .. i + (Sk - Sq); for Sq == Sk that is the usual
+    lower-triangular mask. Runs in any float dtype, float64 included.
+    """
+    Sq, Sk, hd = q.shape[-2], k.shape[-2], q.shape[-1]
+    scores = q @ k.transpose(-2, -1) / math.sqrt(hd)  # (B, nh, Sq, Sk)
+    if causal:
+        allowed = torch.ones(Sq, Sk, dtype=torch.bool, device=q.device).tril(diagonal=Sk - Sq)  # (Sq, Sk)
+        scores = scores.masked_fill(~allowed, float("-inf"))  # (B, nh, Sq, Sk)
+    weights = torch.softmax(scores, dim=-1)  # (B, nh, Sq, Sk), each row sums to 1
+    return weights @ v  # (B, nh, Sq, hd)
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head causal self-attention with separate q, k, v projections."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        H = config.n_embd
+        self.n_head = config.n_head  # heads of the full layer; a shard may hold fewer
+        self.head_dim = config.head_dim
+        self.q = nn.Linear(H, H, bias=config.bias)
+        self.k = nn.Linear(H, H, bias=config.bias)
+        self.v = nn.Linear(H, H, bias=config.bias)
+        self.proj = nn.Linear(H, H, bias=config.bias)
+        self.drop = nn.Dropout(config.dropout)
+
+    def core_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """(B, nh, S, hd) x3 -> (B, nh, S, hd). Replace this to change the kernel:
+        subclass, or assign ``attn.core_attention = fn`` on one instance."""
+        return causal_attention(q, k, v, causal=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, S, _ = x.shape  # (B, S, H)
+        q = self.q(x)  # (B, S, nh*hd); under tensor parallelism only the local heads
+        nh = q.shape[-1] // self.head_dim  # heads present in this (possibly sharded) layer
+        q = q.view(B, S, nh, self.head_dim).transpose(1, 2)  # (B, nh, S, hd)
+        k = self.k(x).view(B, S, nh, self.head_dim).transpose(1, 2)  # (B, nh, S, hd)
+        v = self.v(x).view(B, S, nh, self.head_dim).transpose(1, 2)  # (B, nh, S, hd)
+        y = self.core_attention(q, k, v)  # (B, nh, S, hd)
+        y = y.transpose(1, 2).reshape(B, S, nh * self.head_dim)  # (B, S, nh*hd), heads side by side
+        return self.drop(self.proj(y))  # (B, S, H)
+
+
+# ----------------------------------------------------------------------------- MLP and block
+
+
+class MLP(nn.Module):
+    """Position-wise feed-forward network: Linear(H, F) -> GELU -> Linear(F, H)."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        H, F_ = config.n_embd, config.mlp_ratio * config.n_embd
+        self.fc = nn.Linear(H, F_, bias=config.bias)
+        self.act = nn.GELU()  # exact (erf) GELU, not the tanh approximation
+        self.proj = nn.Linear(F_, H, bias=config.bias)
+        self.drop = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.act(self.fc(x))  # (B, S, F); under tensor parallelism F / tp
+        return self.drop(self.proj(h))  # (B, S, H)
+
+
+class Block(nn.Module):
+    """One transformer layer, pre-norm: x + attn(ln_1(x)), then x + mlp(ln_2(x))."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.attn = CausalSelfAttention(config)
+        self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.mlp = MLP(config)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))  # (B, S, H)
+        x = x + self.mlp(self.ln_2(x))  # (B, S, H)
+        return x
+
+
+# ----------------------------------------------------------------------------- the model
+
+
+def _param_seed(seed: int, name: str) -> int:
+    """A generator seed for one parameter, from the model seed and the parameter's name.
+
+    A 32-bit hash, because the CPU generator (mt19937) keeps only the low 32 bits of a seed.
+    """
+    return zlib.crc32(f"{seed}/{name}".encode())
+
+
+class GPT(nn.Module):
+    """GPT-2 style decoder: embed -> blocks -> head (-> loss)."""
+
+    def __init__(
+        self,
+        config: GPTConfig,
+        seed: int = 0,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        if not dtype.is_floating_point:
+            raise ValueError(f"GPT parameters need a floating-point dtype, got {dtype}")
+        self.config = config
+        # nn.Linear and friends fill themselves with a default init drawn from the
+        # global RNG; fork_rng puts that RNG back afterwards, and init_weights below
+        # overwrites every value from `seed`.
+        with torch.random.fork_rng(devices=[]):
+            self.wte = nn.Embedding(config.vocab_size, config.n_embd)  # token embeddings (V, H)
+            self.wpe = nn.Embedding(config.seq_len, config.n_embd)  # position embeddings (S, H)
+            self.drop = nn.Dropout(config.dropout)
+            self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+            self.ln_f = nn.LayerNorm(config.n_embd, bias=config.bias)
+            self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)  # (V, H)
+        self.to(device=device, dtype=dtype)
+        if config.tie_embeddings:
+            self.lm_head.weight = self.wte.weight  # one parameter, used twice
+        self.init_weights(seed)
+
+    @torch.no_grad()
+    def init_weights(self, seed: int = 0) -> None:
+        """GPT-2 init [1]: weights ~ N(0, 0.02), the two residual projections per block
+        (``attn.proj``, ``mlp.proj``) ~ N(0, 0.02 / sqrt(2 * n_layer)), biases 0,
+        LayerNorm weights 1.
+
+        Each parameter is drawn from its own ``torch.Generator`` seeded by
+        (seed, name), in float32 on the CPU, then cast and copied. So the values do
+        not depend on dtype or device (a float64 model is the float32 model cast
+        exactly), nor on which other parameters exist.
+        """
+        residual_std = 0.02 / math.sqrt(2 * self.config.n_layer)
+        layer_norms = {name for name, m in self.named_modules() if isinstance(m, nn.LayerNorm)}
+        for name, p in self.named_parameters():  # a tied lm_head.weight appears once, as wte.weight
+            module_name, _, kind = name.rpartition(".")
+            if kind == "bias":
+                p.zero_()
+            elif module_name in layer_norms:
+                p.fill_(1.0)
+            else:
+                std = residual_std if module_name.endswith(("attn.proj", "mlp.proj")) else 0.02
+                g = torch.Generator().manual_seed(_param_seed(seed, name))
+                p.copy_(torch.randn(p.shape, generator=g) * std)
+
+    def embed(self, idx: torch.Tensor) -> torch.Tensor:
+        """Token ids (B, S) -> hidden states (B, S, H): token + position embeddings."""
+        B, S = idx.shape
+        if S > self.config.seq_len:
+            raise ValueError(f"sequence of length {S} is longer than GPTConfig.seq_len={self.config.seq_len}")
+        pos = torch.arange(S, device=idx.device)  # (S,)
+        x = self.wte(idx) + self.wpe(pos)  # (B, S, H) + (S, H) -> (B, S, H)
+        return self.drop(x)  # (B, S, H)
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        """Hidden states (B, S, H) -> logits (B, S, V)."""
+        return self.lm_head(self.ln_f(x))  # (B, S, V)
+
+    @staticmethod
+    def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean cross-entropy over all B * S positions. logits (B, S, V), targets (B, S)."""
+        return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))  # ()
+
+    def forward(
+        self, idx: torch.Tensor, targets: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """idx (B, S) long -> (logits (B, S, V), mean loss or None)."""
+        x = self.embed(idx)  # (B, S, H)
+        for block in self.blocks:
+            x = block(x)  # (B, S, H)
+        logits = self.head(x)  # (B, S, V)
+        loss = self.loss(logits, targets) if targets is not None else None
+        return logits, loss
+
+
+M = TypeVar("M", bound=nn.Module)
+
+
+def clone_model(model: M) -> M:
+    """An independent copy with equal values (``copy.deepcopy``; tied weights stay tied)."""
+    return copy.deepcopy(model)
