@@ -1,0 +1,40 @@
+"""Repository invariants: CI runs the README's test command; notebooks are committed stripped."""
+import json
+import pathlib
+import re
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _readme_commands():
+    text = (ROOT / "README.md").read_text()
+    quick = text.split("## Quickstart", 1)[1].split("\n## ", 1)[0]
+    return re.findall(r"```bash\n(.+?)\n```", quick, flags=re.S)
+
+
+def test_ci_runs_the_readme_test_command():
+    commands = _readme_commands()
+    assert len(commands) == 2, "the Quickstart has exactly two commands: open the course, run the tests"
+    course, tests = commands
+    assert "jupyter lab" in course and "pytest" in tests
+    ci = (ROOT / ".ci" / "run").read_text().splitlines()
+    assert tests in ci, ".ci/run must run the README's test command verbatim"
+
+
+def test_notebooks_are_committed_stripped():
+    dirty = []
+    for path in sorted(ROOT.glob("lessons/*.ipynb")) + sorted(ROOT.glob("exercises/**/*.ipynb")):
+        nb = json.loads(path.read_text())
+        for cell in nb["cells"]:
+            if cell["cell_type"] == "code" and (cell.get("outputs") or cell.get("execution_count") is not None):
+                dirty.append(str(path.relative_to(ROOT)))
+                break
+    assert not dirty, f"strip these notebooks (parlab course strip): {dirty}"
+
+
+def test_import_is_quiet():
+    out = subprocess.run([sys.executable, "-W", "error", "-c", "import parlab, parlab.viz"],
+                         capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 0 and out.stderr == "", out.stderr
