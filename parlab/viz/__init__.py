@@ -1,0 +1,34 @@
+"""parlab.viz: plotly figures of what the ranks did. Fed by a `Trace`; never communicates.
+
+Examples::
+
+    import parlab
+    from parlab import viz
+
+    res = parlab.run(train_step, 4, trace=True)    # any fn using parlab.comm / parlab.trace.region
+    viz.timeline(res.trace)                        # one lane per rank: compute, collectives, p2p over time
+    viz.timeline(res, ranks=[0, 1], time_unit="us", show_labels=True)
+    viz.comm_animation(res.trace)                  # who sends what to whom, one frame per step (press play)
+    viz.bytes_bars(res.trace)                      # wire bytes sent per rank, stacked by op
+    viz.bytes_bars(res.trace, by="label")          # ... or by label prefix ("grad bucket 3" -> "grad bucket")
+
+    # plain records work too, e.g. a simulated 1F1B schedule in abstract time steps:
+    sched = [dict(rank=0, op="forward", start=0, end=1, label="mb 0"),
+             dict(rank=1, op="forward", start=1, end=2, label="mb 0"),
+             dict(rank=0, op="send", start=1, end=1.2, nbytes=4096, peer=1, group=[0, 1])]
+    viz.timeline(sched, time_unit="steps", show_labels=True)
+
+    # figures are ordinary plotly figures: they show in JupyterLab and export to one static HTML file
+    import plotly.io as pio
+    html = pio.to_html(viz.comm_animation(res.trace), include_plotlyjs=True)   # self-contained file
+    # (plotly's HTML export plays an animation once on load; pass auto_play=False to open it at step 1)
+
+Colours are shared by every lesson (`parlab.viz.style`): blues for compute regions
+(forward / backward / optimizer), one colour per collective, mustard for send/recv.
+"""
+from . import style
+from .animation import Step, comm_animation, comm_steps, step_edges
+from .timeline import as_trace, bytes_bars, from_records, timeline
+
+__all__ = ["timeline", "comm_animation", "bytes_bars", "from_records", "as_trace", "comm_steps", "step_edges",
+           "Step", "style"]

@@ -1,0 +1,72 @@
+"""One look for every lesson: the colour of each kind of work, and how numbers are written.
+
+Every figure in parlab colours an event the same way, so a student who learnt
+"red is all-reduce" in lesson 2 still reads lesson 9 at a glance:
+
+* compute spans share one colour family (blues), keyed by region name:
+  light blue forward, mid blue backward, navy optimizer; any other region
+  name gets a stable blue of its own;
+* each collective op has its own distinct colour (all-reduce red,
+  reduce-scatter orange, all-gather green, ...);
+* point-to-point messages are mustard (send) and pale yellow (recv);
+* marks (instants) are black diamonds.
+
+Pure Python: no plotly, no torch.
+"""
+from __future__ import annotations
+
+import zlib
+
+__all__ = ["COMPUTE_COLORS", "COLLECTIVE_COLORS", "P2P_COLORS", "MARK_COLOR", "OTHER_COLOR", "KIND_ORDER",
+           "color", "human_bytes"]
+
+COMPUTE_COLORS: dict[str, str] = {
+    "forward": "#9ecae1",
+    "backward": "#4292c6",
+    "optimizer": "#08306b",
+}
+_COMPUTE_FAMILY = ("#c6dbef", "#6baed6", "#2171b5", "#08519c", "#deebf7", "#3182bd")   # other region names
+
+COLLECTIVE_COLORS: dict[str, str] = {
+    "all_reduce": "#d62728",
+    "reduce_scatter": "#ff7f0e",
+    "all_gather": "#2ca02c",
+    "all_to_all": "#9467bd",
+    "broadcast": "#8c564b",
+    "reduce": "#bcbd22",
+    "gather": "#e377c2",
+    "scatter": "#17becf",
+    "barrier": "#7f7f7f",
+}
+P2P_COLORS: dict[str, str] = {"send": "#e6ab02", "recv": "#f7dc6f"}
+MARK_COLOR = "#000000"
+OTHER_COLOR = "#7f7f7f"
+
+# Drawing order in a timeline: later kinds are drawn on top of earlier ones.
+KIND_ORDER = ("compute", "collective", "p2p", "mark")
+
+
+def color(kind: str, op: str) -> str:
+    """The colour of an event of this kind and op (compute: op is the region name)."""
+    if kind == "compute":
+        if op in COMPUTE_COLORS:
+            return COMPUTE_COLORS[op]
+        # crc32, not hash(): the same region name gets the same colour in every Python process
+        return _COMPUTE_FAMILY[zlib.crc32(op.encode()) % len(_COMPUTE_FAMILY)]
+    if kind == "collective":
+        return COLLECTIVE_COLORS.get(op, OTHER_COLOR)
+    if kind == "p2p":
+        return P2P_COLORS.get(op, OTHER_COLOR)
+    if kind == "mark":
+        return MARK_COLOR
+    return OTHER_COLOR
+
+
+def human_bytes(n: float) -> str:
+    """1536 -> '1.50 KB' (powers of 1024, as `Trace.summary` writes them)."""
+    for unit in ("B", "KB", "MB", "GB"):
+        if abs(n) < 1024 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n:.2f} TB"  # pragma: no cover - unreachable
+

@@ -1,0 +1,214 @@
+"""Timelines: what every rank did, and when, as one lane per rank.
+
+`timeline(trace)` draws each event of a `parlab.Trace` as a horizontal bar in
+its rank's lane, from its start to its end (relative to the first event), in
+the colours of `parlab.viz.style`. It is the picture behind most lessons: the
+bubble of a pipeline schedule, a gradient all-reduce hiding behind the
+backward pass, the all-gathers of ZeRO-3 in front of every layer.
+
+How to read it:
+
+* full-height bars are compute regions and blocking communication (the rank
+  is busy with it);
+* asynchronous calls (``async_op=True``, ``isend``/``irecv``) are thin bars in
+  the lower part of the lane, so a bucket all-reduce running *while*
+  "backward" computes shows as a red strip under the blue bar: overlap;
+* marks (instants) are black diamonds.
+
+`bytes_bars(trace)` answers "who put how many bytes on the wire", stacked by op.
+
+Figures take a `Trace`, a `RunResult` from ``parlab.run(..., trace=True)``, or
+plain records (dicts with rank, op, start, end and optionally kind, label,
+nbytes, group, peer, ...): a lesson's simulated pipeline schedule is drawn the
+same way as a measured run (`from_records`).
+
+Efficiency: one plotly trace per colour (per op), with per-bar arrays
+(``base`` = start, ``x`` = duration, ``y`` = lane), so a few thousand events
+draw instantly. Plotly graph_objects only; visualization never communicates.
+"""
+from __future__ import annotations
+
+import re
+from typing import Any, Iterable, Sequence
+
+import plotly.graph_objects as go
+
+from ..trace import COLLECTIVES, P2P, Event, Trace
+from . import style
+
+__all__ = ["timeline", "bytes_bars", "from_records", "as_trace", "TIME_UNITS", "SYNC_WIDTH", "ASYNC_WIDTH",
+           "ASYNC_SHIFT"]
+
+TIME_UNITS: dict[str, float] = {"s": 1.0, "ms": 1e3, "us": 1e6, "steps": 1.0}  # "steps": unitless schedules
+SYNC_WIDTH = 0.8     # bar thickness in lane units (a lane is 1 tall)
+ASYNC_WIDTH = 0.3    # asynchronous calls: a thin strip ...
+ASYNC_SHIFT = 0.25   # ... in the lower part of the lane (rank 0 is at the top; y grows downwards)
+
+_EVENT_FIELDS = ("rank", "kind", "op", "start", "end", "group", "peer", "numel", "nbytes", "dtype", "label",
+                 "asynchronous")
+
+
+# ---------------------------------------------------------------------- inputs
+def from_records(records: Iterable[dict[str, Any]]) -> Trace:
+    """A `Trace` from plain dicts, e.g. ``Trace.records()`` or a hand-made schedule.
+
+    Each record needs ``rank``, ``op``, ``start`` and ``end``; ``kind`` defaults
+    to "collective"/"p2p" for torch's op names, "mark" when start == end, else
+    "compute". Other `Event` fields (label, nbytes, group, peer, ...) are
+    optional; unknown keys (e.g. ``wire_bytes``, which is recomputed) are ignored."""
+    events = []
+    for i, rec in enumerate(records):
+        if not isinstance(rec, dict):
+            raise ValueError(f"record {i} is a {type(rec).__name__}, not a dict; pass dicts with keys "
+                             f"rank, op, start, end (e.g. Trace.records())")
+        missing = [k for k in ("rank", "op", "start", "end") if k not in rec]
+        if missing:
+            raise ValueError(f"record {i} lacks {', '.join(missing)}; every record needs rank, op, start and end "
+                             f"(got keys {sorted(rec)})")
+        fields = {k: rec[k] for k in _EVENT_FIELDS if k in rec and rec[k] is not None}
+        fields["group"] = tuple(fields.get("group", ()))
+        fields.setdefault("kind", _default_kind(rec["op"], rec["start"], rec["end"]))
+        events.append(Event(**fields))
+    return Trace(events)
+
+
+def _default_kind(op: str, start: float, end: float) -> str:
+    if op in COLLECTIVES:
+        return "collective"
+    if op in P2P:
+        return "p2p"
+    return "mark" if start == end else "compute"
+
+
+def as_trace(data: Any) -> Trace:
+    """Accept a `Trace`, a `RunResult` (its ``.trace``), or a list of `Event`s or record dicts."""
+    if isinstance(data, Trace):
+        return data
+    if hasattr(data, "trace") and hasattr(data, "results"):   # a parlab RunResult
+        if data.trace is None:
+            raise ValueError("this run recorded no trace; call parlab.run(fn, world_size, trace=True)")
+        return data.trace
+    if isinstance(data, (list, tuple)):
+        if all(isinstance(e, Event) for e in data):
+            return Trace(list(data))
+        return from_records(data)
+    raise ValueError(f"cannot draw a {type(data).__name__}; pass a parlab.Trace, the result of "
+                     f"parlab.run(..., trace=True), or a list of record dicts (Trace.records())")
+
+
+def empty_figure(message: str, title: str | None = None) -> go.Figure:
+    """A blank figure that says why it is blank."""
+    fig = go.Figure()
+    fig.add_annotation(text=message, x=0.5, y=0.5, xref="paper", yref="paper", showarrow=False,
+                       font=dict(size=14))
+    fig.update_layout(title=title, xaxis_visible=False, yaxis_visible=False, height=240, template="plotly_white")
+    return fig
+
+
+# ---------------------------------------------------------------------- hover text
+def hover_text(e: Event, t0: float, scale: float, unit: str) -> str:
+    """Everything worth knowing about one event, as plotly hover HTML."""
+    lines = [f"<b>{e.op}</b>" + (f" · {e.label}" if e.label else ""),
+             f"rank {e.rank} · {e.kind}" + (" · async" if e.asynchronous else ""),
+             f"start {(e.start - t0) * scale:.4g} {unit} · duration {e.duration * scale:.4g} {unit}"]
+    if e.kind in ("collective", "p2p"):
+        lines.append(f"payload {style.human_bytes(e.nbytes)} · wire {style.human_bytes(e.wire_bytes)}"
+                     + (f" · {e.numel} × {e.dtype}" if e.dtype else ""))
+        if e.group:
+            lines.append(f"group {list(e.group)}")
+        if e.peer is not None:
+            lines.append(f"{'root' if e.kind == 'collective' else 'peer'} {e.peer}")
+    return "<br>".join(lines)
+
+
+# ---------------------------------------------------------------------- timeline
+def timeline(trace: Any, title: str | None = None, ranks: Sequence[int] | None = None, time_unit: str = "ms",
+             show_labels: bool = False) -> go.Figure:
+    """One lane per rank (rank 0 on top), one bar per event, coloured by kind and op.
+
+    `ranks` picks and orders the lanes (default: every rank in the trace);
+    `time_unit` is "s", "ms", "us", or "steps" for unitless schedule records;
+    `show_labels` writes each event's label inside its bar."""
+    if time_unit not in TIME_UNITS:
+        raise ValueError(f"unknown time_unit {time_unit!r}; choose one of {sorted(TIME_UNITS)}")
+    tr = as_trace(trace)
+    if not tr.events:
+        return empty_figure("empty trace: nothing was recorded (run with parlab.run(..., trace=True) "
+                            "and call parlab.comm / parlab.trace.region inside fn)", title)
+    scale, t0 = TIME_UNITS[time_unit], tr.t0
+    lanes = list(ranks) if ranks is not None else tr.ranks
+    lane_of = {r: i for i, r in enumerate(lanes)}
+
+    # one plotly trace per colour: compute regions, then collectives, p2p and marks on top
+    by_colour: dict[tuple[str, str], list[Event]] = {}
+    for e in tr.events:
+        if e.rank in lane_of:
+            by_colour.setdefault((e.kind, "marks" if e.kind == "mark" else e.op), []).append(e)
+    order = sorted(by_colour, key=lambda k: (style.KIND_ORDER.index(k[0]) if k[0] in style.KIND_ORDER else 9, k[1]))
+
+    fig = go.Figure()
+    for kind, op in order:
+        evs = by_colour[(kind, op)]
+        hover = [hover_text(e, t0, scale, time_unit) for e in evs]
+        common = dict(name=op, legendgroup=kind, legendgrouptitle_text=kind, hovertext=hover,
+                      hovertemplate="%{hovertext}<extra></extra>")
+        if kind == "mark":
+            fig.add_trace(go.Scatter(
+                x=[(e.start - t0) * scale for e in evs], y=[lane_of[e.rank] for e in evs],
+                mode="markers+text" if show_labels else "markers", text=[e.label or e.op for e in evs],
+                textposition="top center", marker=dict(symbol="diamond", size=10, color=style.MARK_COLOR),
+                **common))
+            continue
+        colour = style.color(kind, op)
+        fig.add_trace(go.Bar(
+            orientation="h",
+            base=[(e.start - t0) * scale for e in evs],                              # bar starts at the event start
+            x=[e.duration * scale for e in evs],                                     # ... and is as long as it took
+            y=[lane_of[e.rank] + (ASYNC_SHIFT if e.asynchronous else 0.0) for e in evs],
+            width=[ASYNC_WIDTH if e.asynchronous else SYNC_WIDTH for e in evs],
+            # a 1-px outline in the bar's own colour keeps microsecond calls visible on a long axis
+            marker=dict(color=colour, line=dict(color=colour, width=1)),
+            text=[e.label for e in evs] if show_labels else None, textposition="inside",
+            insidetextanchor="middle", textfont=dict(size=10), **common))
+
+    fig.update_layout(
+        title=title, barmode="overlay", template="plotly_white", hovermode="closest",
+        # tall enough for the lanes and for the legend (one row per trace, one title per kind)
+        height=max(140 + 48 * len(lanes), 200 + 22 * (len(order) + len({k for k, _ in order}))),
+        legend=dict(groupclick="toggleitem"),
+        xaxis=dict(title=f"time ({time_unit}) since the first event", zeroline=False),
+        yaxis=dict(tickvals=list(range(len(lanes))), ticktext=[f"rank {r}" for r in lanes],
+                   range=[len(lanes) - 0.5, -0.5], zeroline=False, showgrid=False))   # reversed: rank 0 on top
+    return fig
+
+
+# ---------------------------------------------------------------------- bytes per rank
+def label_prefix(e: Event) -> str:
+    """The label up to its first digit ("grad bucket 2" -> "grad bucket"), or "(op)" when unlabelled."""
+    prefix = re.split(r"\d", e.label, maxsplit=1)[0].strip(" -:#>")
+    return prefix or f"({e.op})"
+
+
+def bytes_bars(trace: Any, by: str = "op", title: str | None = None) -> go.Figure:
+    """Wire bytes each rank sent (ring model, `Event.wire_bytes`), stacked by op or by label prefix."""
+    if by not in ("op", "label"):
+        raise ValueError(f"by={by!r}: choose 'op' (stack by collective) or 'label' (stack by label prefix)")
+    tr = as_trace(trace).comm()
+    if not tr.events:
+        return empty_figure("no communication in this trace: nothing was sent", title)
+    ranks = tr.ranks
+    sent: dict[str, dict[int, float]] = {}
+    for e in tr.events:
+        key = e.op if by == "op" else label_prefix(e)
+        sent.setdefault(key, dict.fromkeys(ranks, 0.0))[e.rank] += e.wire_bytes
+    fig = go.Figure()
+    for key in sorted(k for k in sent if any(sent[k].values())):   # recv and barrier send nothing
+        ys = [sent[key][r] for r in ranks]
+        fig.add_trace(go.Bar(
+            x=[f"rank {r}" for r in ranks], y=ys, name=key,
+            marker_color=style.COLLECTIVE_COLORS.get(key, style.P2P_COLORS.get(key)) if by == "op" else None,
+            hovertext=[f"<b>{key}</b><br>rank {r} sent {style.human_bytes(y)}" for r, y in zip(ranks, ys)],
+            hovertemplate="%{hovertext}<extra></extra>"))
+    fig.update_layout(title=title or f"bytes sent per rank, by {by}", barmode="stack", template="plotly_white",
+                      yaxis=dict(title="bytes sent (ring model)", tickformat=".3~s", ticksuffix="B"))
+    return fig

@@ -1,0 +1,268 @@
+"""parlab.viz: figures built from a real traced run have the structure a student reads off them."""
+import math
+import pathlib
+import time
+
+import plotly.io as pio
+import pytest
+import torch
+
+import parlab
+from parlab import comm, viz
+from parlab.trace import COLLECTIVES, Event, Trace, mark, region
+from parlab.viz import style
+from parlab.viz.timeline import ASYNC_SHIFT, ASYNC_WIDTH, SYNC_WIDTH
+
+WORLD = 4
+
+
+def _lesson(n=16):
+    """A little of everything: a compute region, two collectives, a ring of sends, an overlapped async all-reduce."""
+    r, w = comm.get_rank(), comm.get_world_size()
+    with region("forward", label="mb 0"):
+        torch.randn(16, 16) @ torch.randn(16, 16)
+    x = torch.ones(n)                                        # (n,) float32: 64 bytes
+    comm.all_reduce(x, label="grads")
+    comm.broadcast(x, src=0, label="weights")
+    buf, nxt, prv = torch.empty(n), (r + 1) % w, (r - 1) % w
+    if r % 2 == 0:                                           # even ranks send first, odd ranks receive first
+        comm.send(x, nxt, label="ring"); comm.recv(buf, prv, label="ring")
+    else:
+        comm.recv(buf, prv, label="ring"); comm.send(x, nxt, label="ring")
+    work = comm.all_reduce(torch.ones(4 * n), async_op=True, label="grad bucket 0")
+    with region("backward"):
+        time.sleep(0.001)
+    work.wait()
+    mark("step done")
+    return r
+
+
+@pytest.fixture(scope="module")
+def trace() -> Trace:
+    return parlab.run(_lesson, WORLD, trace=True).trace
+
+
+def _points(fig, name):
+    """(base, width, y, hovertext) of every bar of the trace called `name`."""
+    (t,) = [d for d in fig.data if d.name == name]
+    return list(zip(t.base, t.x, t.y, t.hovertext))
+
+
+# ---------------------------------------------------------------------- timeline
+def test_timeline_one_lane_per_rank_rank0_on_top(trace):
+    fig = viz.timeline(trace, title="lesson")
+    assert list(fig.layout.yaxis.ticktext) == [f"rank {r}" for r in range(WORLD)]
+    assert list(fig.layout.yaxis.tickvals) == list(range(WORLD))
+    lo, hi = fig.layout.yaxis.range
+    assert lo > hi                                             # reversed: lane 0 (rank 0) at the top
+    assert fig.layout.title.text == "lesson" and fig.layout.barmode == "overlay"
+
+
+def test_timeline_one_bar_per_event_in_its_lane(trace):
+    fig = viz.timeline(trace)                                  # milliseconds since the first event
+    bars = [d for d in fig.data if d.type == "bar"]
+    assert sum(len(d.base) for d in bars) == len([e for e in trace if e.kind != "mark"])
+    assert len(bars) == len({(e.kind, e.op) for e in trace if e.kind != "mark"})   # one trace per colour
+    for e in trace:
+        if e.kind == "mark":
+            continue
+        lane = e.rank + (ASYNC_SHIFT if e.asynchronous else 0.0)
+        hits = [p for p in _points(fig, e.op) if p[0] == pytest.approx((e.start - trace.t0) * 1e3)
+                and p[1] == pytest.approx(e.duration * 1e3) and p[2] == pytest.approx(lane)]
+        assert len(hits) >= 1, e
+    (ar,) = [d for d in fig.data if d.name == "all_reduce"]
+    assert ar.marker.color == style.COLLECTIVE_COLORS["all_reduce"]
+    (fwd,) = [d for d in fig.data if d.name == "forward"]
+    assert fwd.marker.color == style.COMPUTE_COLORS["forward"] and fwd.legendgroup == "compute"
+
+
+def test_async_collectives_are_thin_and_offset_so_overlap_shows(trace):
+    fig = viz.timeline(trace)
+    (ar,) = [d for d in fig.data if d.name == "all_reduce"]
+    for y, width, hover in zip(ar.y, ar.width, ar.hovertext):
+        if "grad bucket 0" in hover:                           # the async one
+            assert width == ASYNC_WIDTH and y % 1 == pytest.approx(ASYNC_SHIFT) and "async" in hover
+        else:
+            assert width == SYNC_WIDTH and y == int(y)
+    names = [d.name for d in fig.data]
+    assert names.index("backward") < names.index("all_reduce")   # communication is drawn over compute
+
+
+def test_hover_shows_op_label_bytes_group_peer(trace):
+    fig = viz.timeline(trace)
+    grads = [h for *_, h in _points(fig, "all_reduce") if "grads" in h]
+    assert len(grads) == WORLD
+    assert all("payload 64 B" in h and "wire 96 B" in h and "group [0, 1, 2, 3]" in h and "16 × float32" in h
+               for h in grads)                                 # 2 (N-1)/N * 64 B = 96 B on the wire
+    sends = [h for *_, h in _points(fig, "send")]
+    assert len(sends) == WORLD and all("ring" in h and "peer" in h and "64 B" in h and "duration" in h
+                                       for h in sends)
+    assert all("root 0" in h for *_, h in _points(fig, "broadcast"))
+
+
+def test_marks_are_markers(trace):
+    fig = viz.timeline(trace, show_labels=True)
+    (m,) = [d for d in fig.data if d.name == "marks"]
+    assert m.type == "scatter" and m.marker.symbol == "diamond"
+    assert sorted(m.y) == list(range(WORLD)) and list(m.text) == ["step done"] * WORLD
+
+
+def test_timeline_options(trace):
+    fig = viz.timeline(trace, ranks=[2, 0], time_unit="us")
+    assert list(fig.layout.yaxis.ticktext) == ["rank 2", "rank 0"]
+    lanes = {y for d in fig.data for y in d.y}
+    assert lanes <= {0, 1, ASYNC_SHIFT, 1 + ASYNC_SHIFT}        # rank 2 in lane 0, rank 0 in lane 1, no others
+    (e,) = [e for e in trace.filter(rank=2, op="broadcast")]
+    (lane0,) = [p[:3] for p in _points(fig, "broadcast") if p[2] == 0]
+    assert lane0 == pytest.approx(((e.start - trace.t0) * 1e6, e.duration * 1e6, 0))
+    assert "us" in fig.layout.xaxis.title.text
+    with pytest.raises(ValueError, match="time_unit"):
+        viz.timeline(trace, time_unit="hours")
+
+
+# ---------------------------------------------------------------------- plain records
+def test_records_input_draws_the_same(trace):
+    a, b = viz.timeline(trace), viz.timeline(trace.records())
+    assert [d.name for d in a.data] == [d.name for d in b.data]
+    for da, db in zip(a.data, b.data):
+        assert list(da.x) == pytest.approx(list(db.x)) and list(da.y) == list(db.y)
+    back = viz.from_records(trace.records(relative=False))
+    assert [(e.rank, e.op, e.wire_bytes, e.group) for e in back] == [(e.rank, e.op, e.wire_bytes, e.group)
+                                                                     for e in trace]
+
+
+def test_schedule_records_without_events():
+    sched = [dict(rank=0, op="forward", start=0, end=1, label="mb 0"),
+             dict(rank=1, op="forward", start=1, end=2, label="mb 0"),
+             dict(rank=0, op="send", start=1, end=1.5, nbytes=4096, peer=1, group=[0, 1], label="act mb 0"),
+             dict(rank=1, op="bubble done", start=2, end=2)]
+    tr = viz.from_records(sched)
+    assert [e.kind for e in tr] == ["compute", "p2p", "compute", "mark"]
+    fig = viz.timeline(sched, time_unit="steps", show_labels=True)
+    assert [p[:3] for p in _points(fig, "forward")] == [(0, 1, 0), (1, 1, 1)]
+    assert [p[:3] for p in _points(fig, "send")] == [(1, 0.5, 0)]
+    assert "4.00 KB" in _points(fig, "send")[0][3]
+    assert list([d for d in fig.data if d.name == "forward"][0].text) == ["mb 0", "mb 0"]
+    steps = viz.comm_steps(sched)                              # a send without its recv is still one step
+    assert len(steps) == 1 and steps[0].edges == [(0, 1, 4096.0)]
+
+
+def test_bad_inputs_say_what_to_pass():
+    with pytest.raises(ValueError, match="rank, op, start and end"):
+        viz.timeline([dict(rank=0, op="forward", end=1)])
+    with pytest.raises(ValueError, match="not a dict"):
+        viz.from_records([("forward", 0, 1)])
+    with pytest.raises(ValueError, match="parlab.Trace"):
+        viz.timeline(42)
+    with pytest.raises(ValueError, match="trace=True"):
+        viz.timeline(parlab.RunResult(results=[0], outputs=[""], trace=None))
+
+
+def test_empty_trace_gives_a_figure_that_says_so():
+    for fig in (viz.timeline(Trace()), viz.comm_animation([]), viz.bytes_bars(Trace())):
+        assert len(fig.data) == 0 and len(fig.frames) == 0
+        assert "nothing" in fig.layout.annotations[0].text
+
+
+# ---------------------------------------------------------------------- who sends what to whom
+def test_steps_group_collectives_and_pair_sends_with_recvs(trace):
+    steps = viz.comm_steps(trace)
+    assert [s.op for s in steps].count("all_reduce") == 2 and [s.op for s in steps].count("broadcast") == 1
+    p2p = [s for s in steps if s.kind == "p2p"]
+    assert sorted(s.group for s in p2p) == sorted((r, (r + 1) % WORLD) for r in range(WORLD))
+    for s in p2p:
+        (send,) = [e for e in s.events if e.op == "send"]
+        (recv,) = [e for e in s.events if e.op == "recv"]
+        assert (send.rank, send.peer) == (recv.peer, recv.rank) == s.group
+    for s in steps:
+        if s.kind == "collective":
+            assert sorted(e.rank for e in s.events) == list(range(WORLD))
+    assert len(steps) == 7 and [s.start for s in steps] == sorted(s.start for s in steps)
+
+
+def test_animation_frames_edges_and_slider(trace):
+    fig = viz.comm_animation(trace, title="lesson")
+    steps = viz.comm_steps(trace)
+    assert len(fig.frames) == len(steps) == 7
+    slider = fig.layout.sliders[0]
+    assert len(slider.steps) == len(fig.frames)
+    assert [list(s.args[0]) for s in slider.steps] == [[f.name] for f in fig.frames]
+    assert [b.label for b in fig.layout.updatemenus[0].buttons] == ["▶ play", "❚❚ pause"]
+    pos = {int(t): (x, y) for t, x, y in zip(fig.data[2].text, fig.data[2].x, fig.data[2].y)}
+    assert pos[0] == pytest.approx((0, 1))                   # rank 0 on top
+    for frame, step in zip(fig.frames, steps):
+        arrows, labels, nodes = frame.data
+        xs, ys = arrows.x, arrows.y
+        assert len(xs) == 3 * len(step.edges)                # start, end, gap per arrow
+        assert "lesson" in frame.layout.title.text and step.op in frame.layout.title.text
+        for k, (a, b, nbytes) in enumerate(step.edges):     # the arrow runs from near a to near b
+            start, end = (xs[3 * k], ys[3 * k]), (xs[3 * k + 1], ys[3 * k + 1])
+            assert math.dist(start, pos[a]) < math.dist(start, pos[b])
+            assert math.dist(end, pos[b]) < math.dist(end, pos[a])
+            assert labels.text[k] == style.human_bytes(nbytes)
+        if step.kind == "p2p":
+            a, b = step.group
+            assert b == (a + 1) % WORLD and f"send rank {a} → rank {b} 'ring'" in frame.layout.title.text
+        if step.label == "grads":                            # ring 0 -> 1 -> 2 -> 3 -> 0, 96 B per arrow
+            assert step.edges == [(0, 1, 96.0), (1, 2, 96.0), (2, 3, 96.0), (3, 0, 96.0)]
+            assert list(labels.text) == ["96 B"] * 4 and "64 B payload" in frame.layout.title.text
+
+
+@pytest.mark.parametrize("op", [op for op in COLLECTIVES])
+def test_arrows_leaving_a_rank_carry_its_wire_bytes(op):
+    group = (0, 1, 2, 3, 4)
+    evs = [Event(rank=r, kind="collective", op=op, start=0.0, end=1.0, group=group, peer=2, nbytes=1000)
+           for r in group]
+    (step,) = viz.comm_steps(evs)
+    for e in evs:
+        assert sum(nb for a, _, nb in step.edges if a == e.rank) == pytest.approx(e.wire_bytes), (op, e.rank)
+
+
+def test_animation_max_frames_and_static_html(trace):
+    fig = viz.comm_animation(trace, max_frames=3)
+    assert len(fig.frames) == 3 == len(fig.layout.sliders[0].steps)
+    assert "first 3 of 7 steps" in fig.layout.title.text
+    with pytest.raises(ValueError, match="max_frames"):
+        viz.comm_animation(trace, max_frames=0)
+    html = pio.to_html(viz.comm_animation(trace), include_plotlyjs=True)
+    assert "Plotly.addFrames" in html and "plotly.js" in html.lower()
+    assert "<div" in pio.to_html(viz.timeline(trace), include_plotlyjs=True)
+
+
+# ---------------------------------------------------------------------- bytes per rank
+def test_bytes_bars_match_the_trace_table(trace):
+    fig = viz.bytes_bars(trace)
+    assert fig.layout.barmode == "stack"
+    for d in fig.data:
+        want = trace.bytes_per_rank(d.name)
+        assert list(d.x) == [f"rank {r}" for r in range(WORLD)]
+        assert list(d.y) == pytest.approx([want[r] for r in range(WORLD)])
+    assert "recv" not in [d.name for d in fig.data]            # receiving puts nothing on the wire
+    by_label = viz.bytes_bars(trace, by="label")
+    assert sorted(d.name for d in by_label.data) == ["grad bucket", "grads", "ring", "weights"]
+    with pytest.raises(ValueError, match="by="):
+        viz.bytes_bars(trace, by="rank")
+
+
+# ---------------------------------------------------------------------- style and scale
+def test_style_colours_are_distinct_and_stable():
+    comm_colours = [style.color("collective", op) for op in style.COLLECTIVE_COLORS] + \
+                   [style.color("p2p", op) for op in style.P2P_COLORS]
+    assert len(set(comm_colours)) == len(comm_colours)
+    assert style.color("compute", "attention") == style.color("compute", "attention")
+    assert style.color("compute", "attention") not in comm_colours
+    assert style.human_bytes(1536) == "1.50 KB" and style.human_bytes(96) == "96 B"
+
+
+def test_thousands_of_events_make_few_traces():
+    evs = [Event(rank=i % 8, kind="compute" if i % 3 else "collective", op="forward" if i % 3 else "all_reduce",
+                 start=i * 1e-3, end=i * 1e-3 + 5e-4, group=tuple(range(8)), nbytes=1024) for i in range(3000)]
+    fig = viz.timeline(evs)
+    assert len(fig.data) == 2 and sum(len(d.base) for d in fig.data) == 3000
+
+
+def test_viz_never_communicates():
+    for path in pathlib.Path(viz.__file__).parent.glob("*.py"):
+        src = path.read_text()
+        assert "torch.distributed" not in src and "import torch" not in src, path
+        assert "import comm" not in src and "from ..comm" not in src and "parlab.comm import" not in src, path
