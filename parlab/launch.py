@@ -38,6 +38,7 @@ the same user code runs in both worlds.
 """
 from __future__ import annotations
 
+import atexit
 import ctypes
 import datetime
 import os
@@ -275,6 +276,14 @@ def _explain(failure, workdir: str, world_size: int, timeout: float, outputs: li
     """Turn a failure into the most useful exception: the earliest rank error, else the kill, else the timeout."""
     if failure[0] == "timeout":
         return RankTimeout(failure[1], timeout, outputs)
+    _, failed, code = failure
+    if code < 0:  # the first rank to go died from a signal: peers' connection errors are its consequence
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = str(-code)
+        return RankKilled(failed, f"was killed by signal {name}" + (" (often the out-of-memory killer)"
+                                                                    if name == "SIGKILL" else ""))
     time.sleep(0.05)  # let ranks that failed at the same moment finish writing their reports
     errors = []
     for r in range(world_size):
@@ -287,15 +296,7 @@ def _explain(failure, workdir: str, world_size: int, timeout: float, outputs: li
     if errors:  # the first error in time is the cause; the others are usually peers losing their connection
         _, r, st = min(errors)
         return RankError(r, st[2], st[3], st[4])
-    _, r, code = failure
-    if code < 0:
-        try:
-            name = signal.Signals(-code).name
-        except ValueError:
-            name = str(-code)
-        return RankKilled(r, f"was killed by signal {name}" + (" (often the out-of-memory killer)"
-                                                               if name == "SIGKILL" else ""))
-    return RankKilled(r, f"exited with code {code} without reporting a result (sys.exit/os._exit in fn?)")
+    return RankKilled(failed, f"exited with code {code} without reporting a result (sys.exit/os._exit in fn?)")
 
 
 def _load(workdir: str, rank: int):
@@ -370,4 +371,12 @@ def init(backend: str = "auto", timeout: float = 600.0) -> Context:
         dist.init_process_group(store=store, rank=0, world_size=1, **kw)
     else:
         dist.init_process_group(init_method=init_method, **kw)
+    # Tear the group down at exit: a process that exits with a live gloo group can abort in C++
+    # ("terminate called without an active exception"; seen here about 1 run in 10).
+    atexit.register(_destroy_at_exit)
     return Context(rank, world, local, device, be)
+
+
+def _destroy_at_exit() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()

@@ -81,6 +81,7 @@ def test_hang_becomes_timeout_naming_the_ranks():
 
 
 def _kill_self():
+    dist.barrier()  # make sure every rank finished connecting before one of them dies
     if dist.get_rank() == 1:
         os.kill(os.getpid(), signal.SIGKILL)
     time.sleep(30)
@@ -184,3 +185,37 @@ def _unpicklable():
 def test_unpicklable_result_is_explained():
     with pytest.raises(RankError, match="cannot be sent back"):
         parlab.run(_unpicklable, 2, echo=False)
+
+
+TORCHRUN_SCRIPT = """
+import torch, parlab
+from parlab import comm
+ctx = parlab.init()
+t = torch.tensor([float(ctx.rank + 1)])
+comm.all_reduce(t)
+print(f"rank {ctx.rank}/{ctx.world_size} local {ctx.local_rank} {ctx.device} {ctx.backend} sum {t.item()}")
+"""
+
+
+def test_same_code_runs_under_torchrun(tmp_path):
+    import subprocess
+    import sys
+    script = tmp_path / "job.py"
+    script.write_text(TORCHRUN_SCRIPT)
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                          str(script)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    # the two ranks share one stdout pipe, so their lines may interleave: pick them out by pattern
+    import re
+    lines = sorted(re.findall(r"rank \d/2 local \d cpu gloo sum [\d.]+", out.stdout))
+    assert lines == ["rank 0/2 local 0 cpu gloo sum 3.0", "rank 1/2 local 1 cpu gloo sum 3.0"]
+
+
+def test_init_without_torchrun_is_a_world_of_one(tmp_path):
+    import subprocess
+    import sys
+    script = tmp_path / "solo.py"
+    script.write_text(TORCHRUN_SCRIPT)
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "rank 0/1 local 0 cpu gloo sum 1.0"
