@@ -11,7 +11,7 @@ same meaning, with the same arguments and the same result, plus:
 * one `parlab.trace.Event` per call on the calling rank when a recorder is
   active (``parlab.run(..., trace=True)`` or ``with parlab.trace.recording()``):
   op, group ranks, peer, element count, payload bytes, dtype, start and end.
-  With no recorder the only extra cost is one context-variable lookup.
+  With no recorder the only extra cost is one list lookup.
 
 Ranks (``src``, ``dst``, ``peer``) are *global* ranks, as in torch.distributed.
 

@@ -12,9 +12,10 @@ How it starts ranks (measured on a 2-core CPU machine, torch 2.13, gloo):
   memory, so a function defined in a notebook cell runs as is, and start-up is
   fast (about 0.1-0.2 s for 8 ranks). Rendezvous goes through a
   `torch.distributed.FileStore` on a fresh temporary file: no ports, so two
-  notebooks can run at once without colliding. Each child sets
-  ``torch.set_num_threads`` before touching torch, because a forked child can
-  deadlock in its first parallel kernel when the parent already used OpenMP.
+  notebooks can run at once without colliding. Each child calls
+  ``torch.set_num_threads(1)`` before touching torch, because a forked child
+  can deadlock in its first multi-threaded kernel when the parent already used
+  its OpenMP pool (with 8 ranks on 2 cores one thread each is right anyway).
 * **spawn** (used for NCCL, or when asked). Once a process has touched CUDA,
   forking it is unsafe, so GPU ranks are fresh interpreters. The function and
   its arguments are shipped by value with cloudpickle, which also handles
@@ -153,6 +154,9 @@ def _child(rank: int, world_size: int, workdir: str, backend: str, threads: int,
         store = dist.FileStore(os.path.join(workdir, "store"), world_size)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=timeout), device_id=device_id)
+        # init can return on one rank before its peers finished connecting; a rank that then exits
+        # at once would break their connection set-up. One barrier makes "initialised" mean "on all ranks".
+        dist.barrier()
         s = seed + (rank if seed_per_rank else 0)
         random.seed(s)
         torch.manual_seed(s)
@@ -182,8 +186,19 @@ def _child(rank: int, world_size: int, workdir: str, backend: str, threads: int,
     os.replace(os.path.join(workdir, f"result.{rank}.tmp"), os.path.join(workdir, f"result.{rank}"))
     sys.stdout.flush()
     sys.stderr.flush()
+    if status[0] == "ok":
+        # Leave together: a rank that exits early closes sockets its peers may still be reading from.
+        _store_barrier(store, "parlab/exit", world_size)
     # Leave without tearing the process group down collectively: peers may already be gone.
     os._exit(0 if status[0] == "ok" else 1)
+
+
+def _store_barrier(store, key: str, world_size: int) -> None:
+    """Wait until all ranks reached this point, through the rendezvous store (no collective involved)."""
+    arrived = store.add(key, 1)
+    while arrived < world_size:
+        time.sleep(0.001)
+        arrived = store.add(key, 0)
 
 
 def _spawn_entry(rank, world_size, workdir, backend, threads, seed, seed_per_rank, timeout, trace, payload):
@@ -202,7 +217,8 @@ def run(fn: Callable, world_size: int, *args, backend: str = "auto", timeout: fl
     timeout       seconds before unfinished ranks are stopped and `RankTimeout` is raised
     trace         record every parlab.comm call and parlab.trace.region; merged into `RunResult.trace`
     seed          every rank calls torch.manual_seed(seed) (+ rank when `seed_per_rank`)
-    threads       torch threads per rank (default: CPU cores // world_size, at least 1)
+    threads       torch threads per rank (default: 1 when forking, see below; CPU cores // world_size
+                  when spawning)
     start_method  'fork' (default for gloo) or 'spawn' (default for NCCL; ships `fn` with cloudpickle)
     echo          print each rank's captured output, prefixed ``[rank r]``, in rank order
 
@@ -218,7 +234,10 @@ def run(fn: Callable, world_size: int, *args, backend: str = "auto", timeout: fl
         raise ValueError(f"start_method must be 'fork' or 'spawn', got {start_method!r}")
     if start_method == "fork" and backend == "nccl":
         raise ValueError("forking after CUDA is initialised is unsafe; use start_method='spawn' with NCCL")
-    threads = threads or max(1, (os.cpu_count() or 1) // world_size)
+    if threads is None:
+        # A forked rank can deadlock in its first multi-threaded kernel once the parent has used
+        # torch's OpenMP pool (seen here with 2 threads per rank), so forked ranks run one thread each.
+        threads = 1 if start_method == "fork" else max(1, (os.cpu_count() or 1) // world_size)
 
     workdir = tempfile.mkdtemp(prefix="parlab-run-")
     if start_method == "fork":
@@ -274,8 +293,9 @@ def _wait(procs, timeout: float, t_start: float):
 
 def _explain(failure, workdir: str, world_size: int, timeout: float, outputs: list[str]) -> Exception:
     """Turn a failure into the most useful exception: the earliest rank error, else the kill, else the timeout."""
-    if failure[0] == "timeout":
-        return RankTimeout(failure[1], timeout, outputs)
+    if failure[0] == "timeout":  # name the ranks still inside fn (finished ones wait at the exit barrier)
+        inside = [r for r in failure[1] if not os.path.exists(os.path.join(workdir, f"result.{r}"))]
+        return RankTimeout(inside or failure[1], timeout, outputs)
     _, failed, code = failure
     if code < 0:  # the first rank to go died from a signal: peers' connection errors are its consequence
         try:

@@ -8,7 +8,7 @@ shows what the code really did.
 
 Recording is switched on per process with the `recording()` context manager
 (parlab.run does it for you when ``trace=True``). When nothing records, the
-cost of a traced call is one context-variable lookup.
+cost of a traced call is one list lookup.
 
 Bytes. An event stores the *payload* size ``nbytes`` of the call (for
 all-reduce the tensor, for all-gather the gathered output, for reduce-scatter
@@ -29,7 +29,6 @@ PERFORMANCE.md; Patarasuk & Yuan 2009):
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import json
 import time
 from dataclasses import asdict, dataclass, field
@@ -116,12 +115,15 @@ class Recorder:
         return event
 
 
-_RECORDER: contextvars.ContextVar[Recorder | None] = contextvars.ContextVar("parlab_recorder", default=None)
+# The active recorders of this process, innermost last. A process-wide stack rather than a context
+# variable on purpose: autograd may run backward on its own worker threads (on GPUs it does), and
+# the communication issued there must land in the same trace as the forward's.
+_ACTIVE: list[Recorder] = []
 
 
 def current_recorder() -> Recorder | None:
-    """The recorder active in this context, or None when tracing is off."""
-    return _RECORDER.get()
+    """The innermost active recorder of this process, or None when tracing is off."""
+    return _ACTIVE[-1] if _ACTIVE else None
 
 
 @contextlib.contextmanager
@@ -134,17 +136,17 @@ def recording(rank: int | None = None) -> Iterator[Recorder]:
         except ImportError:  # pragma: no cover - torch is a dependency
             rank = 0
     rec = Recorder(rank)
-    token = _RECORDER.set(rec)
+    _ACTIVE.append(rec)
     try:
         yield rec
     finally:
-        _RECORDER.reset(token)
+        _ACTIVE.remove(rec)
 
 
 @contextlib.contextmanager
 def region(name: str, label: str = "") -> Iterator[None]:
     """Record the block as a compute span named `name` (a no-op when tracing is off)."""
-    rec = _RECORDER.get()
+    rec = current_recorder()
     if rec is None:
         yield
         return
@@ -157,7 +159,7 @@ def region(name: str, label: str = "") -> Iterator[None]:
 
 def mark(name: str, label: str = "") -> None:
     """Record an instant (zero-length) event, e.g. "optimizer step done"."""
-    rec = _RECORDER.get()
+    rec = current_recorder()
     if rec is not None:
         t = now()
         rec.add(Event(rank=rec.rank, kind="mark", op=name, start=t, end=t, label=label))
