@@ -1,0 +1,392 @@
+"""Data parallelism two ways: the DataParallel pattern (rank 0 as the hub) and DistributedDataParallel.
+
+Data parallelism keeps a full copy of the model on every rank and splits the
+batch. With a mean loss over B = N * b samples, the gradient is the mean of the
+per-shard gradients, so N ranks that each see b samples and then average their
+gradients take exactly the step one process would take on all B samples.
+What differs between designs is who holds what and what travels where.
+
+`NaiveDataParallel` is torch's single-process ``nn.DataParallel`` (seed 001)
+written with ranks; group rank 0 plays the "main GPU". One update:
+
+    rank 0                                 every rank
+    1. scatter inputs         ------>      its shard x_r (b, S)
+    2. replicate model        ------>      parameters and buffers
+                                           3. forward: out_r = model(x_r)
+    4. gather outputs         <------      out_r (b, S, V)
+    5. loss(cat(out), y), d loss / d out
+    6. scatter output grads   ------>      g_r = d loss / d out_r
+                                           7. backward: out_r.backward(g_r)
+    8. reduce grads           <------      parameter gradients (summed on rank 0)
+    9. optimizer step (rank 0 only; the others get the new weights at step 2 of the next update)
+
+All traffic runs through rank 0, and rank 0 alone holds the full batch, the
+gathered outputs, their gradients and the optimizer state: the seed's main GPU
+at 18186 MB next to 9824 MB on each other GPU. `NaiveDataParallel.memory`
+measures this rank's share from the tensors it really held.
+
+`DistributedDataParallel` is what ``torch.nn.parallel.DistributedDataParallel``
+does (Li et al., "PyTorch Distributed: Experiences on Accelerating Data
+Parallel Training", VLDB 2020, arXiv:2006.15704): every rank computes its own
+loss and backward, and gradients are averaged with all-reduces *during*
+backward:
+
+* gradients go into buckets (`parlab.dp_comm.GradBucket`) filled in reverse
+  registration order, which is roughly the order backward produces them, up
+  to ``bucket_cap_mb``;
+* a post-accumulate-grad hook on each parameter copies its gradient into its
+  bucket; when a bucket is full its all-reduce starts asynchronously, while
+  backward goes on computing the gradients of earlier layers. Buckets start in
+  index order on every rank, because collectives are matched by call order;
+* at the end of backward an autograd-engine callback waits for every bucket
+  and copies the averages back into ``param.grad``. So ``loss.backward()``
+  returns with synchronised gradients; `finish_grad_sync` does the same
+  explicitly and is a no-op when backward already did it;
+* inside ``no_sync()`` backward only accumulates locally (gradient
+  accumulation); the first backward outside it reduces the sum.
+
+A ring all-reduce of X bytes sends 2 (N-1)/N X per rank (REFERENCES.md), and
+DDP all-reduces each gradient byte exactly once per step.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Iterable, Iterator
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from . import comm
+from .dp_comm import GradBucket, assign_buckets, broadcast_tensors, reduce_tensors
+from .trace import Event, Trace, current_recorder, now, region
+
+__all__ = ["NaiveDataParallel", "DistributedDataParallel", "NAIVE_PHASES", "traffic_by_phase", "memory_report",
+           "tensor_bytes", "ActivationMeter"]
+
+#: The labels of NaiveDataParallel's communication phases, in the order they run in one update.
+NAIVE_PHASES = ("scatter inputs", "replicate model", "gather outputs", "scatter output grads", "reduce grads")
+
+
+# ---------------------------------------------------------------------- measuring memory and traffic
+def tensor_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
+    """Bytes of memory the tensors hold: each underlying storage counted once (views share storage)."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        if t is not None:
+            s = t.untyped_storage()
+            seen[s.data_ptr()] = s.nbytes()
+    return sum(seen.values())
+
+
+class ActivationMeter:
+    """``with ActivationMeter(params) as m: out = model(x)``: `m.nbytes` is what autograd saved for backward
+    inside the block (the activations), each storage once, not counting the tensors in `exclude`."""
+
+    def __init__(self, exclude: Iterable[torch.Tensor] = ()):
+        self._exclude = {t.untyped_storage().data_ptr() for t in exclude}
+        self._saved: dict[int, int] = {}
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        s = t.untyped_storage()
+        if s.data_ptr() not in self._exclude:
+            self._saved[s.data_ptr()] = s.nbytes()
+        return t
+
+    @property
+    def nbytes(self) -> int:
+        return sum(self._saved.values())
+
+    def __enter__(self) -> "ActivationMeter":
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._hooks.__exit__(*exc)
+
+
+def memory_report(module: nn.Module, optimizer: torch.optim.Optimizer | None = None,
+                  **extra: Iterable[torch.Tensor]) -> dict[str, int]:
+    """Bytes this rank holds by category: parameters, gradients, optimizer state, plus any `extra`
+    category given as tensors (``grad_buckets=[...]`` is reported as "grad buckets")."""
+    params = list(module.parameters())
+    state = [v for st in (optimizer.state.values() if optimizer is not None else ())
+             for v in st.values() if isinstance(v, torch.Tensor)]
+    report = {"parameters": tensor_bytes(params), "gradients": tensor_bytes(p.grad for p in params),
+              "optimizer state": tensor_bytes(state)}
+    for name, tensors in extra.items():
+        report[name.replace("_", " ")] = tensor_bytes(tensors)
+    return report
+
+
+def traffic_by_phase(trace: Trace, phases: Iterable[str] = NAIVE_PHASES, direction: str = "sent"
+                     ) -> dict[str, dict[int, float]]:
+    """{phase label: {rank: wire bytes sent (or received)}} over the whole trace, 0 where a rank took no part."""
+    ranks = trace.ranks
+    out = {}
+    for phase in phases:
+        got = trace.filter(label=phase).bytes_per_rank(direction=direction)
+        out[phase] = {r: got.get(r, 0.0) for r in ranks}
+    return out
+
+
+def _first_tensor(out: Any) -> torch.Tensor:
+    if isinstance(out, torch.Tensor):
+        return out
+    if isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
+        return out[0]
+    raise ValueError(f"NaiveDataParallel gathers the model's output tensor; the model returned "
+                     f"{type(out).__name__}. Return a tensor, or a tuple whose first item is the output to gather")
+
+
+def _cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))  # mean over B * S
+
+
+_DTYPES = (torch.long, torch.int32, torch.float32, torch.float64, torch.float16, torch.bfloat16)
+
+
+# ---------------------------------------------------------------------- the DataParallel pattern
+class NaiveDataParallel:
+    """torch's DataParallel on ranks: group rank 0 scatters, gathers, computes the loss and steps.
+
+    Every rank builds the same `module` and an `optimizer` over its parameters and calls ``step(x, y)``
+    each update; only rank 0's arguments are used (the others may pass None) and only rank 0 returns the
+    loss. Rank 0's module is the master copy; the others are replicas refreshed at the start of each step
+    (call `replicate()` to refresh them after the last one). `loss_fn(outputs, targets)` defaults to mean
+    cross-entropy over the last dimension; a model returning a tuple has its first item gathered.
+    """
+
+    def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer,
+                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None, group=None):
+        self.module, self.optimizer, self.loss_fn, self.group = module, optimizer, loss_fn or _cross_entropy, group
+        self.root = comm.group_ranks(group)[0]                 # the "main GPU", as a global rank
+        self.is_root = comm.get_rank() == self.root
+        self.device = next(module.parameters()).device
+        self.memory: dict[str, int] = {}                        # this rank's bytes by category, last step
+
+    def replicate(self) -> None:
+        """Phase 2: every rank's parameters and buffers become rank 0's."""
+        tensors = [p.data for p in self.module.parameters()] + list(self.module.buffers())
+        broadcast_tensors(tensors, src=self.root, group=self.group, label="replicate model")
+
+    def _scatter_inputs(self, x: torch.Tensor | None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        n = comm.get_world_size(self.group)
+        meta = torch.zeros(8, dtype=torch.long, device=self.device)  # (ndim, shape..., dtype code) to allocate
+        if self.is_root:
+            if x is None or x.dim() > 6 or x.dtype not in _DTYPES:
+                raise ValueError("rank 0 must pass the global batch x (a tensor of at most 6 dimensions)")
+            if x.shape[0] % n:
+                raise ValueError(f"batch of {x.shape[0]} rows is not divisible by {n} ranks; every replica gets "
+                                 f"the same number of rows, so use a multiple of {n}")
+            meta[0], meta[1: 1 + x.dim()], meta[7] = x.dim(), torch.tensor(x.shape), _DTYPES.index(x.dtype)
+        comm.broadcast(meta, src=self.root, group=self.group, label="scatter inputs (shape)")
+        shape = [int(s) for s in meta[1: 1 + int(meta[0])]]
+        shape[0] //= n
+        x_local = torch.empty(shape, dtype=_DTYPES[int(meta[7])], device=self.device)  # (b, ...)
+        chunks = [c.to(self.device).contiguous() for c in x.chunk(n)] if self.is_root else None
+        comm.scatter(x_local, chunks, src=self.root, group=self.group, label="scatter inputs")
+        return x_local, chunks or []
+
+    def step(self, x: torch.Tensor | None = None, y: torch.Tensor | None = None) -> torch.Tensor | None:
+        """One update on the global batch (x, y) held by rank 0. Returns the loss on rank 0, None elsewhere."""
+        n, group, root = comm.get_world_size(self.group), self.group, self.root
+        if self.is_root and y is None:
+            raise ValueError("rank 0 computes the loss, so it must pass the targets y")
+        self.module.zero_grad(set_to_none=True)
+        x_local, x_chunks = self._scatter_inputs(x)                    # 1. (b, S) on every rank
+        self.replicate()                                               # 2.
+        params = list(self.module.parameters())
+        with region("forward"), ActivationMeter(params) as act:        # 3.
+            out = _first_tensor(self.module(x_local))                  # (b, S, V)
+        gathered = [torch.empty_like(out) for _ in range(n)] if self.is_root else None
+        comm.gather(out.detach().contiguous(), gathered, dst=root, group=group, label="gather outputs")  # 4.
+        loss, full, grad_chunks = None, None, None
+        if self.is_root:                                               # 5.
+            with region("loss"):
+                full = torch.cat(gathered).requires_grad_()            # (B, S, V) on rank 0 only
+                loss = self.loss_fn(full, y.to(self.device))
+                loss.backward()                                        # full.grad: d loss / d outputs
+                grad_chunks = [c.contiguous() for c in full.grad.chunk(n)]  # N x (b, S, V)
+        g_local = torch.empty_like(out)                                # (b, S, V)
+        comm.scatter(g_local, grad_chunks, src=root, group=group, label="scatter output grads")  # 6.
+        with region("backward"):                                       # 7.
+            out.backward(g_local)
+        trainable = [p for p in params if p.requires_grad]
+        for p in trainable:                # a parameter this replica did not use contributes zeros
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        grads_held = tensor_bytes(p.grad for p in trainable)
+        reduce_tensors([p.grad for p in trainable], dst=root, group=group, label="reduce grads")  # 8.
+        if self.is_root:                                               # 9.
+            with region("optimizer"):
+                self.optimizer.step()
+        else:                              # a replica's gradients are partial sums: drop them
+            for p in trainable:
+                p.grad = None
+        report = memory_report(self.module, self.optimizer if self.is_root else None)
+        report["gradients"] = grads_held
+        report["inputs"] = tensor_bytes([x_local] + ([x, y] + x_chunks if self.is_root else []))
+        report["activations"] = act.nbytes
+        report["outputs"] = tensor_bytes([out] + (gathered + [full] if self.is_root else []))
+        report["output grads"] = tensor_bytes([g_local] + (grad_chunks + [full.grad] if self.is_root else []))
+        self.memory = report
+        return loss.detach() if loss is not None else None
+
+
+# ---------------------------------------------------------------------- DistributedDataParallel
+def _tensors(obj: Any) -> Iterator[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (tuple, list)):
+        for o in obj:
+            yield from _tensors(o)
+    elif isinstance(obj, dict):
+        for o in obj.values():
+            yield from _tensors(o)
+
+
+class DistributedDataParallel(nn.Module):
+    """Wrap `module` so that backward averages its gradients over `group`, in buckets, overlapping backward.
+
+    ``model = DistributedDataParallel(GPT(cfg), bucket_cap_mb=25)``; then the usual loop:
+    ``loss = model(x, y)[1]; loss.backward(); opt.step(); opt.zero_grad()`` with any torch optimizer over
+    ``model.parameters()``. At construction every rank takes group rank 0's parameters and buffers.
+
+    find_unused_parameters  a parameter that gets no gradient on a rank contributes zeros to the average
+                            either way. With True, one more small all-reduce per step ("unused parameters")
+                            finds the parameters no rank used; they keep ``grad = None``, as in one process,
+                            so optimizers with weight decay or momentum leave them alone. With False they
+                            get a zero gradient.
+    Parameters with ``requires_grad=False`` at construction are broadcast once and never reduced.
+    One backward per forward: a second backward before the next forward accumulates locally, unsynchronised.
+
+    What a trace shows per step: a "forward" region; "backward" compute spans labelled "until bucket i ready"
+    and "rest of backward"; async all-reduces labelled "grad bucket i" (start = launch, end = completion);
+    a "grad sync" region where the end of backward waits for the buckets. `bucket_names` lists each
+    bucket's parameters.
+    """
+
+    def __init__(self, module: nn.Module, group=None, bucket_cap_mb: float = 25.0,
+                 find_unused_parameters: bool = False):
+        super().__init__()
+        if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) or not bucket_cap_mb > 0:
+            raise ValueError(f"bucket_cap_mb must be a positive number of MiB (2**20 bytes), got {bucket_cap_mb!r}; "
+                             f"e.g. 25 (torch's default), or 0.001 for about one bucket per small parameter")
+        self.module, self.group, self.find_unused_parameters = module, group, find_unused_parameters
+        self.bucket_cap_mb = bucket_cap_mb
+        tensors = [p.data for p in module.parameters()] + list(module.buffers())
+        broadcast_tensors(tensors, src=comm.group_ranks(group)[0], group=group, label="broadcast params")
+
+        names = {p: name for name, p in module.named_parameters()}  # a tied parameter appears once
+        trainable = [p for p in module.parameters() if p.requires_grad][::-1]  # reverse registration order
+        layout = assign_buckets([p.numel() * p.element_size() for p in trainable],
+                                [(p.dtype, p.device) for p in trainable], max(1, int(bucket_cap_mb * 2**20)))
+        self.buckets = [GradBucket(i, [trainable[j] for j in idx]) for i, idx in enumerate(layout)]
+        self.bucket_names = [[names[p] for p in b.params] for b in self.buckets]
+        self._slot = {p: (b, j) for b in self.buckets for j, p in enumerate(b.params)}
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in trainable]
+        self._require_sync = True     # False inside no_sync()
+        self._pending = False         # a backward that must reduce is expected / under way
+        self._callback_queued = False
+        self._next = 0                # the next bucket to launch; buckets start in index order on every rank
+        self._t = None                # trace clock at the last backward span boundary
+
+    # -- the training loop's side
+    def forward(self, *args, **kwargs):
+        self._pending = self._require_sync and torch.is_grad_enabled()
+        if self._pending:
+            for b in self.buckets:
+                b.reset()
+            self._next, self._callback_queued, self._t = 0, False, None
+        with region("forward"):
+            out = self.module(*args, **kwargs)
+        if self._pending:   # a hook on the outputs: the moment backward starts, queue the end-of-backward sync
+            for t in _tensors(out):
+                if t.requires_grad:
+                    t.register_hook(self._on_backward_start)
+        return out
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Backward of forwards run inside the block accumulates ``param.grad`` locally, without communication."""
+        before, self._require_sync = self._require_sync, False
+        try:
+            yield
+        finally:
+            self._require_sync = before
+
+    def finish_grad_sync(self) -> None:
+        """Wait for every bucket and write the averaged gradients into ``param.grad``.
+
+        Backward calls this by itself when it ends; calling it again is a no-op. Buckets holding a parameter
+        that got no gradient are completed here (its local gradient, or zeros) and launched in index order."""
+        if not self._pending:
+            return
+        if not self.buckets:            # nothing trainable
+            self._pending = False
+            return
+        used = {p: True for b in self.buckets for p, got in zip(b.params, b.arrived) if got}
+        for b in self.buckets[self._next:]:
+            for j, p in enumerate(b.params):
+                if not b.arrived[j]:
+                    used[p] = p.grad is not None  # e.g. accumulated under no_sync, unused now
+                    b.add_grad(j, p.grad)
+        self._launch_ready()
+        with region("grad sync", label="wait for buckets"):
+            for b in self.buckets:
+                b.wait()
+        if self.find_unused_parameters:
+            flags = torch.tensor([int(used[p]) for b in self.buckets for p in b.params], dtype=torch.int32,
+                                 device=self.buckets[0].buffer.device)  # (trainable params,) 1 = used here
+            comm.all_reduce(flags, group=self.group, label="unused parameters")
+            used = {p: bool(f) for p, f in zip((p for b in self.buckets for p in b.params), flags.tolist())}
+        with torch.no_grad():
+            for b in self.buckets:
+                for p, view in zip(b.params, b.views):
+                    if self.find_unused_parameters and not used[p]:
+                        continue                                  # no rank used it: grad stays as it was
+                    if p.grad is None:
+                        p.grad = view.clone()
+                    else:
+                        p.grad.copy_(view)
+        self._pending = False
+
+    def memory_report(self, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
+        """This rank's bytes: parameters, gradients, optimizer state, grad buckets (communication buffers)."""
+        return memory_report(self.module, optimizer, grad_buckets=[b.buffer for b in self.buckets])
+
+    # -- hooks (run inside autograd)
+    def _on_backward_start(self, grad: torch.Tensor) -> None:
+        if self._pending and not self._callback_queued:
+            self._callback_queued = True
+            self._t = now()
+            torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_end)
+
+    def _on_grad_ready(self, p: nn.Parameter) -> None:
+        if not self._pending:
+            return                                                # no_sync: just accumulate
+        self._on_backward_start(p.grad)                           # outputs were not tensors: queue from here
+        bucket, slot = self._slot[p]
+        if bucket.add_grad(slot, p.grad):
+            self._launch_ready()
+
+    def _launch_ready(self) -> None:
+        while self._next < len(self.buckets) and self.buckets[self._next].complete:
+            b = self.buckets[self._next]
+            self._span(f"until bucket {b.index} ready")
+            b.all_reduce_async(self.group, label=f"grad bucket {b.index}")
+            self._next += 1
+
+    def _on_backward_end(self) -> None:
+        self._span("rest of backward")
+        self.finish_grad_sync()
+
+    def _span(self, label: str) -> None:
+        """Record the backward compute since the last boundary as a "backward" span (for timelines)."""
+        rec, t = current_recorder(), now()
+        if self._t is not None:
+            if rec is not None:
+                rec.add(Event(rank=rec.rank, kind="compute", op="backward", start=self._t, end=t, label=label))
+            self._t = t
