@@ -1,0 +1,153 @@
+"""Benchmark: parlab ZeRO-1/2/3 against torch's ZeroRedundancyOptimizer and fully_shard (FSDP2).
+
+    python benchmarks/zero.py [--world 2] [--layers 4] [--hidden 128] [--steps 8] [--repeats 3]
+
+Every variant trains the same fp32 GPT with AdamW for the same steps on simulated ranks
+(gloo on the CPU, one process per rank). A step is forward + backward + gradient
+synchronisation + optimizer step; we report the median step time over ranks, steps and
+repeats (variants interleaved in each repeat, so drifting machine load hits all alike),
+its ratio to the torch counterpart, and the model-state bytes each rank holds after the
+step (params + grads + optimizer state, measured from the tensors; for parlab's FSDP also
+the peak of gathered weights from its trace marks). This is not allocator peak memory:
+on the CPU torch has no allocator statistics.
+
+Pairs compared (ratio = parlab / torch, goal <= 1.25):
+    parlab ZeRO-1 (ShardedOptimizer stage 1: reduce-scatter + all-gather, no overlap)
+        vs torch DDP + ZeroRedundancyOptimizer (bucketed all-reduce overlapped with backward, then broadcasts)
+    parlab ZeRO-3 (FullyShardedDataParallel, one unit per block)
+        vs torch fully_shard on each block and the root (FSDP2, CPU device mesh on gloo)
+parlab ZeRO-2 and torch DDP + AdamW are listed for context.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+import parlab
+from parlab.data import BatchSampler, load_corpus
+from parlab.fsdp import FullyShardedDataParallel
+from parlab.memory import measure, tensor_bytes
+from parlab.models import GPT, GPTConfig
+from parlab.zero import ShardedOptimizer
+
+VARIANTS = ["torch-ddp", "parlab-zero1", "torch-zero1", "parlab-zero2", "parlab-zero3", "torch-fsdp2"]
+
+
+def _local(t):
+    return t.to_local() if hasattr(t, "to_local") else t     # DTensor -> this rank's shard
+
+
+def _torch_bytes(params, opt) -> dict:
+    params = list(params)
+    p = sum(tensor_bytes(_local(x)) for x in params)
+    g = sum(tensor_bytes(_local(x.grad)) for x in params if x.grad is not None)
+    state = opt.optim.state if hasattr(opt, "optim") else opt.state      # ZeroRedundancyOptimizer keeps .optim
+    o = sum(tensor_bytes(_local(v)) for s in state.values() for v in s.values() if torch.is_tensor(v))
+    return {"params": p, "grads": g, "optimizer": o, "total": p + g + o}
+
+
+def _bench(kind: str, cfg: GPTConfig, batch: int, steps: int, warmup: int):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = GPT(cfg, seed=0)
+    adamw = dict(lr=1e-3, weight_decay=0.1)
+    if kind == "torch-ddp":
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        fwd = DDP(model)
+        opt = torch.optim.AdamW(fwd.parameters(), **adamw)
+    elif kind == "torch-zero1":
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        fwd = DDP(model)
+        opt = ZeroRedundancyOptimizer(fwd.parameters(), optimizer_class=torch.optim.AdamW, **adamw)
+    elif kind in ("parlab-zero1", "parlab-zero2"):
+        fwd = model
+        opt = ShardedOptimizer(model.parameters(), torch.optim.AdamW, stage=int(kind[-1]), **adamw)
+    elif kind == "parlab-zero3":
+        fwd = FullyShardedDataParallel(model)
+        opt = torch.optim.AdamW(fwd.parameters(), **adamw)
+    elif kind == "torch-fsdp2":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        mesh = init_device_mesh("cpu", (world,))
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        fwd = model
+        opt = torch.optim.AdamW(model.parameters(), **adamw)
+    else:
+        raise ValueError(f"unknown variant {kind!r}; choose from {VARIANTS}")
+    sampler = BatchSampler(load_corpus(20000), batch, cfg.seq_len, seed=0)
+    times = []
+    for t in range(warmup + steps):
+        x, y = sampler.shard(t, rank, world)
+        dist.barrier()                                   # start every step together (not timed)
+        t0 = time.perf_counter()
+        loss = fwd(x, y)[1]
+        loss.backward()
+        opt.step()
+        t1 = time.perf_counter()
+        if t == warmup + steps - 1:                      # bytes held after the last step, before zero_grad
+            held = measure(fwd.parameters(), opt) if kind.startswith("parlab") else _torch_bytes(fwd.parameters(), opt)
+        opt.zero_grad()
+        if t >= warmup:
+            times.append(t1 - t0)
+    return {"times": times, "bytes": held, "loss": loss.item()}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--world", type=int, default=2)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--hidden", type=int, default=128)
+    ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--batch", type=int, default=8, help="global batch (rows)")
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    args = ap.parse_args(argv)
+    cfg = GPTConfig(n_layer=args.layers, n_embd=args.hidden, n_head=4, seq_len=args.seq, vocab_size=64)
+    variants = args.variants.split(",")
+    times: dict[str, list[float]] = {v: [] for v in variants}
+    info: dict[str, dict] = {}
+    for rep in range(args.repeats):
+        for v in (variants if rep % 2 == 0 else variants[::-1]):
+            try:
+                res = parlab.run(_bench, args.world, v, cfg, args.batch, args.steps, args.warmup, backend="gloo",
+                                 timeout=600, echo=False, trace=(v == "parlab-zero3"))
+            except parlab.RankError as e:
+                info[v] = {"error": f"{e.exc_type}: {e.message.splitlines()[0][:120]}"}
+                continue
+            times[v] += [s for r in res.results for s in r["times"]]
+            info[v] = {"bytes": res[0]["bytes"], "loss": res[0]["loss"]}
+            if res.trace is not None:
+                info[v]["peak_gathered"] = max(e.nbytes for e in res.trace.filter(rank=0, op="unsharded_bytes"))
+    med = {v: statistics.median(ts) for v, ts in times.items() if ts}
+    pairs = {"parlab-zero1": "torch-zero1", "parlab-zero3": "torch-fsdp2", "parlab-zero2": "torch-zero1"}
+    print(f"GPT {cfg.param_count() / 1e6:.2f}M params (L={args.layers}, H={args.hidden}, S={args.seq}), "
+          f"global batch {args.batch}, world {args.world}, gloo/CPU, torch {torch.__version__}; "
+          f"{args.repeats} x {args.steps} timed steps per variant")
+    print(f"| variant | step ms (median) | vs torch | params KB | grads KB | optim KB | total KB/rank | loss |")
+    print("|---|---|---|---|---|---|---|---|")
+    for v in variants:
+        if "error" in info.get(v, {}):
+            print(f"| {v} | did not run: {info[v]['error']} | | | | | | |")
+            continue
+        if v not in med:
+            continue
+        b = info[v]["bytes"]
+        ref = pairs.get(v)
+        ratio = f"{med[v] / med[ref]:.2f}x {ref}" if ref in med else ""
+        print(f"| {v} | {med[v] * 1e3:.1f} | {ratio} | {b['params'] / 1024:.0f} | {b['grads'] / 1024:.0f} | "
+              f"{b['optimizer'] / 1024:.0f} | {b['total'] / 1024:.0f} | {info[v]['loss']:.4f} |")
+    if "peak_gathered" in info.get("parlab-zero3", {}):
+        print(f"parlab-zero3 peak gathered (unsharded) weights on rank 0: "
+              f"{info['parlab-zero3']['peak_gathered'] / 1024:.0f} KB")
+
+
+if __name__ == "__main__":
+    main()

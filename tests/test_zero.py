@@ -1,0 +1,225 @@
+"""ZeRO-1/2 ShardedOptimizer: lockstep with single-process training on the full batch."""
+import pytest
+import torch
+import torch.nn as nn
+
+import parlab
+from parlab import comm
+from parlab.data import BatchSampler, load_corpus
+from parlab.models import GPT, GPTConfig
+from parlab.zero import ShardedOptimizer, iter_owned, partition_parameters
+
+CFG = GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=2, n_embd=32)
+BATCH, STEPS = 8, 3
+# float64 everywhere: the only difference from the reference is the order of additions (the mean of
+# per-rank mean losses vs one mean; an averaging reduce-scatter), ~1e-16 relative per step, which
+# AdamW's division by sqrt(v) can amplify a little over a few steps; 1e-10 leaves room for that only.
+TOL = dict(rtol=0, atol=1e-10)
+OPTIMS = {"sgd": (torch.optim.SGD, dict(lr=0.1, momentum=0.9)),
+          "adamw": (torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.1))}
+
+
+def sampler():
+    return BatchSampler(load_corpus(4000), batch_size=BATCH, seq_len=CFG.seq_len, seed=1)
+
+
+def param_groups(model):
+    """Two groups, as in GPT training recipes: weight decay on matrices, none on biases and norms."""
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    rest = [p for p in model.parameters() if p.dim() < 2]
+    return [{"params": decay}, {"params": rest, "weight_decay": 0.0}]
+
+
+class Toy(nn.Module):
+    """Tied input/output embedding and a frozen layer: the cases sharding code gets wrong."""
+
+    def __init__(self):
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.embed = nn.Embedding(16, 8, dtype=torch.float64)
+        self.frozen = nn.Linear(8, 8, dtype=torch.float64)
+        self.hidden = nn.Linear(8, 8, dtype=torch.float64)
+        self.out = nn.Linear(8, 16, bias=False, dtype=torch.float64)
+        self.out.weight = self.embed.weight                                  # tied
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float64) * 0.5)
+        self.frozen.requires_grad_(False)
+
+    def forward(self, idx, targets):
+        x = self.embed(idx % 16)                                             # (B, S, 8)
+        x = torch.tanh(self.hidden(torch.relu(self.frozen(x))))              # (B, S, 8)
+        logits = self.out(x)                                                 # (B, S, 16)
+        return logits, nn.functional.cross_entropy(logits.reshape(-1, 16), (targets % 16).reshape(-1))
+
+
+def make(model_name):
+    return GPT(CFG, seed=0, dtype=torch.float64) if model_name == "gpt" else Toy()
+
+
+def reference(model_name, optim, steps):
+    """Single-process training on the full global batch; returns the model and optimizer."""
+    model = make(model_name)
+    cls, kw = OPTIMS[optim]
+    opt = cls(param_groups(model), **kw)
+    s = sampler()
+    for t in range(steps):
+        x, y = s.global_batch(t)
+        model(x, y)[1].backward()
+        opt.step()
+        opt.zero_grad()
+    return model, opt
+
+
+def _train(model_name, optim, stage, steps, load=None):
+    """One rank's training; with `load` = (params, optimizer state dict), start from there."""
+    rank, world = comm.get_rank(), comm.get_world_size()
+    model = make(model_name)
+    cls, kw = OPTIMS[optim]
+    opt = ShardedOptimizer(param_groups(model), cls, stage=stage, **kw)
+    start = 0
+    if load is not None:
+        params, state, start = load
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                p.copy_(params[n])
+        opt.load_state_dict(state)
+    s = sampler()
+    grads0 = None
+    for t in range(start, start + steps):
+        x, y = s.shard(t, rank, world)
+        model(x, y)[1].backward()
+        opt.reduce_gradients()
+        if grads0 is None:  # after the reduction: which gradients does this rank still hold?
+            grads0 = {n: (p.grad.clone() if p.grad is not None else None) for n, p in model.named_parameters()}
+        opt.step()
+        opt.zero_grad()
+    owned = {id(p) for p in iter_owned(opt)}
+    return {"params": {n: p.detach().clone() for n, p in model.named_parameters()},
+            "owned": [n for n, p in model.named_parameters() if id(p) in owned],
+            "grads0": grads0, "state": opt.state_dict(), "tied": model.lm_head.weight is model.wte.weight
+            if model_name == "gpt" else model.out.weight is model.embed.weight}
+
+
+def test_partition_is_balanced_and_deterministic():
+    sizes = [4096, 4096, 1024, 1024, 1024, 1024, 512, 32, 32, 32]
+    owners = partition_parameters(sizes, 4)
+    assert owners == partition_parameters(sizes, 4)
+    loads = [sum(n for n, o in zip(sizes, owners) if o == r) for r in range(4)]
+    assert sum(loads) == sum(sizes) and max(loads) - min(loads) <= max(sizes)
+    assert partition_parameters([4, 3, 2, 1], 2) == [0, 1, 1, 0]
+
+
+def _train_both_stages(model_name, optim, steps):
+    return [_train(model_name, optim, stage, steps) for stage in (1, 2)]
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("optim", ["sgd", "adamw"])
+@pytest.mark.parametrize("model_name", ["gpt", "toy"])
+def test_matches_single_process(model_name, optim, world_size):
+    """Parameters after 3 steps, the step-0 gradients each rank keeps, and the gathered optimizer state
+    all equal single-process training on the full batch (toy: 3 trainable tensors, so at 4 ranks one
+    rank owns nothing)."""
+    runs = parlab.run(_train_both_stages, world_size, model_name, optim, STEPS).results
+    ref, ref_opt = reference(model_name, optim, STEPS)
+    for stage in (1, 2):
+        _check(model_name, stage, [per_stage[stage - 1] for per_stage in runs], ref, ref_opt)
+
+
+def _check(model_name, stage, res, ref, ref_opt):
+    ref_params = dict(ref.named_parameters())
+    ref0 = make(model_name)                                 # full-batch gradients of step 0
+    x, y = sampler().global_batch(0)
+    ref0(x, y)[1].backward()
+    ref_grads0 = dict(ref0.named_parameters())
+    owners = {}
+    for r, out in enumerate(res):
+        assert out["tied"]
+        for n, p in ref_params.items():
+            torch.testing.assert_close(out["params"][n], p.detach(), **TOL)
+        for n in out["owned"]:
+            owners[n] = r
+            torch.testing.assert_close(out["grads0"][n], ref_grads0[n].grad, **TOL)
+        for n, g in out["grads0"].items():
+            if n not in out["owned"] and ref_params[n].requires_grad:
+                assert (g is None) == (stage == 2), f"stage {stage}: gradient of {n} on rank {r}"
+    trainable = {n for n, p in ref_params.items() if p.requires_grad}
+    assert set(owners) == trainable                        # every trainable parameter has one owner
+    full = res[0]["state"]                                 # the gathered state is the single-process state
+    expect = ref_opt.state_dict()
+    assert full["param_groups"] == expect["param_groups"] and full["state"].keys() == expect["state"].keys()
+    for i, st in expect["state"].items():
+        for k, v in st.items():
+            torch.testing.assert_close(full["state"][i][k], v, **TOL)
+    if model_name == "toy":                                # frozen weights never move
+        torch.testing.assert_close(res[0]["params"]["frozen.weight"], make("toy").frozen.weight.detach(), rtol=0,
+                                   atol=0)
+
+
+def test_state_dict_reloads_at_another_world_size():
+    first = parlab.run(_train, 2, "gpt", "adamw", 2, 2)[0]
+    again = parlab.run(_train, 4, "gpt", "adamw", 1, 1, load=(first["params"], first["state"], 2))
+    ref, _ = reference("gpt", "adamw", 3)
+    for n, p in ref.named_parameters():
+        torch.testing.assert_close(again[3]["params"][n], p.detach(), **TOL)
+    # the same checkpoint also loads into a plain AdamW on one process
+    model = make("gpt")
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            p.copy_(first["params"][n])
+    opt = torch.optim.AdamW(param_groups(model), **OPTIMS["adamw"][1])
+    opt.load_state_dict(first["state"])
+    x, y = sampler().global_batch(2)
+    model(x, y)[1].backward()
+    opt.step()
+    for n, p in ref.named_parameters():
+        torch.testing.assert_close(dict(model.named_parameters())[n], p, **TOL)
+
+
+def _one_step_traffic(stage):
+    rank, world = comm.get_rank(), comm.get_world_size()
+    model = make("gpt")
+    opt = ShardedOptimizer(model.parameters(), torch.optim.SGD, stage=stage, lr=0.1)
+    x, y = sampler().shard(0, rank, world)
+    model(x, y)[1].backward()
+    opt.step()
+    return opt._layouts[0]["seg"]
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_traffic_is_a_reduce_scatter_and_an_all_gather(stage):
+    """ZeRO-1/2 move what DDP's all-reduce moves, 2 (N-1)/N psi elements per rank, up to segment padding."""
+    n = 4
+    res = parlab.run(_one_step_traffic, n, stage, trace=True)
+    psi, seg = CFG.param_count(), res[0]
+    for r in range(n):
+        assert res.trace.count("reduce_scatter", rank=r) == 1 and res.trace.count("all_gather", rank=r) == 1
+        sent = res.trace.bytes_per_rank()[r]
+        assert sent == pytest.approx(2 * (n - 1) / n * n * seg * 8)          # float64: 8 bytes
+        ratio = sent / (2 * (n - 1) / n * psi * 8)                          # vs an all-reduce of psi elements
+        assert 1.0 <= ratio < 1.05, ratio
+
+
+def _bad(kind):
+    model = make("gpt")
+    if kind == "stage":
+        ShardedOptimizer(model.parameters(), torch.optim.SGD, stage=3, lr=0.1)
+    else:
+        ShardedOptimizer(model.parameters(), torch.optim.SGD, lr=0.1).add_param_group({"params": []})
+
+
+def _both_errors():
+    out = []
+    for kind in ("stage", "add"):
+        try:
+            _bad(kind)
+        except (ValueError, NotImplementedError) as e:
+            out.append(f"{type(e).__name__}: {e}")
+    return out
+
+
+def test_clear_errors():
+    msgs = parlab.run(_both_errors, 2)[0]
+    assert len(msgs) == 2 and msgs[0].startswith("ValueError") and "stage 3" in msgs[0]
+    assert msgs[1].startswith("NotImplementedError")
