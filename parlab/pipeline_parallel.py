@@ -1,0 +1,328 @@
+"""Pipeline parallelism: cut the tiny GPT into stages and run any schedule over point-to-point messages.
+
+`split_layers` gives each of the S = p * v (virtual) stages a balanced run of transformer blocks; stage 0 also
+embeds the tokens and stage S - 1 also computes the head and the loss. `PipelineParallel(model, schedule,
+group)` keeps on this rank only the stages `schedule.placement` gives it, and `step(x, y)` runs this rank's
+list of actions from `parlab.schedules` (any valid schedule: GPipe, 1F1B, interleaved, ZB-H1, your own):
+
+    F  s i   input: token ids (s = 0), else the activation of stage s - 1   (recv, or a local hand-off)
+             output: sent to stage s + 1; on the last stage the loss of micro-batch i, divided by m
+    B  s i   gradient of the output (recv from stage s + 1; the loss itself on the last stage) ->
+             parameter gradients accumulate in .grad; the input gradient is sent to stage s - 1
+    I  s i   the same, but only the input gradient (and the gradients of every layer output), graph kept
+    W  s i   the weight gradients from what I kept: Linear dW = dY^T X, db = sum dY; LayerNorm and
+             Embedding through their own small autograd node. Nobody waits for a W.
+
+Every micro-batch's loss is divided by m, so the accumulated gradients are those of the mean loss over the
+whole batch, exactly as the unsplit model computes them. With tied embeddings (GPT-2's lm_head.weight is
+wte.weight) the first and last stage each hold a copy; after the last micro-batch they add their two
+gradients (one p2p exchange, as Megatron's embedding group does with an all-reduce [3]). With `dp_group`,
+gradients are then averaged over data-parallel replicas in one all-reduce, once per step.
+
+Communication. Sends are non-blocking (`comm.isend`, every work waited at the end of the step) and
+receives block, so a rank stalls only when the data it needs has not been produced: exactly the model
+`parlab.schedules.simulate` checks for deadlock. `comm.recv` has no tag, so messages between two ranks
+arrive in the order they were sent; the receiver knows that order (the schedule is data, known to every
+rank) and takes messages in it, keeping early ones until their action runs. Every action is a traced
+region ("forward", "backward", "backward_input", "backward_weight", labelled "stage s mb i") and every
+message is labelled ("stage 1 -> 2 act mb 3", "stage 2 -> 1 grad mb 3"); `measured_spans(trace)` turns a
+trace back into per-rank (start, end, Action) spans to lay over `simulate(schedule).spans`.
+
+References
+    [1] Y. Huang et al., "GPipe", NeurIPS 2019, arXiv:1811.06965.
+    [2] D. Narayanan et al., "Memory-Efficient Pipeline-Parallel DNN Training", ICML 2021, arXiv:2006.09503.
+    [3] D. Narayanan et al., "Efficient Large-Scale Language Model Training on GPU Clusters Using
+        Megatron-LM", SC 2021, arXiv:2104.04473 (interleaved stages; embedding group for tied weights).
+    [4] P. Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024, arXiv:2401.10241 (B = I + W).
+"""
+from __future__ import annotations
+
+import re
+from collections import defaultdict, deque
+
+import torch
+import torch.nn as nn
+
+from . import comm
+from .data import micro_batches
+from .models import GPT, clone_model
+from .schedules import KINDS, Action, Schedule, validate
+from .trace import Trace, region
+
+__all__ = ["split_layers", "PipelineParallel", "measured_spans", "measured_bubble", "measured_costs"]
+
+
+def split_layers(n_layer: int, stages: int) -> list[range]:
+    """Balanced contiguous runs of blocks, one per stage; sizes differ by at most one, and the extra blocks go
+    to the middle stages (the first stage also embeds, the last one also runs the head and the loss)."""
+    if stages < 1:
+        raise ValueError(f"a pipeline needs at least one stage, got {stages}")
+    if n_layer < stages:
+        raise ValueError(f"the model has {n_layer} layers but the pipeline has {stages} (virtual) stages; every "
+                         f"stage needs at least one layer: use at most {n_layer} stages (ranks x chunks) or "
+                         f"a model with n_layer >= {stages}")
+    base, extra = divmod(n_layer, stages)
+    middle_first = sorted(range(stages), key=lambda s: -min(s, stages - 1 - s))
+    sizes = [base + (s in middle_first[:extra]) for s in range(stages)]
+    starts = [sum(sizes[:s]) for s in range(stages)]
+    return [range(a, a + n) for a, n in zip(starts, sizes)]
+
+
+class PipelineParallel:
+    """This rank's stages of `model` under `schedule`, on the pipeline group `group` (default: world).
+
+    `module` is a copy of the model in which the blocks (and embedding / head) of other ranks' stages are
+    None, so parameter names stay those of the full model. `step(x, y)` runs one training step's schedule on
+    the whole batch (x, y), each (B, S), split into `schedule.microbatches` micro-batches; it accumulates
+    gradients into `.grad` (set them to None between steps, as with `backward`) and returns the mean loss on the
+    rank holding the last stage (None elsewhere). x and y live on the model's device."""
+
+    def __init__(self, model: GPT, schedule: Schedule, group=None, dp_group=None):
+        validate(schedule)
+        p = comm.get_world_size(group)
+        if schedule.ranks != p:
+            raise ValueError(f"schedule {schedule.name!r} is for {schedule.ranks} ranks but the pipeline group has "
+                             f"{p}; build it with {p} stages")
+        self.schedule, self.group, self.dp_group = schedule, group, dp_group
+        self.rank = comm.get_rank(group)                      # position in the pipeline group
+        self.peers = comm.group_ranks(group)                  # pipeline rank -> global rank
+        S = schedule.stages
+        self.layers = split_layers(model.config.n_layer, S)
+        self.my_stages = schedule.stages_of(self.rank)
+        ref = next(model.parameters())
+        self.dtype, self.device = ref.dtype, ref.device       # of the messages: (b, S, H) hidden states
+        self.module = m = clone_model(model)
+        keep = {i for s in self.my_stages for i in self.layers[s]}
+        for i in range(len(m.blocks)):
+            if i not in keep:
+                m.blocks[i] = None
+        if 0 not in self.my_stages:
+            m.wte = m.wpe = None
+        if S - 1 not in self.my_stages:
+            m.ln_f = m.lm_head = None
+        # tied embeddings split across two ranks: each keeps a copy whose gradients are added after the step
+        self.tied = model.config.tie_embeddings and schedule.placement[0] != schedule.placement[S - 1]
+        self._split = any(a.kind in "IW" for a in schedule.actions[self.rank])
+        self._captures: list | None = None
+        if self._split:
+            for mod in m.modules():
+                if isinstance(mod, (nn.Linear, nn.LayerNorm, nn.Embedding)):
+                    mod.register_forward_hook(self._capture)
+                elif any(True for _ in mod.parameters(recurse=False)):
+                    raise ValueError(f"the split backward (I/W) knows Linear, LayerNorm and Embedding weights, not "
+                                     f"{type(mod).__name__}; use a schedule with B actions for this model")
+
+    # ------------------------------------------------------------------ the model pieces
+    def parameters(self):
+        return self.module.parameters()
+
+    def grads(self) -> dict[str, torch.Tensor]:
+        """Gradient of every parameter this rank holds, under its name in the full model."""
+        out = {}
+        for name, prm in self.module.named_parameters():
+            if prm.grad is not None:
+                out["wte.weight" if name == "lm_head.weight" and self.module.config.tie_embeddings else name] = prm.grad
+        return out
+
+    def forward_stage(self, stage: int, x: torch.Tensor) -> torch.Tensor:
+        """Stage `stage` on ids (B, S) (stage 0) or hidden states (B, S, H); hidden (B, S, H) or logits (B, S, V)."""
+        m = self.module
+        if stage == 0:
+            x = m.embed(x)                                    # (B, S) -> (B, S, H)
+        for i in self.layers[stage]:
+            x = m.blocks[i](x)                                # (B, S, H)
+        if stage == self.schedule.stages - 1:
+            x = m.head(x)                                     # (B, S, V)
+        return x
+
+    def _capture(self, mod, inputs, output):
+        if self._captures is not None:
+            self._captures.append((mod, inputs[0] if isinstance(mod, nn.Linear) else None, output))
+
+    # ------------------------------------------------------------------ one training step
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:
+        sch, me, S, m = self.schedule, self.rank, self.schedule.stages, self.schedule.microbatches
+        micro = micro_batches(x, y, m)                        # m x ((b, S), (b, S))
+        b, T = micro[0][0].shape
+        dtype = self.dtype
+        shape = (b, T, self.module.config.n_embd)             # every message: (b, S, H)
+        self._inbox = _Inbox(sch, me, self.peers, shape, dtype, self.device, self.group)
+        self._sends, self._local = [], {}
+        saved, kept = {}, {}                                  # (stage, mb) -> (input, output); I's leftovers
+        loss_sum = torch.zeros((), dtype=dtype, device=self.device)
+        for a in sch.actions[me]:
+            s, i = a.stage, a.mb
+            name, label = KINDS[a.kind], f"stage {s} mb {i}"
+            if a.kind == "F":                                 # receive outside the compute span
+                inp = micro[i][0] if s == 0 else self._get("act", s, i).requires_grad_()
+                with region(name, label=label):
+                    self._captures = [] if self._split else None
+                    out = self.forward_stage(s, inp)          # (b, S, H), or logits (b, S, V) on the last stage
+                    if s == S - 1:
+                        out = GPT.loss(out, micro[i][1]) / m  # mean over micro-batches = mean over the batch
+                        loss_sum += out.detach()
+                    saved[(s, i)] = (inp, out, self._captures)
+                    self._captures = None
+                if s < S - 1:
+                    self._put("act", s, s + 1, i, out.detach())
+            elif a.kind in "BI":
+                inp, out, caps = saved.pop((s, i))
+                grad = None if s == S - 1 else self._get("grad", s, i)   # dL/d(out): (b, S, H)
+                with region(name, label=label):
+                    if a.kind == "B":
+                        torch.autograd.backward(out, grad)
+                        gin = inp.grad if s > 0 else None
+                    else:                                     # I: input grad + every captured layer output's grad
+                        wrt = ([inp] if s > 0 else []) + [c[2] for c in caps]
+                        g = torch.autograd.grad(out, wrt, grad, retain_graph=True, allow_unused=True)
+                        gin = g[0] if s > 0 else None
+                        kept[(s, i)] = (caps, g[1:] if s > 0 else g)
+                if s > 0:
+                    self._put("grad", s, s - 1, i, gin)
+            else:                                             # W: weight gradients from what I kept
+                with region(name, label=label):
+                    _weight_grads(*kept.pop((s, i)))
+            self._reap()
+        for w in self._sends:                                 # every isend waited (gloo rule)
+            w.wait()
+        self._sends = []
+        self._sync_tied()
+        if self.dp_group is not None:
+            self._all_reduce_dp()
+        return loss_sum if S - 1 in self.my_stages else None
+
+    # ------------------------------------------------------------------ messages
+    def _reap(self) -> None:
+        """Wait on (and so release the buffers of) the sends that have already completed."""
+        pending = []
+        for w in self._sends:
+            if w.is_completed():
+                w.wait()
+            else:
+                pending.append(w)
+        self._sends = pending
+
+    def _put(self, kind: str, src: int, dst: int, i: int, t: torch.Tensor) -> None:
+        """Hand stage `dst` its input (act) or output gradient (grad) for micro-batch i."""
+        to = self.schedule.placement[dst]
+        if to == self.rank:
+            self._local[(kind, dst, i)] = t
+        else:
+            self._sends.append(comm.isend(t.contiguous(), self.peers[to], group=self.group,
+                                          label=f"stage {src} -> {dst} {kind} mb {i}"))
+
+    def _get(self, kind: str, dst: int, i: int) -> torch.Tensor:
+        key = (kind, dst, i)
+        return self._local.pop(key) if key in self._local else self._inbox.get(key)
+
+    def _sync_tied(self) -> None:
+        """First and last stage add their gradients of the tied embedding (wte.weight == lm_head.weight)."""
+        if not self.tied:
+            return
+        S, pl = self.schedule.stages, self.schedule.placement
+        mine = {pl[0]: self.module.wte, pl[S - 1]: self.module.lm_head}.get(self.rank)
+        if mine is None:
+            return
+        other = pl[S - 1] if self.rank == pl[0] else pl[0]
+        w = mine.weight
+        g = w.grad if w.grad is not None else torch.zeros_like(w)
+        buf = torch.empty_like(g)
+        work = comm.isend(g.clone(), self.peers[other], group=self.group, label="tied embedding grad")
+        comm.recv(buf, self.peers[other], group=self.group, label="tied embedding grad")
+        work.wait()
+        w.grad = g + buf
+
+    def _all_reduce_dp(self) -> None:
+        """Average the gradients over data-parallel replicas: one flat all-reduce per step."""
+        prms = [q for q in self.module.parameters() if q.grad is not None]
+        if not prms:
+            return
+        flat = torch.cat([q.grad.reshape(-1) for q in prms])  # (numel of this rank's grads,)
+        comm.all_reduce(flat, op=torch.distributed.ReduceOp.AVG, group=self.dp_group, label="pipeline dp grads")
+        for q, g in zip(prms, flat.split([q.numel() for q in prms])):
+            q.grad.copy_(g.view_as(q))
+
+
+class _Inbox:
+    """Receives the messages of one step in the order each sender sends them (the schedule tells which)."""
+
+    def __init__(self, sch: Schedule, me: int, peers: list[int], shape, dtype, device, group):
+        self.expect: dict[int, deque] = defaultdict(deque)   # sender pipeline rank -> message keys in send order
+        for q, acts in enumerate(sch.actions):
+            if q == me:
+                continue
+            for a in acts:
+                if a.kind == "F" and a.stage < sch.stages - 1 and sch.placement[a.stage + 1] == me:
+                    self.expect[q].append(("act", a.stage + 1, a.mb))
+                elif a.kind in "BI" and a.stage > 0 and sch.placement[a.stage - 1] == me:
+                    self.expect[q].append(("grad", a.stage - 1, a.mb))
+        self.sch, self.peers, self.shape, self.dtype, self.device, self.group = sch, peers, shape, dtype, device, group
+        self.early: dict = {}
+
+    def get(self, key) -> torch.Tensor:
+        kind, dst, i = key
+        src_stage = dst - 1 if kind == "act" else dst + 1
+        q = self.sch.placement[src_stage]
+        while key not in self.early:
+            k = self.expect[q].popleft()
+            buf = torch.empty(self.shape, dtype=self.dtype, device=self.device)   # (b, S, H)
+            src = k[1] - 1 if k[0] == "act" else k[1] + 1
+            comm.recv(buf, self.peers[q], group=self.group, label=f"stage {src} -> {k[1]} {k[0]} mb {k[2]}")
+            self.early[k] = buf
+        return self.early.pop(key)
+
+
+@torch.no_grad()
+def _weight_grads(caps, gys) -> None:
+    """W: accumulate weight gradients from each layer's output gradient (and, for Linear, its saved input)."""
+    for (mod, x, y), gy in zip(caps, gys):
+        if gy is None:
+            continue
+        if isinstance(mod, nn.Linear):                        # y = x W^T + b
+            g2 = gy.reshape(-1, gy.shape[-1])                 # (N, out)
+            grads = [g2.T @ x.reshape(-1, x.shape[-1])]       # dW = dY^T X: (out, in)
+            if mod.bias is not None:
+                grads.append(g2.sum(0))                       # db = sum over rows of dY: (out,)
+            prms = [mod.weight] + ([mod.bias] if mod.bias is not None else [])
+        else:                                                 # LayerNorm / Embedding: their own backward node
+            prms = [q for q in mod.parameters() if q.requires_grad]
+            with torch.enable_grad():
+                grads = torch.autograd.grad(y, prms, gy, retain_graph=True)
+        for q, g in zip(prms, grads):
+            q.grad = g.clone() if q.grad is None else q.grad + g
+
+
+# ---------------------------------------------------------------------- measured timelines
+_LABEL = re.compile(r"^stage (\d+) mb (\d+)$")
+_KIND = {name: k for k, name in KINDS.items()}
+
+
+def measured_spans(trace: Trace) -> dict[int, list[tuple[float, float, Action]]]:
+    """Per global rank, the (start, end, Action) spans the executor recorded, seconds from the first of them."""
+    evs = [e for e in trace.events if e.kind == "compute" and e.op in _KIND and _LABEL.match(e.label)]
+    t0 = min((e.start for e in evs), default=0.0)
+    out: dict[int, list] = defaultdict(list)
+    for e in evs:
+        s, i = map(int, _LABEL.match(e.label).groups())
+        out[e.rank].append((e.start - t0, e.end - t0, Action(s, _KIND[e.op], i)))
+    return {r: sorted(v, key=lambda t: t[0]) for r, v in sorted(out.items())}
+
+
+def measured_bubble(trace: Trace) -> float:
+    """Idle fraction of the measured pipeline step over all ranks: 1 - compute time / (ranks * makespan)."""
+    spans = measured_spans(trace)
+    if not spans:
+        raise ValueError("the trace holds no pipeline actions; run the step under parlab.run(..., trace=True)")
+    makespan = max(e for sp in spans.values() for _, e, _ in sp)
+    busy = sum(e - s for sp in spans.values() for s, e, _ in sp)
+    return 1 - busy / (len(spans) * makespan)
+
+
+def measured_costs(trace: Trace) -> dict[tuple[int, str], float]:
+    """Mean measured seconds of each (stage, kind); `simulate(schedule, costs=lambda a: c[(a.stage, a.kind)])`
+    then predicts the step from the real per-action costs (comparable with `measured_bubble`)."""
+    acc: dict[tuple[int, str], list[float]] = defaultdict(list)
+    for sp in measured_spans(trace).values():
+        for t0, t1, a in sp:
+            acc[(a.stage, a.kind)].append(t1 - t0)
+    return {k: sum(v) / len(v) for k, v in acc.items()}
