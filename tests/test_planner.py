@@ -1,0 +1,145 @@
+"""The layout planner: closed-form memory numbers, monotonicity, placement, clear errors, and its choice for
+Megatron's published GPT-3 175B run (Narayanan et al., arXiv:2104.04473, table 1: t = 8, p = 8 on 1024 A100
+80 GB GPUs with a global batch of 1536 sequences). Pure arithmetic: the whole file runs in about a second."""
+import pytest
+import torch
+
+from parlab.costs import Cluster, ModelSpec, activation_bytes_per_layer, from_gpt_config, preset
+from parlab.memory import measure, transformer_params
+from parlab.models import GPT, GPTConfig
+from parlab.planner import enumerate_layouts, estimate, explain, format_table, main, plan, tiny_state_bytes, \
+    volume_table
+from parlab.topology import ParallelGrid
+
+GB = 1e9
+GPT3 = preset("gpt3-175b")
+MEGATRON = Cluster(nodes=128)           # 128 DGX A100 80 GB nodes = 1024 GPUs, defaults: 312 TFLOP/s, NVLink, IB
+
+
+def test_parameter_counts_match_the_closed_forms_and_the_papers():
+    # GPT-3: 12 h^2 + 13 h per layer + V h + 2 h (memory.transformer_params) + the s x h position table
+    assert GPT3.param_count() == transformer_params(12288, 96, 50257) + 2048 * 12288
+    assert GPT3.param_count() / 1e9 == pytest.approx(174.6, abs=0.05)
+    # LLaMA (SwiGLU, untied head, RMSNorm): 6.74B, 13.0B, 65.3B as released
+    for name, billions in (("llama-7b", 6.74), ("llama-13b", 13.02), ("llama-65b", 65.29)):
+        assert preset(name).param_count() / 1e9 == pytest.approx(billions, abs=0.01)
+    bare = GPTConfig(n_layer=3, n_embd=48, n_head=4, vocab_size=50, bias=False, tie_embeddings=False)
+    for cfg in (GPTConfig(), bare):
+        assert from_gpt_config(cfg).param_count() == cfg.param_count()
+
+
+def test_memory_closed_forms():
+    one = Cluster(nodes=1, gpus_per_node=1, gpu_mem_gb=10_000)
+    e = estimate(GPT3, one, 1)
+    psi = GPT3.param_count()
+    assert e.params_bytes == pytest.approx(2 * psi)                       # 16-bit weights: ~350 GB
+    assert e.params_bytes / GB == pytest.approx(349.2, abs=0.1)
+    assert e.params_bytes + e.grads_bytes + e.optimizer_bytes == pytest.approx(16 * psi)   # 2 + 2 + 12
+    s, h, a = 2048, 12288, 96                                             # Korthikanti eq. 2, per layer
+    assert activation_bytes_per_layer(GPT3, 1) == pytest.approx(s * h * (34 + 5 * a * s / h))
+    assert activation_bytes_per_layer(GPT3, 2, tp=8) == pytest.approx(2 * s * h * (34 + 5 * a * s / h) / 8)
+    assert activation_bytes_per_layer(GPT3, 1, tp=8, recompute=True) == pytest.approx(2 * s * h / 8)
+    assert e.activation_bytes == pytest.approx(96 * activation_bytes_per_layer(GPT3, 1))
+
+
+def test_step_time_terms_follow_their_formulas():
+    e = estimate(GPT3, MEGATRON, 1536, tp=8, pp=8, zero=1)
+    psi = GPT3.param_count()
+    assert (e.dp, e.micro_batches) == (16, 96)
+    assert e.compute_s == pytest.approx(6 * psi * 1536 * 2048 / (1024 * 312e12 * 0.5))
+    assert e.bubble_s == pytest.approx((8 - 1) / 96 * e.compute_s)       # 1F1B, relative to the ideal step
+    assert e.volume["dp"] == pytest.approx(2 * 15 / 16 * 2 * GPT3.stage_params(8, 8))   # ring all-reduce
+    assert e.volume["tp"] == pytest.approx(4 * 12 * 96 * 2 * 7 / 8 * 2 * 2048 * 12288)
+    assert not e.crosses["tp"] and e.crosses["pp"] and e.crosses["dp"]
+    assert e.tp_s == pytest.approx(e.volume["tp"] / 300e9)                # NVLink
+    assert e.pp_s == pytest.approx(e.volume["pp"] / 25e9)                 # InfiniBand
+    # TP beyond a node pays the inter-node bandwidth
+    wide = estimate(GPT3, MEGATRON, 1536, tp=16, pp=4, zero=1)
+    assert wide.crosses["tp"] and wide.tp_s == pytest.approx(wide.volume["tp"] / 25e9)
+    assert wide.step_s > e.step_s
+
+
+def test_monotonic_in_zero_stage_and_recomputation():
+    totals = [estimate(GPT3, MEGATRON, 1536, tp=8, pp=8, zero=z).total_bytes for z in range(4)]
+    assert totals == sorted(totals, reverse=True) and len(set(totals)) == 4
+    plain = estimate(GPT3, MEGATRON, 1536, tp=4, pp=8, zero=1)
+    rc = estimate(GPT3, MEGATRON, 1536, tp=4, pp=8, zero=1, recompute=True)
+    assert rc.activation_bytes < plain.activation_bytes / 10
+    assert rc.compute_s == pytest.approx(plain.compute_s * 8 / 6) and rc.step_s > plain.step_s
+
+
+def test_megatron_gpt3_layout_is_chosen():
+    every = enumerate_layouts(GPT3, MEGATRON, 1536)
+    ranked = plan(GPT3, MEGATRON, 1536)
+    print("\n" + format_table(ranked, 5) + "\n" + explain(ranked, every))
+    assert all(e.tp == 8 and e.pp > 1 for e in ranked[:5])     # TP fills a node, never leaves it; PP across
+    # the published t = 8, p = 8 (dp = 16) is among the first three (it is first today; the next ones are
+    # within 0.5%, below what this model can separate, so the test does not pin the exact rank)
+    assert (8, 8, 16) in [(e.tp, e.pp, e.dp) for e in ranked[:3]]
+    assert "tp=8" in explain(ranked, every)
+
+
+def test_data_parallel_alone_does_not_fit_gpt3():
+    cluster = Cluster(nodes=192)                               # 1536 GPUs: dp = 1536, one sequence each
+    for zero in (0, 1, 2):
+        for rc in (False, True):
+            e = estimate(GPT3, cluster, 1536, zero=zero, recompute=rc)
+            assert not e.fits and "GB" in e.reason
+    assert estimate(GPT3, cluster, 1536).total_bytes > 16 * GPT3.param_count() > 80 * GB
+    # ZeRO-3 shards all 16 psi over the 1536 ranks, so it fits: that is what FSDP is for
+    assert estimate(GPT3, cluster, 1536, zero=3, recompute=True).fits
+
+
+def test_volume_table_tp_over_dp_over_pp_on_seed_000_grid():
+    grid = ParallelGrid(16, tp=2, pp=4, gpus_per_node=8)
+    rows = volume_table(preset("llama-7b"), grid, global_batch=16)
+    assert [r["dim"] for r in rows][:3] == ["tp", "dp", "pp"]
+    link = {r["dim"]: r["crosses_nodes"] for r in rows}
+    assert link == {"tp": False, "dp": False, "pp": True, "cp": False}
+
+
+def test_clear_errors():
+    with pytest.raises(ValueError, match="not divisible by heads"):
+        ModelSpec("bad", layers=2, hidden=30, heads=4, vocab=10, seq=8)
+    with pytest.raises(ValueError, match="nodes"):
+        Cluster(nodes=0)
+    with pytest.raises(ValueError, match="unknown model preset"):
+        preset("gpt5")
+    with pytest.raises(ValueError, match="no layout of llama-65b .* fits"):
+        plan(preset("llama-65b"), Cluster(nodes=1, gpu_mem_gb=40), 16)
+    odd = ModelSpec("odd", layers=3, hidden=64, heads=2, vocab=10, seq=8)
+    with pytest.raises(ValueError, match="no valid layout"):
+        enumerate_layouts(odd, Cluster(nodes=1), 3)
+    with pytest.raises(ValueError, match="global batch"):
+        enumerate_layouts(odd, Cluster(nodes=1), 0)
+
+
+def test_main_prints_a_table(capsys):
+    assert main(["--model", "llama-7b", "--nodes", "1", "--top", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "Best:" in out and "step s" in out and out.count("\n") > 8
+    assert main(["--model", "llama-65b", "--gpu-mem-gb", "40"]) == 2
+    assert "no layout" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["--model", "custom", "--layers", "2"])
+
+
+def test_tiny_gpt_state_bytes_match_measured_bytes():
+    # one process (dp = tp = pp = 1), fp32 AdamW: 4 + 4 + 8 bytes per parameter; measured / planned = 1
+    cfg = GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=2, n_embd=32)
+    model = GPT(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x = torch.zeros(2, 8, dtype=torch.long)
+    model(x, x)[1].backward()
+    opt.step()
+    got, want = measure(model.parameters(), opt), tiny_state_bytes(cfg)
+    ratio = {k: got[k] / want[k] for k in want}
+    # params and grads exactly; torch's AdamW also keeps a 4-byte `step` scalar per parameter tensor,
+    # which the planner's K = 8 bytes per parameter leaves out (ratio 1.0006 here, -> 1 for large models)
+    assert ratio["params"] == ratio["grads"] == 1.0
+    n_tensors = len(list(model.parameters()))
+    assert got["optimizer"] == want["optimizer"] + 4 * n_tensors
+    assert ratio["total"] == pytest.approx(1.0, abs=1e-3)
+    # sharded layouts: each stage / TP rank holds fewer bytes, ZeRO shards over dp
+    assert tiny_state_bytes(cfg, tp=2)["params"] < want["params"]
+    assert tiny_state_bytes(cfg, dp=2, zero=1)["optimizer"] == pytest.approx(want["optimizer"] / 2)
