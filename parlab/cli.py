@@ -1,0 +1,122 @@
+"""The ``parlab`` command.
+
+    parlab course build [--check]        regenerate exercises/*.ipynb from exercises/solutions/*.ipynb
+    parlab course strip [--check]        strip outputs and execution counts from the course notebooks
+    parlab course scorecard results.xml  per-check pass/fail table from pytest --nbval-lax --junitxml
+    parlab grid --world 16 --tp 2 --pp 4 --gpus-per-node 8   print the rank groups of a layout
+
+Each subcommand is one ``add_<name>(subparsers)`` function that registers its
+parser and sets ``func`` (a function of the parsed arguments returning the exit
+status); a new command (``plan``, ``lab``) is one more such function added to
+``COMMANDS``.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+
+# ---------------------------------------------------------------------- parlab course ...
+def _course_build(args) -> int:
+    from . import course
+    stale = course.build(args.root, check=args.check)
+    for p in stale:
+        print(f"{'stale' if args.check else 'wrote'}: {p}")
+    if args.check and stale:
+        print("generated exercises are out of date: run `parlab course build` and commit the result",
+              file=sys.stderr)
+        return 1
+    if not stale:
+        print("exercises are up to date")
+    return 0
+
+
+def _course_strip(args) -> int:
+    from . import course
+    dirty = course.strip(args.root, check=args.check)
+    for p in dirty:
+        print(f"{'not stripped' if args.check else 'stripped'}: {p}")
+    if args.check and dirty:
+        print("notebooks carry outputs: run `parlab course strip` before committing", file=sys.stderr)
+        return 1
+    if not dirty:
+        print("all course notebooks are stripped")
+    return 0
+
+
+def _course_scorecard(args) -> int:
+    from . import course
+    rows = course.scorecard(args.junit_xml, root=args.root)
+    for r in rows:
+        first = r["message"].splitlines()[0][:100] if r["message"] else ""
+        print(f"{'PASS' if r['passed'] else 'FAIL'}  {r['file']}  cell {r['cell']:>2}  {r['check']}"
+              + (f"\n      {first}" if first else ""))
+    passed = sum(r["passed"] for r in rows)
+    print(f"{passed}/{len(rows)} checks passed")
+    return 0 if passed == len(rows) else 1
+
+
+def add_course(sub) -> None:
+    p = sub.add_parser("course", help="build exercises, strip notebooks, read grading results")
+    csub = p.add_subparsers(dest="course_command", required=True)
+    b = csub.add_parser("build", help="regenerate exercises/*.ipynb from exercises/solutions/*.ipynb")
+    b.add_argument("--check", action="store_true", help="write nothing; exit 1 and list the stale exercises")
+    b.set_defaults(func=_course_build)
+    s = csub.add_parser("strip", help="remove outputs and execution counts from lessons/ and exercises/")
+    s.add_argument("--check", action="store_true", help="write nothing; exit 1 and list the notebooks with outputs")
+    s.set_defaults(func=_course_strip)
+    c = csub.add_parser("scorecard", help="per-check results from a pytest --junitxml file")
+    c.add_argument("junit_xml", type=Path)
+    c.set_defaults(func=_course_scorecard)
+    for q in (b, s):
+        q.add_argument("--root", type=Path, default=None, help="repository root (default: this checkout)")
+    c.add_argument("--root", type=Path, default=Path("."), help="folder the tests were run from (default: .)")
+
+
+# ---------------------------------------------------------------------- parlab grid
+def _grid(args) -> int:
+    from .topology import ParallelGrid
+    try:
+        grid = ParallelGrid(args.world, tp=args.tp, pp=args.pp, cp=args.cp, dp=args.dp, order=args.order,
+                            gpus_per_node=args.gpus_per_node)
+    except ValueError as e:
+        print(f"parlab grid: {e}", file=sys.stderr)
+        return 2
+    print(grid.describe())
+    return 0
+
+
+def add_grid(sub) -> None:
+    p = sub.add_parser("grid", help="print the tp/cp/dp/pp groups of a rank layout")
+    p.add_argument("--world", type=int, required=True, help="number of ranks (GPUs)")
+    for dim in ("tp", "pp", "cp"):
+        p.add_argument(f"--{dim}", type=int, default=1, help=f"{dim} size (default 1)")
+    p.add_argument("--dp", type=int, default=None, help="dp size (default: world / (tp*pp*cp))")
+    p.add_argument("--order", default="tp-cp-dp-pp", help="dims from fastest- to slowest-varying")
+    p.add_argument("--gpus-per-node", type=int, default=None, help="GPUs per node (default: all on one node)")
+    p.set_defaults(func=_grid)
+
+
+# ---------------------------------------------------------------------- entry point
+COMMANDS = [add_course, add_grid]
+
+
+def make_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="parlab", description="parlab: learn parallel training by running it")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for add in COMMANDS:
+        add(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = make_parser().parse_args(argv)
+    if getattr(args, "root", "unset") is None:
+        from .course import ROOT
+        args.root = ROOT
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,208 @@
+"""The course as files: generate exercises from their solutions, keep notebooks stripped, read scorecards.
+
+The solution notebook is the single source of truth (the approach of the
+scikit-learn MOOC, INRIA/scikit-learn-mooc, and nbgrader's markers). In
+``exercises/solutions/NN_topic.ipynb`` the lines a student must write sit
+between two marker lines::
+
+    def ring_all_gather(chunks):
+        ### BEGIN SOLUTION
+        for step in range(n - 1):
+            ...
+        ### END SOLUTION
+
+`make_exercise` replaces every such region by one line at the indentation of
+its ``BEGIN`` marker::
+
+        raise NotImplementedError  # your code here
+
+and clears all outputs, giving ``exercises/NN_topic.ipynb``. `build` writes
+(or, with ``check=True``, only compares) every generated notebook, so CI can
+fail when a solution changed and its exercise was not regenerated (the
+``git diff --exit-code`` idea of TeachOpenCADD's CI).
+
+Notebooks are committed *stripped*: no outputs, no execution counts, no
+widget state (`strip_notebook`, `stripped_problems`).
+
+A *graded cell* is a code cell that calls ``grading.check_...``; it starts
+with a docstring saying what it checks (nbgrader's style). `graded_cells`
+lists them, and `scorecard` joins them with the JUnit XML that
+``pytest --nbval-lax --junitxml=...`` writes, where nbval names code cell k
+(0-based, code cells only) ``Cell k``.
+"""
+from __future__ import annotations
+
+import ast
+import copy
+import re
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import nbformat
+
+__all__ = ["BEGIN", "END", "PLACEHOLDER", "strip_solution", "make_exercise", "strip_notebook", "stripped_problems",
+           "graded_cells", "read", "dumps", "build", "strip", "course_notebooks", "scorecard", "ROOT"]
+
+BEGIN, END = "### BEGIN SOLUTION", "### END SOLUTION"
+PLACEHOLDER = "raise NotImplementedError  # your code here"
+ROOT = Path(__file__).resolve().parent.parent          # the repository (lessons/, exercises/ live here)
+GENERATED_NOTE = "generated from exercises/solutions/{name} by `parlab course build`; edit the solution instead"
+
+
+# ---------------------------------------------------------------------- solutions -> exercises
+def strip_solution(source: str, where: str = "cell") -> str:
+    """Replace each BEGIN/END SOLUTION region of `source` (markers included) by the placeholder line."""
+    out: list[str] = []
+    inside = False
+    for n, line in enumerate(source.splitlines(), start=1):
+        marker = line.strip()
+        if marker == BEGIN:
+            if inside:
+                raise ValueError(f"{where}, line {n}: '{BEGIN}' inside another solution region; close the first "
+                                 f"one with '{END}'")
+            inside = True
+            indent = line[: len(line) - len(line.lstrip())]
+            out.append(indent + PLACEHOLDER)
+        elif marker == END:
+            if not inside:
+                raise ValueError(f"{where}, line {n}: '{END}' without a matching '{BEGIN}'")
+            inside = False
+        elif not inside:
+            out.append(line)
+    if inside:
+        raise ValueError(f"{where}: '{BEGIN}' is never closed; add a line '{END}' after the solution")
+    return "\n".join(out)
+
+
+def make_exercise(solution: nbformat.NotebookNode, name: str = "") -> nbformat.NotebookNode:
+    """The student notebook: solution regions replaced, outputs stripped, a note saying where it came from."""
+    nb = strip_notebook(solution)
+    for i, cell in enumerate(nb.cells):
+        if cell.cell_type == "code":
+            cell.source = strip_solution(cell.source, where=f"{name or 'notebook'}, cell {i}")
+    nb.metadata["parlab"] = {"generated": GENERATED_NOTE.format(name=name)}
+    return nb
+
+
+# ---------------------------------------------------------------------- stripping
+def strip_notebook(nb: nbformat.NotebookNode) -> nbformat.NotebookNode:
+    """A copy with no outputs, no execution counts, no per-cell run metadata and no saved widget state."""
+    nb = copy.deepcopy(nb)
+    nb.metadata.pop("widgets", None)
+    for cell in nb.cells:
+        if cell.cell_type == "code":
+            cell.outputs = []
+            cell.execution_count = None
+        for key in ("execution", "collapsed", "scrolled", "ExecuteTime"):
+            cell.metadata.pop(key, None)
+    return nb
+
+
+def stripped_problems(nb: nbformat.NotebookNode) -> list[str]:
+    """What keeps `nb` from being committed as is (empty when it is stripped)."""
+    problems = [f"cell {i} has outputs" for i, c in enumerate(nb.cells) if c.cell_type == "code" and c.outputs]
+    problems += [f"cell {i} has execution_count {c.execution_count}" for i, c in enumerate(nb.cells)
+                 if c.cell_type == "code" and c.execution_count is not None]
+    if "widgets" in nb.metadata:
+        problems.append("notebook metadata holds saved widget state")
+    return problems
+
+
+def graded_cells(nb: nbformat.NotebookNode) -> dict[int, str]:
+    """{nbval cell number: what the cell checks} for the code cells that call grading.check_..."""
+    out, k = {}, 0
+    for cell in nb.cells:
+        if cell.cell_type != "code":
+            continue
+        if re.search(r"\bgrading\.check_\w+\(", cell.source):
+            try:
+                doc = ast.get_docstring(ast.parse(cell.source)) or ""
+            except SyntaxError:
+                doc = ""
+            call = re.search(r"grading\.(check_\w+)", cell.source).group(1)
+            out[k] = doc.strip().splitlines()[0] if doc.strip() else call
+        k += 1
+    return out
+
+
+# ---------------------------------------------------------------------- files
+def read(path: str | Path) -> nbformat.NotebookNode:
+    return nbformat.read(str(path), as_version=4)
+
+
+def dumps(nb: nbformat.NotebookNode) -> str:
+    """The text nbformat.write would put in the file (so comparisons are byte-exact)."""
+    text = nbformat.writes(nb)
+    return text if text.endswith("\n") else text + "\n"
+
+
+def _write_if_changed(path: Path, text: str, check: bool) -> bool:
+    """True when `path` does not hold `text`; writes it unless `check`."""
+    if path.exists() and path.read_text(encoding="utf-8") == text:
+        return False
+    if not check:
+        path.write_text(text, encoding="utf-8")
+    return True
+
+
+def build(root: str | Path = ROOT, check: bool = False) -> list[Path]:
+    """Generate exercises/NAME.ipynb from every exercises/solutions/NAME.ipynb.
+
+    Returns the exercise notebooks that were out of date (and, unless `check`, are now rewritten).
+    Generated notebooks whose solution no longer exists are reported as stale too."""
+    root = Path(root)
+    solutions = sorted((root / "exercises" / "solutions").glob("*.ipynb"))
+    stale = [root / "exercises" / s.name for s in solutions
+             if _write_if_changed(root / "exercises" / s.name, dumps(make_exercise(read(s), s.name)), check)]
+    names = {s.name for s in solutions}
+    stale += [p for p in sorted((root / "exercises").glob("*.ipynb")) if p.name not in names]
+    return stale
+
+
+def course_notebooks(root: str | Path = ROOT) -> list[Path]:
+    """Every notebook of the course: lessons/, exercises/ and exercises/solutions/."""
+    root = Path(root)
+    return sorted(p for folder in ("lessons", "exercises", "exercises/solutions")
+                  for p in (root / folder).glob("*.ipynb"))
+
+
+def strip(root: str | Path = ROOT, check: bool = False) -> list[Path]:
+    """Strip outputs from every course notebook; returns the ones that were not stripped."""
+    return [p for p in course_notebooks(root) if _write_if_changed(p, dumps(strip_notebook(read(p))), check)]
+
+
+# ---------------------------------------------------------------------- grading results
+def _error_line(report: str) -> str:
+    """The exception a cell ended with ("AssertionError: rank 2, chunk 1 ..."), colour codes removed."""
+    text = re.sub(r"(\x1b|#x1B)\[[0-9;]*m", "", report)
+    found = list(re.finditer(r"^(\w+(Error|Exception|Timeout)): ", text, flags=re.M))
+    return text[found[-1].start():].strip() if found else text.strip()
+
+
+def scorecard(junit_xml: str | Path, root: str | Path = ".") -> list[dict]:
+    """One row per graded cell in a JUnit XML written by ``pytest --nbval-lax --junitxml=...``:
+    {"file", "cell", "check", "passed", "message"}. Cells that only set up are left out.
+
+    The labels come from the graded notebook itself when it is found under `root` (so a student who added
+    cells is still scored right), else from exercises/NAME.ipynb of the course."""
+    rows, labels = [], {}
+    for case in ET.parse(str(junit_xml)).getroot().iter("testcase"):
+        m = re.fullmatch(r"Cell (\d+)", case.get("name", ""))
+        classname = case.get("classname", "")          # "submissions.alice.00_ring_allreduce.ipynb"
+        if not m or not classname.endswith(".ipynb"):
+            continue
+        if classname not in labels:
+            stem = classname[: -len(".ipynb")]
+            candidates = [Path(root) / (stem.replace(".", "/") + ".ipynb"),
+                          ROOT / "exercises" / (stem.rsplit(".", 1)[-1] + ".ipynb")]
+            found = next((p for p in candidates if p.exists()), None)
+            labels[classname] = graded_cells(read(found)) if found else {}
+        cell = int(m.group(1))
+        if labels[classname] and cell not in labels[classname]:
+            continue
+        failure = next((f for f in (case.find("failure"), case.find("error")) if f is not None), None)
+        message = "" if failure is None else _error_line(failure.text or failure.get("message") or "")
+        rows.append({"file": classname.replace(".", "/").removesuffix("/ipynb") + ".ipynb", "cell": cell,
+                     "check": labels[classname].get(cell, f"Cell {cell}"),
+                     "passed": failure is None and case.find("skipped") is None, "message": message})
+    return rows
