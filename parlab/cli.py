@@ -98,8 +98,14 @@ def add_grid(sub) -> None:
     p.set_defaults(func=_grid)
 
 
+def add_plan(sub) -> None:
+    p = sub.add_parser("plan", add_help=False, help="rank parallel layouts for a model on a cluster "
+                                                    "(parlab plan --help for its options)")
+    p.add_argument("options", nargs="*", help="see parlab plan --help")
+
+
 # ---------------------------------------------------------------------- entry point
-COMMANDS = [add_course, add_grid]
+COMMANDS = [add_course, add_grid, add_plan]
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -111,6 +117,10 @@ def make_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["plan"]:  # the planner owns its options (see parlab.planner.main)
+        from .planner import main as plan_main
+        return plan_main(argv[1:])
     args = make_parser().parse_args(argv)
     if getattr(args, "root", "unset") is None:
         from .course import ROOT

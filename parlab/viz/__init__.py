@@ -11,6 +11,7 @@ Examples::
     viz.comm_animation(res.trace)                  # who sends what to whom, one frame per step (press play)
     viz.bytes_bars(res.trace)                      # wire bytes sent per rank, stacked by op
     viz.bytes_bars(res.trace, by="label")          # ... or by label prefix ("grad bucket 3" -> "grad bucket")
+    viz.grid_figure(parlab.topology.ParallelGrid(16, tp=2, pp=4, gpus_per_node=8), highlight="pp")
 
     # plain records work too, e.g. a simulated 1F1B schedule in abstract time steps:
     sched = [dict(rank=0, op="forward", start=0, end=1, label="mb 0"),
@@ -28,7 +29,8 @@ Colours are shared by every lesson (`parlab.viz.style`): blues for compute regio
 """
 from . import style
 from .animation import Step, comm_animation, comm_steps, step_edges
+from .grid import grid_figure
 from .timeline import as_trace, bytes_bars, from_records, timeline
 
 __all__ = ["timeline", "comm_animation", "bytes_bars", "from_records", "as_trace", "comm_steps", "step_edges",
-           "Step", "style"]
+           "Step", "style", "grid_figure"]

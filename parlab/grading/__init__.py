@@ -17,6 +17,12 @@ Exercise 00 (ring all-reduce from send/recv; Patarasuk & Yuan 2009):
     check_ring_reduce_scatter, check_ring_all_gather, check_ring_all_reduce, check_ring_all_reduce_traffic
 Exercise 01 (process groups of a tp x dp x pp grid; seed 000, Megatron-LM parallel_state):
     check_groups, check_dp_all_reduce
+
+Later exercises keep their checks in a module of this package named after the
+technique (``parlab.grading.data_parallel``, ``parlab.grading.tensor_parallel``,
+...); a notebook imports it as ``grading`` so every graded cell reads
+``grading.check_...(...)``. The helpers here (`run_student`, `call_student`)
+are shared by all of them.
 """
 from __future__ import annotations
 
@@ -24,9 +30,9 @@ from itertools import combinations
 
 import torch
 
-from . import comm
-from .launch import RankError, RankKilled, RankTimeout, RunResult, run
-from .topology import ParallelGrid
+from .. import comm
+from ..launch import RankError, RankKilled, RankTimeout, RunResult, run
+from ..topology import ParallelGrid
 
 __all__ = ["run_student", "call_student", "check_ring_reduce_scatter", "check_ring_all_gather", "check_ring_all_reduce",
            "check_ring_all_reduce_traffic", "check_groups", "check_dp_all_reduce", "GROUP_LAYOUTS"]
