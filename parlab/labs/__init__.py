@@ -1,0 +1,209 @@
+"""Standalone labs: each strategy (and the 4D composition) as a script for torchrun, on CPUs or GPUs.
+
+    torchrun --nproc_per_node=8 -m parlab.labs.tensor_parallel --layers 4 --hidden 256 --steps 50
+    python -m parlab.labs.data_parallel --steps 5            # one rank, no torchrun needed
+
+Every lab is short because the common scaffolding lives here:
+
+* `start(name, description, add_args)`: command-line options (model size, batch, steps, dtype, trace
+  path), `parlab.init()` (NCCL on ``cuda:LOCAL_RANK`` when GPUs are present, gloo on the CPU; one node or
+  many through torchrun's rendezvous), the dense tiny GPT on this rank's device and the shipped character
+  corpus with a `BatchSampler` (every rank can recompute the global batch of any step: no data loader);
+* `Lab.train(step_fn, ...)`: the training loop with a tqdm progress bar on rank 0, timing (tokens/s
+  from the steps after the first, which pays for warm-up), every traced call recorded, then the report:
+  memory per rank (``torch.cuda.max_memory_allocated`` on GPUs; on CPUs the parameter, gradient and
+  optimizer bytes from `parlab.memory.measure`) and the merged Chrome trace, gathered to rank 0 with
+  ``torch.distributed.gather_object`` (reporting is not training traffic, so it is not traced).
+
+Only rank 0 prints. The last line is the summary, e.g.
+``summary: lab=pipeline world=4 backend=gloo steps=10 loss=3.1021 tokens/s=8123 max_mem/rank=1.2 MB trace=...``.
+Open the trace at https://ui.perfetto.dev or chrome://tracing: one row per rank.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+import torch
+import torch.distributed as dist
+
+from ..data import BatchSampler, CharTokenizer, load_corpus
+from ..launch import Context, init
+from ..memory import measure
+from ..models import GPT, GPTConfig
+from ..trace import Trace, recording
+
+__all__ = ["Lab", "start", "parser", "LABS"]
+
+LABS = ("data_parallel", "zero", "tensor_parallel", "pipeline", "context_parallel", "hybrid")
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
+
+
+def parser(name: str, description: str) -> argparse.ArgumentParser:
+    """The options every lab shares; a lab adds its own with ``add_args(parser)``."""
+    p = argparse.ArgumentParser(prog=f"torchrun --nproc_per_node=N -m parlab.labs.{name}", description=description,
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    m = p.add_argument_group("model (the tiny GPT of parlab.models; the vocabulary is the shipped alphabet)")
+    m.add_argument("--layers", type=int, default=4, help="transformer blocks")
+    m.add_argument("--hidden", type=int, default=64, help="n_embd")
+    m.add_argument("--heads", type=int, default=4, help="attention heads")
+    m.add_argument("--seq-len", type=int, default=32, help="tokens per sequence")
+    m.add_argument("--vocab", type=int, default=64, help="vocabulary size (>= 43 characters; padded ids unused)")
+    t = p.add_argument_group("training")
+    t.add_argument("--batch", type=int, default=16, help="global batch (sequences per step, all ranks together)")
+    t.add_argument("--steps", type=int, default=20)
+    t.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate")
+    t.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="parameter and compute dtype")
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto")
+    o = p.add_argument_group("output")
+    o.add_argument("--trace", default=f"trace_{name}.json", help="merged Chrome trace file written by rank 0")
+    o.add_argument("--no-trace", action="store_true", help="record and write no trace")
+    o.add_argument("--quiet", action="store_true", help="no progress bar")
+    return p
+
+
+@dataclass
+class Lab:
+    """What a lab script works with: its options, where this rank runs, the model config and the data."""
+    name: str
+    args: argparse.Namespace
+    ctx: Context
+    config: GPTConfig
+    sampler: BatchSampler
+    trace: Trace | None = None   # after `train`, on rank 0: the merged trace of all ranks
+
+    @property
+    def rank(self) -> int:
+        return self.ctx.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.ctx.world_size
+
+    @property
+    def device(self) -> torch.device:
+        return self.ctx.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return DTYPES[self.args.dtype]
+
+    def log(self, *parts) -> None:
+        """Print on rank 0 only."""
+        if self.ctx.is_main:
+            print(*parts, flush=True)
+
+    def model(self) -> GPT:
+        """The dense tiny GPT, the same on every rank (seeded init), on this rank's device."""
+        return GPT(self.config, seed=self.args.seed, dtype=self.dtype, device=self.device)
+
+    def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The global batch of `step` (B, S), the same on every rank; strategies take their part of it."""
+        x, y = self.sampler.global_batch(step)
+        return x.to(self.device), y.to(self.device)
+
+    def train(self, step_fn: Callable[[int], torch.Tensor | None], params: Callable[[], Iterable[torch.Tensor]],
+              optimizer: torch.optim.Optimizer | None = None, extra: str = "",
+              trace_report: Callable[[Trace], None] | None = None) -> dict:
+        """Run ``step_fn(step)`` (one optimizer step; returns the loss, valid at least on rank 0) for --steps
+        steps, then report. `params()` gives the tensors this rank keeps, for CPU memory accounting;
+        `trace_report(trace)` runs on rank 0 before the summary line, with the merged trace."""
+        a, cuda = self.args, self.device.type == "cuda"
+        tokens_per_step = a.batch * a.seq_len
+        bar = None
+        if self.ctx.is_main and not a.quiet:
+            from tqdm import tqdm
+            bar = tqdm(total=a.steps, desc=self.name, unit="step", file=sys.stdout, dynamic_ncols=True)
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+        loss_value, t_first, t_end = float("nan"), None, None
+        with recording(self.rank) as rec:
+            t_start = time.perf_counter()
+            for step in range(a.steps):
+                loss = step_fn(step)
+                if cuda:
+                    torch.cuda.synchronize(self.device)   # GPU work is asynchronous: time what finished
+                if self.ctx.is_main and loss is not None:
+                    loss_value = float(loss)
+                if step == 0:
+                    t_first = time.perf_counter()
+                if bar is not None:
+                    bar.set_postfix(loss=f"{loss_value:.4f}")
+                    bar.update(1)
+            t_end = time.perf_counter()
+        if bar is not None:
+            bar.close()
+        timed = a.steps - 1 if a.steps > 1 else 1             # steps after the first (warm-up) one
+        seconds = (t_end - t_first) if a.steps > 1 else (t_end - t_start)
+        tps = tokens_per_step * timed / max(seconds, 1e-9)
+        if cuda:
+            mem = {"max_allocated": torch.cuda.max_memory_allocated(self.device)}
+        else:
+            mem = measure(list(params()), optimizer)
+        report = {"rank": self.rank, "memory": mem, "events": None if a.no_trace else rec.events}
+        reports = gather_to_main(report)
+        summary = {"lab": self.name, "world": self.world_size, "backend": self.ctx.backend, "steps": a.steps,
+                   "loss": loss_value, "tokens_per_s": tps}
+        if self.ctx.is_main:
+            key = "max_allocated" if cuda else "total"
+            self.log(f"memory per rank ({'torch.cuda.max_memory_allocated' if cuda else 'params + grads + optimizer state, parlab.memory.measure'}):")
+            for r in reports:
+                self.log(f"  rank {r['rank']:>3}: " + ", ".join(f"{k} {_mb(v)}" for k, v in r["memory"].items()))
+            summary["max_mem_per_rank"] = max(r["memory"].get(key, 0) for r in reports)
+            if not a.no_trace:
+                trace = Trace.merge(r["events"] for r in reports)
+                trace.to_chrome(a.trace)
+                self.trace = trace
+                summary["trace"] = os.path.abspath(a.trace)
+                self.log(f"trace: {len(trace.comm())} messages, {len(trace)} events from {len(trace.ranks)} ranks")
+                if trace_report is not None:
+                    trace_report(trace)
+            self.log(f"summary: lab={self.name} world={self.world_size} backend={self.ctx.backend} steps={a.steps} "
+                     f"loss={loss_value:.4f} tokens/s={tps:.0f} max_mem/rank={_mb(summary['max_mem_per_rank'])}"
+                     + (f" {extra}" if extra else "") + (f" trace={a.trace}" if not a.no_trace else ""))
+        return summary
+
+
+def _mb(n: float) -> str:
+    return f"{n / 2**20:.2f} MB"
+
+
+def gather_to_main(obj) -> list:
+    """Every rank's `obj` on rank 0 (a list in rank order; empty elsewhere). Untraced: reporting only."""
+    if dist.get_world_size() == 1:
+        return [obj]
+    out = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(obj, out, dst=0)
+    return out or []
+
+
+def start(name: str, description: str, add_args: Callable[[argparse.ArgumentParser], None] | None = None,
+          argv: list[str] | None = None) -> Lab:
+    """Parse the options, start torch.distributed (`parlab.init`) and set up model config and data."""
+    p = parser(name, description)
+    if add_args is not None:
+        add_args(p)
+    args = p.parse_args(argv)
+    if args.steps < 1:
+        p.error(f"--steps must be at least 1, got {args.steps}")
+    tok = CharTokenizer()
+    if args.vocab < tok.vocab_size:
+        p.error(f"--vocab {args.vocab} is smaller than the corpus alphabet ({tok.vocab_size} characters)")
+    try:
+        config = GPTConfig(vocab_size=args.vocab, seq_len=args.seq_len, n_layer=args.layers, n_head=args.heads,
+                           n_embd=args.hidden)
+    except ValueError as e:
+        p.error(str(e))
+    ctx = init(args.backend)
+    torch.manual_seed(args.seed)
+    tokens = load_corpus(n_chars=max(20_000, 4 * args.batch * args.seq_len), seed=args.seed)
+    lab = Lab(name, args, ctx, config, BatchSampler(tokens, args.batch, args.seq_len, seed=args.seed))
+    lab.log(f"[{name}] world {ctx.world_size} ({ctx.backend}, {ctx.device.type}); model: {args.layers} layers, "
+            f"hidden {args.hidden}, {args.heads} heads, seq {args.seq_len}, vocab {args.vocab}, "
+            f"{config.param_count() / 1e6:.2f}M params, {args.dtype}; global batch {args.batch} x {args.seq_len}")
+    return lab

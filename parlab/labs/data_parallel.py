@@ -1,0 +1,42 @@
+"""Lab: data parallelism. Every rank holds the whole model and trains on its rows of the global batch;
+`parlab.data_parallel.DistributedDataParallel` averages the gradients with bucketed all-reduces launched
+during backward (Li et al., "PyTorch Distributed", VLDB 2020).
+
+    torchrun --nproc_per_node=8 -m parlab.labs.data_parallel --batch 64 --bucket-mb 1
+"""
+from __future__ import annotations
+
+import torch
+
+from parlab import comm
+from parlab.data_parallel import DistributedDataParallel
+from parlab.labs import start
+
+
+def add_args(p):
+    p.add_argument("--bucket-mb", type=float, default=25.0, help="gradient bucket size in MiB")
+
+
+def main(argv=None):
+    lab = start("data_parallel", __doc__, add_args, argv)
+    if lab.args.batch % lab.world_size:
+        raise SystemExit(f"--batch {lab.args.batch} must be a multiple of the {lab.world_size} ranks")
+    model = DistributedDataParallel(lab.model(), bucket_cap_mb=lab.args.bucket_mb)
+    opt = torch.optim.AdamW(model.parameters(), lr=lab.args.lr)
+    lab.log(f"{len(model.buckets)} gradient bucket(s); {lab.args.batch // lab.world_size} rows per rank")
+
+    def step(i):
+        opt.zero_grad(set_to_none=True)            # at the start: the last step's grads stay for the report
+        x, y = lab.sampler.shard(i, lab.rank, lab.world_size)        # (B/N, S): this rank's rows
+        loss = model(x.to(lab.device), y.to(lab.device))[1]
+        loss.backward()                                                # buckets all-reduced during backward
+        opt.step()
+        loss = loss.detach()
+        comm.all_reduce(loss, op=comm.ReduceOp.AVG, label="loss (logging)")  # the global batch's mean loss
+        return loss
+
+    lab.train(step, model.parameters, opt)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,42 @@
+"""Lab: tensor parallelism (Megatron-LM, arXiv:1909.08053). Every rank holds 1/N of each weight matrix
+(`parlab.tensor_parallel.parallelize_gpt`) and sees the whole batch; per layer 2 all-reduces forward and
+2 backward. --sp adds Megatron sequence parallelism (arXiv:2205.05198): all-gather / reduce-scatter along
+the sequence instead, layer norms on S/N tokens. Keep N within one node (NVLink).
+
+    torchrun --nproc_per_node=8 -m parlab.labs.tensor_parallel --heads 8 --hidden 512 --sp
+"""
+from __future__ import annotations
+
+import torch
+
+from parlab.labs import start
+from parlab.tensor_parallel import parallelize_gpt, sync_sequence_parallel_grads
+
+
+def add_args(p):
+    p.add_argument("--sp", action="store_true", help="sequence parallelism")
+
+
+def main(argv=None):
+    lab = start("tensor_parallel", __doc__, add_args, argv)
+    try:
+        model = parallelize_gpt(lab.model(), sequence_parallel=lab.args.sp)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
+    opt = torch.optim.AdamW(model.parameters(), lr=lab.args.lr)
+
+    def step(i):
+        opt.zero_grad(set_to_none=True)            # at the start: the last step's grads stay for the report
+        x, y = lab.batch(i)                        # (B, S), the same on every rank
+        loss = model(x, y)[1]                      # vocab-parallel loss, equal on every rank
+        loss.backward()
+        if lab.args.sp:
+            sync_sequence_parallel_grads(model)    # params used on S/N tokens: sum their partial grads
+        opt.step()
+        return loss.detach()
+
+    lab.train(step, model.parameters, opt, extra=f"sp={lab.args.sp}")
+
+
+if __name__ == "__main__":
+    main()
