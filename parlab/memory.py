@@ -22,6 +22,9 @@ parameters and fp32 gradient shards, and gathers 16-bit copies only for the dura
 unit's compute: ``param_bytes=4, grad_bytes=4, k=8`` per shard, 16 psi / Nd in total, the same
 total as the paper's (2 + 2 + 12) psi / Nd with the bytes filed differently.
 
+`min_dp_size` inverts the formulas: the smallest Nd at which a stage's model states fit one GPU
+(GPT-3 175B on 80 GB: ZeRO-3 from Nd = 35; ZeRO-1/2 never, they keep 4 psi / 2 psi whole on every GPU).
+
 `measure` counts the bytes a rank really holds, from the tensors themselves (it imports torch,
 never torch.distributed); lessons put its bars next to `model_state_bytes`.
 
@@ -33,12 +36,13 @@ References
 """
 from __future__ import annotations
 
+import math
 from typing import Iterable
 
 import torch
 
 __all__ = ["model_state_bytes", "comm_elements", "transformer_params", "max_params", "measure", "tensor_bytes",
-           "gathered_timeline", "STAGES"]
+           "gathered_timeline", "min_dp_size", "STAGES"]
 
 STAGES = {0: "DP", 1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3"}
 
@@ -79,6 +83,28 @@ def max_params(gpu_bytes: float, nd: int, stage: int, param_bytes: float = 2, gr
     """The largest psi whose model states fit in `gpu_bytes` (activations not counted): 80e9 / 16 = 5.0e9 for DP."""
     per_param = model_state_bytes(1.0, nd, stage, param_bytes, grad_bytes, k)["total"]
     return gpu_bytes / per_param
+
+
+def min_dp_size(psi: float, gpu_bytes: float, stage: int, param_bytes: float = 2, grad_bytes: float = 2,
+                k: float = 12) -> int | None:
+    """The smallest DP size Nd at which the model states of stage `stage` fit in `gpu_bytes` per GPU, or None
+    if no Nd is enough (the unsharded part alone is too big: e.g. ZeRO-1 still keeps 4 psi bytes per GPU).
+
+    Per GPU the states are a + b / Nd (a: the replicated part, b: the sharded part), so Nd >= b / (gpu - a).
+    >>> min_dp_size(175e9, 80e9, 3)    # GPT-3: 2800 GB of states / 80 GB
+    35
+    """
+    whole = model_state_bytes(psi, 1, stage, param_bytes, grad_bytes, k)["total"]
+    a = model_state_bytes(psi, 1, 0, param_bytes, grad_bytes, k)
+    a = sum(a[part] for part, sharded_from in (("params", 3), ("grads", 2), ("optimizer", 1)) if stage < sharded_from)
+    if a >= gpu_bytes and whole > gpu_bytes:
+        return None
+    if whole <= gpu_bytes:
+        return 1
+    nd = max(1, math.ceil((whole - a) / (gpu_bytes - a) - 1e-9))
+    while model_state_bytes(psi, nd, stage, param_bytes, grad_bytes, k)["total"] > gpu_bytes:   # rounding guard
+        nd += 1
+    return nd
 
 
 # ---------------------------------------------------------------------- measured

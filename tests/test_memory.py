@@ -113,3 +113,17 @@ def test_measured_bytes_match_the_formulas():
             assert total == psi
         else:                     # each flat is padded by fewer than Nd elements
             assert psi <= total < psi + world * res[0][3]["tensors"]
+
+
+def test_min_dp_size_for_real_models():
+    from parlab.memory import min_dp_size
+    gpu = 80e9
+    # model states only (16-bit Adam): DP never fits 7B (112 GB); ZeRO-1/2 keep 4 psi / 2 psi whole on every GPU
+    assert [min_dp_size(7e9, gpu, s) for s in range(4)] == [None, 2, 2, 2]
+    assert [min_dp_size(13e9, gpu, s) for s in range(4)] == [None, 6, 4, 3]
+    assert [min_dp_size(70e9, gpu, s) for s in range(4)] == [None, None, None, 14]
+    assert [min_dp_size(175e9, gpu, s) for s in range(4)] == [None, None, None, 35]
+    assert min_dp_size(1e9, gpu, 0) == 1
+    for psi, stage in ((13e9, 1), (13e9, 2), (175e9, 3)):          # the smallest Nd: it fits, Nd - 1 does not
+        nd = min_dp_size(psi, gpu, stage)
+        assert model_state_bytes(psi, nd, stage)["total"] <= gpu < model_state_bytes(psi, nd - 1, stage)["total"]
