@@ -38,6 +38,7 @@ References
 from __future__ import annotations
 
 import re
+import time
 from collections import defaultdict, deque
 
 import torch
@@ -46,7 +47,7 @@ import torch.nn as nn
 from . import comm
 from .data import micro_batches
 from .models import GPT, clone_model
-from .schedules import KINDS, Action, Schedule, validate
+from .schedules import KINDS, Action, Schedule, unit_cost, validate
 from .trace import Trace, region
 
 __all__ = ["split_layers", "PipelineParallel", "measured_spans", "measured_bubble", "measured_costs"]
@@ -75,15 +76,24 @@ class PipelineParallel:
     None, so parameter names stay those of the full model. `step(x, y)` runs one training step's schedule on
     the whole batch (x, y), each (B, S), split into `schedule.microbatches` micro-batches; it accumulates
     gradients into `.grad` (set them to None between steps, as with `backward`) and returns the mean loss on the
-    rank holding the last stage (None elsewhere). x and y live on the model's device."""
+    rank holding the last stage (None elsewhere). x and y live on the model's device.
 
-    def __init__(self, model: GPT, schedule: Schedule, group=None, dp_group=None):
+    `device_time` (seconds, default 0) emulates an accelerator: every action also waits device_time x its unit
+    cost (`schedules.unit_cost`: F = 1, B = 2, I = W = 1, divided by v) inside its traced span, as a CPU waits
+    for a GPU kernel. When 4 simulated ranks share 2 CPU cores, their real compute slows each other down; a
+    device time well above the real compute makes the measured timeline show the schedule itself, in units
+    of device_time comparable with `simulate(schedule)`."""
+
+    def __init__(self, model: GPT, schedule: Schedule, group=None, dp_group=None, device_time: float = 0.0):
         validate(schedule)
         p = comm.get_world_size(group)
         if schedule.ranks != p:
             raise ValueError(f"schedule {schedule.name!r} is for {schedule.ranks} ranks but the pipeline group has "
                              f"{p}; build it with {p} stages")
-        self.schedule, self.group, self.dp_group = schedule, group, dp_group
+        if not device_time >= 0:
+            raise ValueError(f"device_time is seconds of emulated device work per unit cost, >= 0; "
+                             f"got {device_time!r}")
+        self.schedule, self.group, self.dp_group, self.device_time = schedule, group, dp_group, float(device_time)
         self.rank = comm.get_rank(group)                      # position in the pipeline group
         self.peers = comm.group_ranks(group)                  # pipeline rank -> global rank
         S = schedule.stages
@@ -163,6 +173,7 @@ class PipelineParallel:
                         loss_sum += out.detach()
                     saved[(s, i)] = (inp, out, self._captures)
                     self._captures = None
+                    self._device(a)
                 if s < S - 1:
                     self._put("act", s, s + 1, i, out.detach())
             elif a.kind in "BI":
@@ -177,11 +188,13 @@ class PipelineParallel:
                         g = torch.autograd.grad(out, wrt, grad, retain_graph=True, allow_unused=True)
                         gin = g[0] if s > 0 else None
                         kept[(s, i)] = (caps, g[1:] if s > 0 else g)
+                    self._device(a)
                 if s > 0:
                     self._put("grad", s, s - 1, i, gin)
             else:                                             # W: weight gradients from what I kept
                 with region(name, label=label):
                     _weight_grads(*kept.pop((s, i)))
+                    self._device(a)
             self._reap()
         for w in self._sends:                                 # every isend waited (gloo rule)
             w.wait()
@@ -190,6 +203,11 @@ class PipelineParallel:
         if self.dp_group is not None:
             self._all_reduce_dp()
         return loss_sum if S - 1 in self.my_stages else None
+
+    def _device(self, a: Action) -> None:
+        """The emulated accelerator's share of action `a` (nothing when device_time is 0)."""
+        if self.device_time:
+            time.sleep(self.device_time * unit_cost(a, self.schedule.chunks))
 
     # ------------------------------------------------------------------ messages
     def _reap(self) -> None:

@@ -60,7 +60,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterable, Mapping
 
 __all__ = ["Action", "Schedule", "ScheduleError", "Simulation", "naive", "gpipe", "one_f_one_b",
-           "interleaved_1f1b", "zero_bubble_h1", "SCHEDULES", "validate", "simulate", "bubble_formula"]
+           "interleaved_1f1b", "zero_bubble_h1", "SCHEDULES", "validate", "simulate", "bubble_formula", "unit_cost"]
 
 KINDS = {"F": "forward", "B": "backward", "I": "backward_input", "W": "backward_weight"}
 _ACTION = re.compile(r"^\s*(\d+)\s*([FBIW])\s*(\d+)\s*$")
@@ -99,7 +99,9 @@ class Action:
 
 @dataclass(frozen=True)
 class Schedule:
-    """Per-rank ordered actions of one training step, plus where each virtual stage lives."""
+    """Per-rank ordered actions of one training step, plus where each virtual stage lives.
+
+    Actions may be given as `Action`s or in their text form: ``Schedule([["0F0", "0B0"], ["1F0", "1B0"]], 2, 1)``."""
     actions: tuple[tuple[Action, ...], ...]   # actions[r]: what rank r runs, in order
     stages: int                               # virtual stages (p * v)
     microbatches: int
@@ -107,7 +109,8 @@ class Schedule:
     name: str = "custom"
 
     def __post_init__(self):
-        object.__setattr__(self, "actions", tuple(tuple(a) for a in self.actions))
+        object.__setattr__(self, "actions", tuple(tuple(a if isinstance(a, Action) else Action.parse(str(a))
+                                                        for a in acts) for acts in self.actions))
         if not self.placement and self.actions:
             object.__setattr__(self, "placement", tuple(s % len(self.actions) for s in range(self.stages)))
         object.__setattr__(self, "placement", tuple(self.placement))
@@ -343,12 +346,19 @@ class Simulation:
 
 
 Costs = Mapping[str, float] | Callable[[Action], float] | None
+UNIT_COSTS = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}          # B = I + W: a backward costs about two forwards
+
+
+def unit_cost(action: Action, v: int = 1) -> float:
+    """The default duration of `action` when a rank holds v chunks: F = 1, B = 2, I = W = 1, divided by v
+    (a chunk holds 1/v of a rank's layers, so the step's work does not depend on v)."""
+    return UNIT_COSTS[action.kind] / v
 
 
 def _cost_fn(costs: Costs, v: int) -> Callable[[Action], float]:
     if callable(costs):
         return costs
-    table = {"F": 1 / v, "B": 2 / v, "I": 1 / v, "W": 1 / v}   # B = I + W; a chunk holds 1/v of a rank's layers
+    table = {k: c / v for k, c in UNIT_COSTS.items()}
     if costs is not None:
         unknown = set(costs) - set(KINDS)
         if unknown:

@@ -154,6 +154,26 @@ def test_pipeline_with_data_parallel_averages_gradients_once_per_step():
         assert all(e.group == ((0, 1) if r < 2 else (2, 3)) for e in res.trace.filter(op="all_reduce", rank=r))
 
 
+def _emulated(device_time):
+    s = sch.one_f_one_b(2, 2)
+    pp = PipelineParallel(GPT(CFG, seed=0), s, device_time=device_time)
+    return s, pp.step(*_batch(8))
+
+
+def test_device_time_stretches_every_action_by_its_unit_cost():
+    dt = 0.01
+    res = parlab.run(_emulated, 2, dt, trace=True)
+    s, spans = res.results[0][0], measured_spans(res.trace)
+    assert res.results[1][1] is not None                  # the loss, on the last stage
+    for r in range(2):
+        assert [a for _, _, a in spans[r]] == list(s.actions[r])
+        for t0, t1, a in spans[r]:                        # each span holds at least its emulated device work
+            assert t1 - t0 >= dt * sch.unit_cost(a) * 0.99
+    assert measured_bubble(res.trace) > 0
+    with pytest.raises(parlab.RankError, match="device_time is seconds"):
+        parlab.run(_emulated, 2, -1.0, echo=False)
+
+
 def _wrong_size():
     PipelineParallel(GPT(CFG, seed=0), sch.one_f_one_b(4, 4))
 

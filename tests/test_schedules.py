@@ -29,6 +29,17 @@ def test_text_form_round_trips():
     assert Action.parse("12W3") == Action(12, "W", 3) and str(Action(1, "I", 0)) == "1I0"
 
 
+def test_actions_may_be_given_in_text_form_and_unit_costs_are_divided_by_v():
+    s = Schedule([["0F0", "0B0"], [Action(1, "F", 0), " 1B0 "]], 2, 1)
+    assert s.actions == one_f_one_b(2, 1).actions
+    with pytest.raises(ScheduleError, match="cannot read action '0Q0'"):
+        Schedule([["0Q0"]], 1, 1)
+    assert [sch_module.unit_cost(Action(0, k, 0)) for k in "FBIW"] == [1, 2, 1, 1]
+    assert sch_module.unit_cost(Action(0, "B", 0), v=2) == 1
+    assert simulate(interleaved_1f1b(2, 2, 2)).busy == [sum(sch_module.unit_cost(a, 2) for a in acts)
+                                                        for acts in interleaved_1f1b(2, 2, 2).actions]
+
+
 @pytest.mark.parametrize("bad", ["1X3", "F3", "", "1F"])
 def test_unreadable_action_names_the_format(bad):
     with pytest.raises(ScheduleError, match="e.g. '1F3'"):

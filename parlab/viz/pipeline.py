@@ -1,0 +1,128 @@
+"""Pipeline schedule figures: one lane per rank, a cell per action, the micro-batch number written inside.
+
+The pictures of the GPipe, 1F1B, interleaved and zero-bubble papers (and of seed 001 / 003), drawn from data:
+
+    from parlab import schedules as sch
+    from parlab.viz import pipeline as vp
+
+    sim = sch.simulate(sch.one_f_one_b(4, 8))
+    vp.schedule_timeline(sim.spans, title="1F1B")                 # scheduled, in unit time
+    vp.schedule_timeline(measured, scale=1 / 0.02, overlay=sim.spans)   # measured (s -> units), schedule outlined
+    vp.schedules_figure({"GPipe": gpipe_spans, "1F1B": spans})    # several schedules stacked, one x axis
+    vp.peak_bars({"GPipe": sim_g.peak_in_flight, "1F1B": sim.peak_in_flight})
+
+`spans` is what `Simulation.spans` or `pipeline_parallel.measured_spans(trace)` give: per rank (a list indexed by
+rank, or a dict rank -> list) the (start, end, Action) of every action. Colours: forward light blue, backward
+mid blue (as in every parlab timeline), the zero-bubble split I (input gradient) darker blue and W (weight
+gradient) green; with interleaving the virtual stage's chunk is hatched (chunk 0 plain, chunk 1 "/", ...).
+Plotly only; never communicates.
+"""
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+from . import style
+
+__all__ = ["KIND_COLORS", "KIND_NAMES", "schedule_timeline", "schedules_figure", "peak_bars"]
+
+KIND_COLORS = {"F": style.COMPUTE_COLORS["forward"], "B": style.COMPUTE_COLORS["backward"],
+               "I": "#2171b5", "W": "#a1d99b"}
+KIND_NAMES = {"F": "F forward", "B": "B backward", "I": "I input grad", "W": "W weight grad"}
+PATTERNS = ("", "/", "x", "\\", ".", "+")         # hatch of chunk 0, 1, 2, ... (interleaving)
+
+
+def _rows(spans) -> list[tuple[int, list]]:
+    items = spans.items() if isinstance(spans, Mapping) else enumerate(spans)
+    return sorted((int(r), list(sp)) for r, sp in items)
+
+
+def _add_cells(fig: go.Figure, spans, scale: float, ranks: int, row=None, col=None, legend: bool = True,
+               seen: set | None = None) -> None:
+    """One bar trace per (kind, chunk): base = start, x = duration, y = rank lane, text = micro-batch."""
+    groups: dict[tuple[str, int], list] = {}
+    for r, sp in _rows(spans):
+        for t0, t1, a in sp:
+            groups.setdefault((a.kind, a.stage // ranks), []).append((r, t0 * scale, (t1 - t0) * scale, a))
+    seen = set() if seen is None else seen
+    for (kind, chunk), cells in sorted(groups.items(), key=lambda kv: ("FBIW".index(kv[0][0]), kv[0][1])):
+        name = KIND_NAMES[kind] + (f", chunk {chunk}" if chunk else "")
+        fig.add_trace(go.Bar(
+            orientation="h", base=[c[1] for c in cells], x=[c[2] for c in cells], y=[f"rank {c[0]}" for c in cells],
+            text=[str(c[3].mb) for c in cells], textposition="inside", insidetextanchor="middle",
+            textfont=dict(size=11, color="black" if kind in "FW" else "white"), width=0.8, name=name,
+            legendgroup=name, showlegend=legend and name not in seen,
+            marker=dict(color=KIND_COLORS[kind], line=dict(color="white", width=0.5),
+                        pattern=dict(shape=PATTERNS[chunk % len(PATTERNS)], fgcolor="rgba(0,0,0,0.35)")),
+            hovertemplate=[f"rank {c[0]}: {c[3]} (stage {c[3].stage}, micro-batch {c[3].mb})<br>"
+                           f"{c[1]:.2f} to {c[1] + c[2]:.2f}<extra></extra>" for c in cells]),
+            row=row, col=col)
+        seen.add(name)
+
+
+def _add_outline(fig: go.Figure, spans, scale: float, row=None, col=None, legend: bool = True) -> None:
+    cells = [(r, t0 * scale, (t1 - t0) * scale, a) for r, sp in _rows(spans) for t0, t1, a in sp]
+    fig.add_trace(go.Bar(
+        orientation="h", base=[c[1] for c in cells], x=[c[2] for c in cells], y=[f"rank {c[0]}" for c in cells],
+        width=0.95, name="scheduled (simulation)", showlegend=legend, legendgroup="scheduled",
+        marker=dict(color="rgba(0,0,0,0)", line=dict(color="#d62728", width=1.5)),
+        hovertemplate=[f"scheduled {c[3]}: {c[1]:.2f} to {c[1] + c[2]:.2f}<extra></extra>" for c in cells]),
+        row=row, col=col)
+
+
+def _lanes(spans) -> list[str]:
+    return [f"rank {r}" for r, _ in _rows(spans)]
+
+
+def schedule_timeline(spans, title: str | None = None, scale: float = 1.0, time_unit: str = "unit time",
+                      overlay=None, overlay_scale: float = 1.0, ranks: int | None = None) -> go.Figure:
+    """One lane per rank; each action a cell coloured by kind (F, B, I, W) with its micro-batch number.
+
+    `scale` multiplies the times (e.g. 1 / device_time turns measured seconds into unit time); `overlay`,
+    other spans (usually the simulation of the same schedule), is drawn on top as red outlines, so the measured
+    run and its schedule can be compared cell by cell. `ranks` (pipeline size, for the chunk of a virtual
+    stage) defaults to the number of lanes."""
+    p = ranks or len(_rows(spans))
+    fig = go.Figure()
+    _add_cells(fig, spans, scale, p)
+    if overlay is not None:
+        _add_outline(fig, overlay, overlay_scale)
+    lanes = _lanes(spans)
+    fig.update_layout(title=title, barmode="overlay", height=140 + 55 * len(lanes), template="plotly_white",
+                      uniformtext=dict(minsize=9, mode="show"),
+                      xaxis_title=time_unit, legend_orientation="h", legend_y=-0.25, bargap=0.1,
+                      yaxis=dict(categoryorder="array", categoryarray=lanes[::-1]))
+    return fig
+
+
+def schedules_figure(panels: Mapping[str, object], title: str | None = None, scale: float | Mapping = 1.0,
+                     time_unit: str = "unit time", ranks: int | None = None) -> go.Figure:
+    """Several schedules stacked, one panel each (name -> spans), on a shared time axis: the bubbles line up.
+    `scale` is one factor for all panels or a mapping name -> factor."""
+    names = list(panels)
+    fig = make_subplots(rows=len(names), cols=1, shared_xaxes=True, subplot_titles=names, vertical_spacing=0.06)
+    seen: set = set()
+    for i, name in enumerate(names, start=1):
+        sp = panels[name]
+        k = scale[name] if isinstance(scale, Mapping) else scale
+        _add_cells(fig, sp, k, ranks or len(_rows(sp)), row=i, col=1, seen=seen)
+        lanes = _lanes(sp)
+        fig.update_yaxes(categoryorder="array", categoryarray=lanes[::-1], row=i, col=1)
+    lanes_total = sum(len(_rows(panels[n])) for n in names)
+    height = 140 + 45 * lanes_total + 30 * len(names)
+    fig.update_layout(title=title, barmode="overlay", height=height, template="plotly_white", bargap=0.1,
+                      uniformtext=dict(minsize=9, mode="show"),
+                      legend=dict(orientation="h", y=-75 / (height - 160)))   # below the x-axis title
+    fig.update_xaxes(title_text=time_unit, row=len(names), col=1)
+    return fig
+
+
+def peak_bars(peaks: Mapping[str, Sequence[int]], title: str | None = None,
+              yaxis_title: str = "micro-batches of activations alive (peak)") -> go.Figure:
+    """Grouped bars: for each schedule (name -> per-rank peak), the peak activations in flight on each rank."""
+    fig = go.Figure([go.Bar(name=name, x=[f"rank {r}" for r in range(len(v))], y=list(v), text=list(v),
+                            textposition="outside") for name, v in peaks.items()])
+    fig.update_layout(title=title, barmode="group", yaxis_title=yaxis_title, height=360, template="plotly_white")
+    return fig
