@@ -57,7 +57,8 @@ from .trace import region
 
 __all__ = ["LAYOUTS", "chunk_ids", "check_seq_len", "shard_positions", "shard_sequence", "unshard_sequence",
            "BlockPlan", "block_plan", "work_matrix", "merge_partials", "attention_block", "RingStats",
-           "ring_attention", "RingAttention", "ring_steps", "ring_bytes_per_rank"]
+           "ring_attention", "RingAttention", "ring_steps", "ring_bytes_per_rank",
+           "attention_memory_per_rank", "overlap_threshold"]
 
 LAYOUTS = ("contiguous", "zigzag")
 
@@ -243,7 +244,7 @@ class RingAttention(torch.autograd.Function):
             plan = block_plan(me, step, P, causal, layout)
             if plan is not None:
                 qr, kr = _rows(plan.q, c), _rows(plan.k, c)
-                with region("ring attention", label=f"fwd step {step} kv of rank {plan.src}"):
+                with region("ring attention", label=f"fwd step {step} kv of rank {plan.src} q {plan.q} k {plan.k}"):
                     o, l = attention_block(q[..., qr, :], kv[0][..., kr, :], kv[1][..., kr, :], plan.mask)
                     if out is None:                          # step 0 always computes all rows
                         out, lse = o, l
@@ -279,7 +280,7 @@ class RingAttention(torch.autograd.Function):
             grad = torch.zeros_like(kv)                      # (2, B, nh, c, hd): this step's dK, dV
             if plan is not None:
                 qr, kr = _rows(plan.q, c), _rows(plan.k, c)
-                with region("ring attention", label=f"bwd step {step} kv of rank {plan.src}"):
+                with region("ring attention", label=f"bwd step {step} kv of rank {plan.src} q {plan.q} k {plan.k}"):
                     dq_, dk_, dv_ = _block_backward(dout[..., qr, :], q[..., qr, :], kv[0][..., kr, :],
                                                     kv[1][..., kr, :], lse[..., qr], delta[..., qr], plan.mask)
                     dq[..., qr, :] += dq_
@@ -322,12 +323,14 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None
 
 # ---------------------------------------------------------------------- reading a ring back from a trace
 _LABEL = re.compile(r"(?:ring )?(fwd|bwd) (dkv|kv)? ?step (\d+)")
+_BLOCK = re.compile(r".* kv of rank (\d+) q (\w+) k (\w+)")
 
 
 def ring_steps(trace) -> list[dict]:
     """The ring's events of a `parlab.Trace` as plot-ready rows: rank, phase ('fwd'/'bwd'), step, what
     ('compute', 'send kv', 'recv kv', 'send dkv', 'recv dkv'), peer, bytes, start and end (seconds from
-    the first event). Enough to animate K/V blocks moving and each rank's output filling in."""
+    the first event); compute rows also carry src (whose K/V block), q and k (the rows computed: 'all',
+    'front' or 'back' half). Enough to animate K/V blocks moving and each rank's output filling in."""
     rows, t0 = [], trace.t0
     for e in trace.events:
         is_compute = e.kind == "compute" and e.op == "ring attention"
@@ -337,7 +340,45 @@ def ring_steps(trace) -> list[dict]:
         if m is None:
             continue
         phase, payload, step = m.group(1), m.group(2), int(m.group(3))
-        rows.append({"rank": e.rank, "phase": phase, "step": step,
-                     "what": "compute" if is_compute else f"{e.op} {payload}", "peer": e.peer,
-                     "bytes": e.nbytes, "start": e.start - t0, "end": e.end - t0})
+        row = {"rank": e.rank, "phase": phase, "step": step,
+               "what": "compute" if is_compute else f"{e.op} {payload}", "peer": e.peer,
+               "bytes": e.nbytes, "start": e.start - t0, "end": e.end - t0}
+        if is_compute and (b := _BLOCK.match(e.label)):
+            row.update(src=int(b.group(1)), q=b.group(2), k=b.group(3))
+        rows.append(row)
     return rows
+
+
+# ---------------------------------------------------------------------- back-of-the-envelope formulas
+def attention_memory_per_rank(S: int, P: int, nh: int, hd: int, B: int = 1, method: str = "ring",
+                              element_size: int = 2) -> dict[str, float]:
+    """Bytes one rank holds for one attention layer's forward (formulas, not a measurement).
+
+    full     (P = 1)   q, k, v, out: 4 B S H;  scores: B nh S^2
+    ring               own q, k, v, out: 4 B c H, c = S/P; the K/V block in flight: 2 B c H;
+                       one block of scores: B nh c^2 (a fused kernel keeps only a tile, the bound is lower)
+    ulysses            own shards 4 B c H; after the all-to-all q, k, v, out of all S positions and nh/P
+                       heads: 4 B S H / P; scores B (nh/P) S^2 (quadratic in S unless the kernel is fused)
+    H = nh hd. Returns {'tensors', 'scores', 'total'} in bytes."""
+    if method not in ("full", "ring", "ulysses"):
+        raise ValueError(f"method must be 'full', 'ring' or 'ulysses', got {method!r}")
+    H = nh * hd
+    if method == "full":
+        tensors, scores = 4 * B * S * H, B * nh * S * S
+    elif method == "ring":
+        c = S / P
+        tensors, scores = 6 * B * c * H, B * nh * c * c
+    else:
+        tensors, scores = 4 * B * S * H / P + 4 * B * S * H / P, B * nh / P * S * S
+    tensors, scores = tensors * element_size, scores * element_size
+    return {"tensors": tensors, "scores": scores, "total": tensors + scores}
+
+
+def overlap_threshold(flops: float, bandwidth: float, element_size: int = 2) -> float:
+    """Smallest block length c for which a ring step's compute hides the transfer of the next K/V block.
+
+    compute of one (c x c) block, forward: 4 c^2 H FLOPs (q k^T and p v, 2 c^2 H each) -> 4 c^2 H / flops s
+    transfer of one K/V block: 2 c H element_size bytes                              -> 2 c H e / bandwidth s
+    hidden when 4 c^2 H / flops >= 2 c H e / bandwidth, i.e. c >= e flops / (2 bandwidth);
+    in 16-bit (e = 2): c >= flops / bandwidth [1]. H cancels."""
+    return element_size * flops / (2 * bandwidth)

@@ -223,3 +223,50 @@ def test_ring_steps_reads_every_transfer_and_block_back_from_the_trace():
         assert sorted(x["step"] for x in sends) == list(range(P - 1))
         assert all(x["peer"] == (r + 1) % P and x["bytes"] == block for x in sends)
         assert sum(x["what"] == "send dkv" for x in mine) == P
+
+
+def test_ring_steps_compute_rows_name_the_block_and_rows_the_schedule_chose():
+    from parlab.ring_attention import ring_steps
+    P, S = 4, 16
+    res = parlab.run(_ring, P, S, True, "zigzag", torch.float64, trace=True)
+    computes = [x for x in ring_steps(res.trace) if x["what"] == "compute"]
+    assert len(computes) == 2 * P * P                          # zigzag: every rank computes at every step, fwd + bwd
+    for x in computes:
+        plan = block_plan(x["rank"], x["step"], P, True, "zigzag")
+        assert (x["src"], x["q"], x["k"]) == (plan.src, plan.q, plan.k)
+
+
+def test_memory_and_overlap_formulas():
+    from parlab.ring_attention import attention_memory_per_rank, overlap_threshold
+    full = attention_memory_per_rank(1024, 1, 8, 64, method="full", element_size=1)
+    assert full == {"tensors": 4 * 1024 * 512, "scores": 8 * 1024 ** 2, "total": 4 * 1024 * 512 + 8 * 1024 ** 2}
+    ring = attention_memory_per_rank(1024, 4, 8, 64, method="ring", element_size=1)
+    assert ring["tensors"] == 6 * 256 * 512 and ring["scores"] == 8 * 256 ** 2
+    uly = attention_memory_per_rank(1024, 4, 8, 64, method="ulysses", element_size=1)
+    assert uly["scores"] == full["scores"] / 4 and uly["tensors"] == 2 * full["tensors"] / 4
+    with pytest.raises(ValueError, match="method"):
+        attention_memory_per_rank(1024, 4, 8, 64, method="zigzag")
+    assert overlap_threshold(312e12, 300e9) == pytest.approx(1040)            # 16-bit: c* = F / W
+    assert overlap_threshold(1e12, 1e9, element_size=4) == pytest.approx(2000)
+
+
+def test_context_parallel_figures_draw_from_plain_rows():
+    from parlab.viz import context_parallel as cpviz
+    P = 2
+    rows = [dict(rank=r, phase="fwd", step=s, what="compute", peer=None, bytes=0, start=s, end=s + 1,
+                 src=block_plan(r, s, P, True, "zigzag").src, q=block_plan(r, s, P, True, "zigzag").q,
+                 k=block_plan(r, s, P, True, "zigzag").k) for r in range(P) for s in range(P)]
+    rows += [dict(rank=r, phase="fwd", step=0, what="send kv", peer=(r + 1) % P, bytes=64, start=0, end=0.5)
+             for r in range(P)]
+    fig = cpviz.ring_animation(rows, P, "zigzag", causal=True)
+    assert len(fig.frames) == P
+    last = fig.frames[-1].data[3].z                                          # 2P x 2P: causal lower triangle filled
+    assert all((last[i][j] is not None) == (j <= i) for i in range(2 * P) for j in range(2 * P))
+    # the cells a compute row covers: rank 1 at step 1 (K/V of rank 0, all queries x front key half)
+    assert cpviz.block_cells(rows[3], P, "zigzag", True) == [(1, 0), (2, 0)]
+    heat = cpviz.work_heatmaps({"zigzag": work_matrix(P, True, "zigzag")})
+    assert list(heat.data[0].z[0]) == [1.0, 0.5]
+    grid = cpviz.ulysses_grid([[(0, 0), (0, 1)], [(1, 0), (1, 1)]], [[(0, 0), (1, 0)], [(0, 1), (1, 1)]], 2, 2)
+    assert [list(row) for row in grid.data[1].z] == [[0, 1], [0, 1]]
+    assert len(cpviz.memory_figure([1, 2], {"a": [1, 2]}, limit=3).data) == 1
+    assert len(cpviz.overlap_figure([1, 2], [1, 4], [2, 2], threshold=1.5).data) == 3
