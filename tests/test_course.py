@@ -84,8 +84,8 @@ def test_committed_notebooks_are_stripped(path):
 def test_every_exercise_has_graded_cells():
     solutions = sorted((ROOT / "exercises" / "solutions").glob("*.ipynb"))
     assert len(solutions) >= 2
-    for s in solutions:
-        assert len(course.graded_cells(course.read(s))) >= 4, s.name
+    for s in solutions:  # every exercise is graded by several independent checks, not one all-or-nothing cell
+        assert len(course.graded_cells(course.read(s))) >= 3, s.name
 
 
 # ---------------------------------------------------------------------- the parlab command

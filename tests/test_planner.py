@@ -143,3 +143,24 @@ def test_tiny_gpt_state_bytes_match_measured_bytes():
     # sharded layouts: each stage / TP rank holds fewer bytes, ZeRO shards over dp
     assert tiny_state_bytes(cfg, tp=2)["params"] < want["params"]
     assert tiny_state_bytes(cfg, dp=2, zero=1)["optimizer"] == pytest.approx(want["optimizer"] / 2)
+
+
+def test_planner_figures_show_every_layout_fit_or_not_and_the_best():
+    from parlab.viz.planner import TERMS, breakdown_figure, planner_figure
+    cluster = Cluster(nodes=4)
+    every = enumerate_layouts(preset("llama-65b"), cluster, 128)
+    ranked = plan(preset("llama-65b"), cluster, 128)
+    fig = planner_figure(every, cluster, marks={"tp8 pp4": dict(tp=8, pp=4)})
+    layouts = [t for t in fig.data if t.name.startswith("tp=")]
+    assert sum(len(t.x) for t in layouts) == len(every)                   # one marker per candidate
+    assert sum(len(t.x) for t in layouts if "does not fit" in t.name) == len(every) - len(ranked)
+    star = next(t for t in fig.data if t.name.startswith("best:"))
+    assert star.y[0] == ranked[0].step_s and ranked[0].layout in star.name
+    assert any(t.name.startswith("tp8 pp4:") for t in fig.data)
+    assert fig.layout.xaxis.type == "log" and fig.layout.shapes[0].x0 == pytest.approx(72.0)   # usable memory
+    bars = breakdown_figure(ranked, top=5)
+    assert [t.name for t in bars.data] == [label for _, label, _ in TERMS]
+    totals = [sum(t.x[i] for t in bars.data) for i in range(5)]
+    assert totals == pytest.approx([e.step_s for e in ranked[:5]])       # the terms add up to the step time
+    with pytest.raises(ValueError, match="no estimate"):
+        planner_figure(every, marks={"x": dict(tp=3)})

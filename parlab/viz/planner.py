@@ -1,0 +1,119 @@
+"""The planner as figures: every candidate layout's memory per GPU against its step time, and where the time goes.
+
+`planner_figure(estimates, cluster)` draws one marker per layout that `parlab.planner.enumerate_layouts`
+returned: x = memory of the fullest GPU (GB), y = estimated step time (s), both on log axes. Filled markers
+fit the GPU's usable memory, open crosses do not; the colour says the tensor-parallel size (and whether its
+groups leave a node). A dashed vertical line marks the usable memory, a star the planner's best layout, and
+optional `marks` (e.g. a published layout) get their own labelled symbol. Hovering a marker shows the
+layout and its memory and time split.
+
+`breakdown_figure(ranked)` stacks the step time of the first layouts of `parlab.planner.plan` into its
+terms (compute, bubble, TP, CP, exposed DP, PP), so "why is the best one best" becomes visible.
+
+Example::
+
+    from parlab.costs import Cluster, preset
+    from parlab.planner import enumerate_layouts, plan
+    from parlab.viz.planner import planner_figure, breakdown_figure
+    gpt3, cluster = preset("gpt3-175b"), Cluster(nodes=128)            # Megatron's 1024 A100s
+    every = enumerate_layouts(gpt3, cluster, 1536)
+    planner_figure(every, cluster, marks={"Megatron (t=8, p=8)": dict(tp=8, pp=8)})
+    breakdown_figure(plan(gpt3, cluster, 1536), top=8)
+
+Plotly graph_objects only; pure (never communicates).
+"""
+from __future__ import annotations
+
+import plotly.graph_objects as go
+from plotly.colors import qualitative
+
+__all__ = ["planner_figure", "breakdown_figure", "TERMS"]
+
+GB = 1e9
+#: step-time terms of `parlab.planner.Estimate`, in the order they are stacked, with their colours
+TERMS = (("compute_s", "compute", "#4c78a8"), ("bubble_s", "pipeline bubble", "#bab0ac"),
+         ("tp_s", "TP all-reduces", "#e45756"), ("cp_s", "CP ring", "#b279a2"),
+         ("dp_s", "DP (exposed)", "#54a24b"), ("pp_s", "PP send/recv", "#eeca3b"))
+
+
+def _hover(e) -> str:
+    states = e.params_bytes + e.grads_bytes + e.optimizer_bytes
+    where = ", ".join(f"{d} crosses nodes" for d in ("tp", "cp", "dp", "pp") if e.crosses[d] and e.volume[d])
+    return (f"<b>{e.layout}</b><br>memory {e.total_bytes / GB:.1f} GB = states {states / GB:.1f} + activations "
+            f"{e.activation_bytes / GB:.1f} + buffers {e.buffer_bytes / GB:.1f}<br>step {e.step_s:.2f} s = compute "
+            f"{e.compute_s:.2f} + bubble {e.bubble_s:.2f} + TP {e.tp_s:.2f} + CP {e.cp_s:.2f} + DP {e.dp_s:.2f} + "
+            f"PP {e.pp_s:.2f}<br>{e.achieved_tflops:.0f} TFLOP/s per GPU" + (f"<br>{where}" if where else "")
+            + ("" if e.fits else f"<br><b>does not fit</b>: {e.reason}"))
+
+
+def _matches(e, spec: dict) -> bool:
+    return all(getattr(e, k) == v for k, v in spec.items())
+
+
+def planner_figure(estimates, cluster=None, marks: dict | None = None, title: str | None = None) -> go.Figure:
+    """Memory per GPU (x) vs step time (y) of every layout in `estimates`; fitting ones filled, the rest open.
+
+    `cluster` (a `parlab.costs.Cluster`) draws its usable memory as a line; `marks` maps a label to a dict of
+    Estimate fields (e.g. ``{"Megatron": dict(tp=8, pp=8)}``): the fastest fitting estimate that matches is
+    ringed and labelled. The fastest fitting layout overall gets a star."""
+    estimates = list(estimates)
+    if not estimates:
+        raise ValueError("planner_figure needs at least one Estimate (from parlab.planner.enumerate_layouts)")
+    fig = go.Figure()
+    tps = sorted({e.tp for e in estimates})
+    colors = {tp: qualitative.D3[i % len(qualitative.D3)] for i, tp in enumerate(tps)}
+    for tp in tps:
+        for fits in (True, False):
+            group = [e for e in estimates if e.tp == tp and e.fits == fits]
+            if not group:
+                continue
+            crosses = any(e.crosses["tp"] for e in group if e.tp > 1)
+            fig.add_trace(go.Scatter(
+                x=[e.total_bytes / GB for e in group], y=[e.step_s for e in group], mode="markers",
+                name=f"tp={tp}{' (crosses nodes)' if crosses else ''}" + ("" if fits else ": does not fit"),
+                legendgroup=f"tp{tp}",
+                marker=dict(color=colors[tp], size=8 if fits else 7, opacity=0.8 if fits else 0.45,
+                            symbol="circle" if fits else "x-thin-open", line=dict(width=1.5, color=colors[tp])),
+                hovertext=[_hover(e) for e in group], hovertemplate="%{hovertext}<extra></extra>"))
+    fitting = [e for e in estimates if e.fits]
+    if cluster is not None:
+        fig.add_vline(x=cluster.mem_bytes / GB, line=dict(color="#333", dash="dash"),
+                      annotation_text=f"usable {cluster.mem_bytes / GB:.0f} GB of {cluster.gpu_mem_gb:g} GB",
+                      annotation_position="top left")
+    if fitting:
+        best = min(fitting, key=lambda e: (e.step_s, e.total_bytes))
+        fig.add_trace(go.Scatter(x=[best.total_bytes / GB], y=[best.step_s], mode="markers",
+                                 name=f"best: {best.layout}", marker=dict(symbol="star", size=18, color="gold",
+                                                                          line=dict(color="black", width=1)),
+                                 hovertext=[_hover(best)], hovertemplate="%{hovertext}<extra></extra>"))
+    for i, (label, spec) in enumerate((marks or {}).items()):
+        found = sorted((e for e in estimates if _matches(e, spec)), key=lambda e: (not e.fits, e.step_s))
+        if not found:
+            raise ValueError(f"mark {label!r}: no estimate has {spec}")
+        e = found[0]
+        fig.add_trace(go.Scatter(x=[e.total_bytes / GB], y=[e.step_s], mode="markers+text", text=[label],
+                                 textposition="bottom right", name=f"{label}: {e.layout}",
+                                 marker=dict(symbol="circle-open", size=22, color="black", line=dict(width=2.5)),
+                                 hovertext=[_hover(e)], hovertemplate="%{hovertext}<extra></extra>"))
+    n_fit = len(fitting)
+    fig.update_layout(
+        title=title or f"{len(estimates)} candidate layouts, {n_fit} fit: memory per GPU vs step time",
+        xaxis=dict(title="memory of the fullest GPU (GB, log)", type="log"),
+        yaxis=dict(title="estimated step time (s, log)", type="log"), template="plotly_white", height=520,
+        legend=dict(title="tensor parallel size"), hovermode="closest")
+    return fig
+
+
+def breakdown_figure(ranked, top: int = 8, title: str | None = None) -> go.Figure:
+    """Stacked bars: each term of the step time for the first `top` layouts of `ranked` (fastest first)."""
+    rows = list(ranked)[:top]
+    if not rows:
+        raise ValueError("breakdown_figure needs at least one Estimate (from parlab.planner.plan)")
+    names = [f"{i}. {e.layout}" for i, e in enumerate(rows, 1)]
+    fig = go.Figure([go.Bar(y=names, x=[getattr(e, attr) for e in rows], name=label, orientation="h",
+                            marker_color=color, hovertemplate=f"{label}: %{{x:.2f}} s<extra></extra>")
+                     for attr, label, color in TERMS])
+    fig.update_layout(barmode="stack", title=title or f"Where the step time goes: the {len(rows)} fastest layouts",
+                      xaxis_title="seconds per step", yaxis=dict(autorange="reversed"), template="plotly_white",
+                      height=140 + 34 * len(rows), legend=dict(orientation="h", y=-0.2))
+    return fig
