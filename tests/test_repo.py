@@ -38,3 +38,15 @@ def test_import_is_quiet():
     out = subprocess.run([sys.executable, "-W", "error", "-c", "import parlab, parlab.viz"],
                          capture_output=True, text=True, cwd=ROOT)
     assert out.returncode == 0 and out.stderr == "", out.stderr
+
+
+def test_course_maps_list_every_lesson_and_exercise():
+    lessons_readme = (ROOT / "lessons" / "README.md").read_text()
+    top = (ROOT / "README.md").read_text()
+    exercises_readme = (ROOT / "exercises" / "README.md").read_text()
+    for nb in sorted(ROOT.glob("lessons/*.ipynb")):
+        assert f"]({nb.name})" in lessons_readme, f"lessons/README.md does not link {nb.name}"
+        assert f"](lessons/{nb.name})" in top, f"README.md's course map does not link {nb.name}"
+    for nb in sorted(ROOT.glob("exercises/*.ipynb")):
+        assert f"](../exercises/{nb.name})" in lessons_readme, f"lessons/README.md does not link exercise {nb.name}"
+        assert f"]({nb.name})" in exercises_readme, f"exercises/README.md does not list {nb.name}"
