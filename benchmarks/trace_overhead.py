@@ -1,9 +1,11 @@
 """Cost of parlab.comm's tracing: torch.distributed directly vs parlab.comm with tracing off and on.
 
-Two gloo ranks all-reduce a small tensor many times; we report microseconds per call, the
-median of several rounds. Small tensors make the per-call overhead as visible as it can be.
+gloo ranks all-reduce a small tensor many times; we report microseconds per call, the median
+of several rounds. With one rank (the default) the all-reduce does no network I/O, so what is
+left is each path's own per-call cost; with 2 ranks gloo's loopback latency (100-1500 us per
+call on a shared 2-core VM) swamps any difference.
 
-    python benchmarks/trace_overhead.py [--calls 2000] [--rounds 7] [--numel 16]
+    python benchmarks/trace_overhead.py [--ranks 1] [--calls 2000] [--rounds 7] [--numel 16]
 """
 from __future__ import annotations
 
@@ -45,9 +47,10 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=2000)
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--numel", type=int, default=16)
+    ap.add_argument("--ranks", type=int, default=1)
     a = ap.parse_args()
-    res = parlab.run(_bench, 2, a.calls, a.rounds, a.numel, timeout=600)
-    print(f"# 2 gloo ranks, all_reduce of {a.numel} float32, {a.calls} calls x {a.rounds} rounds; us per call (rank 0)")
+    res = parlab.run(_bench, a.ranks, a.calls, a.rounds, a.numel, timeout=600)
+    print(f"# {a.ranks} gloo rank(s), all_reduce of {a.numel} float32, {a.calls} calls x {a.rounds} rounds; us per call (rank 0)")
     print("| path | us per call |")
     print("|---|---|")
     for k, v in res.results[0].items():
