@@ -31,6 +31,7 @@ Collective semantics (N ranks, X = tensor):
 """
 from __future__ import annotations
 
+import functools
 from typing import Sequence
 
 import torch
@@ -71,16 +72,16 @@ class TracedWork:
 
     def __init__(self, work, event: Event):
         self._work, self.event = work, event
-        self._done = False
         try:  # completion time from the backend's future when it offers one (gloo and NCCL do)
-            work.get_future().add_done_callback(lambda _fut: self._finish())
+            # The callback holds only the event, never the work: a callback that keeps its own work alive
+            # forms a C++/Python cycle that made processes abort at exit ("terminate called without an
+            # active exception", about 1 run in 8 of a 27-bucket DDP step under torchrun).
+            work.get_future().add_done_callback(functools.partial(_finish, event))
         except (RuntimeError, AttributeError):
             pass
 
     def _finish(self) -> None:
-        if not self._done:
-            self._done = True
-            self.event.end = now()
+        _finish(self.event)
 
     def wait(self, *args, **kwargs):
         out = self._work.wait(*args, **kwargs)
@@ -95,6 +96,12 @@ class TracedWork:
 
     def __getattr__(self, name):  # anything else a torch Work offers
         return getattr(self._work, name)
+
+
+def _finish(event: Event, _future=None) -> None:
+    """Stamp the completion time once (from the backend's callback or from wait(), whichever comes first)."""
+    if event.end == event.start and event.asynchronous:
+        event.end = now()
 
 
 def _record(op: str, kind: str, tensor: torch.Tensor | None, nbytes: int, group, peer, label: str,
