@@ -285,7 +285,7 @@ def _branchy_data(step, r):
 
 
 def _train_branchy(find_unused, steps=2):
-    r, w = dist.get_rank(), dist.get_world_size()
+    r = dist.get_rank()
     model = _branchy()
     if r != 0:                                                 # construction must undo this
         with torch.no_grad():

@@ -12,6 +12,7 @@ from parlab.data import BatchSampler, load_corpus
 from parlab.fsdp import FullyShardedDataParallel as FSDP
 from parlab.memory import gathered_timeline
 from parlab.models import GPT, GPTConfig, clone_model
+from toy_models import Toy
 
 CFG = GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=2, n_embd=32)
 BATCH, STEPS = 8, 3
@@ -24,29 +25,6 @@ OPTIMS = {"sgd": (torch.optim.SGD, dict(lr=0.1, momentum=0.9)),
 
 def sampler():
     return BatchSampler(load_corpus(4000), batch_size=BATCH, seq_len=CFG.seq_len, seed=1)
-
-
-class Toy(nn.Module):
-    """Tied input/output embedding (both in the root unit) and a frozen layer (a unit of its own)."""
-
-    def __init__(self):
-        super().__init__()
-        g = torch.Generator().manual_seed(0)
-        self.embed = nn.Embedding(16, 8, dtype=torch.float64)
-        self.frozen = nn.Linear(8, 8, dtype=torch.float64)
-        self.hidden = nn.Linear(8, 8, dtype=torch.float64)
-        self.out = nn.Linear(8, 16, bias=False, dtype=torch.float64)
-        self.out.weight = self.embed.weight                                  # tied
-        with torch.no_grad():
-            for p in self.parameters():
-                p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float64) * 0.5)
-        self.frozen.requires_grad_(False)
-
-    def forward(self, idx, targets):
-        x = self.embed(idx % 16)                                             # (B, S, 8)
-        x = torch.tanh(self.hidden(torch.relu(self.frozen(x))))              # (B, S, 8)
-        logits = self.out(x)                                                 # (B, S, 16)
-        return logits, nn.functional.cross_entropy(logits.reshape(-1, 16), (targets % 16).reshape(-1))
 
 
 def make(model_name):

@@ -114,7 +114,7 @@ def test_every_action_and_message_is_traced_and_labelled(name):
     assert set(costs) == {(a.stage, a.kind) for acts in s.actions for a in acts} and min(costs.values()) > 0
     sim = sch.simulate(s, costs=lambda a: costs[(a.stage, a.kind)])
     assert 0 < sim.bubble_fraction < 1 and 0 < measured_bubble(tr) < 1   # compared in benchmarks/pipeline.py only
-    p, m, S = s.ranks, s.microbatches, s.stages
+    m, S = s.microbatches, s.stages
     # one activation and one gradient per stage boundary and micro-batch, plus the tied-embedding exchange
     assert tr.count("send") == tr.count("recv") == 2 * (S - 1) * m + 2
     for st in range(S - 1):

@@ -1,13 +1,13 @@
 """ZeRO-1/2 ShardedOptimizer: lockstep with single-process training on the full batch."""
 import pytest
 import torch
-import torch.nn as nn
 
 import parlab
 from parlab import comm
 from parlab.data import BatchSampler, load_corpus
 from parlab.models import GPT, GPTConfig
 from parlab.zero import ShardedOptimizer, iter_owned, partition_parameters
+from toy_models import Toy
 
 CFG = GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=2, n_embd=32)
 BATCH, STEPS = 8, 3
@@ -28,29 +28,6 @@ def param_groups(model):
     decay = [p for p in model.parameters() if p.dim() >= 2]
     rest = [p for p in model.parameters() if p.dim() < 2]
     return [{"params": decay}, {"params": rest, "weight_decay": 0.0}]
-
-
-class Toy(nn.Module):
-    """Tied input/output embedding and a frozen layer: the cases sharding code gets wrong."""
-
-    def __init__(self):
-        super().__init__()
-        g = torch.Generator().manual_seed(0)
-        self.embed = nn.Embedding(16, 8, dtype=torch.float64)
-        self.frozen = nn.Linear(8, 8, dtype=torch.float64)
-        self.hidden = nn.Linear(8, 8, dtype=torch.float64)
-        self.out = nn.Linear(8, 16, bias=False, dtype=torch.float64)
-        self.out.weight = self.embed.weight                                  # tied
-        with torch.no_grad():
-            for p in self.parameters():
-                p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float64) * 0.5)
-        self.frozen.requires_grad_(False)
-
-    def forward(self, idx, targets):
-        x = self.embed(idx % 16)                                             # (B, S, 8)
-        x = torch.tanh(self.hidden(torch.relu(self.frozen(x))))              # (B, S, 8)
-        logits = self.out(x)                                                 # (B, S, 16)
-        return logits, nn.functional.cross_entropy(logits.reshape(-1, 16), (targets % 16).reshape(-1))
 
 
 def make(model_name):

@@ -164,7 +164,7 @@ def check_column_parallel_linear(fn, tp_sizes=TP_SIZES, timeout: float = TIMEOUT
         res = run_student(_rank_column, n, fn, timeout=timeout, what="ColumnParallelLinearFn")
         for r, got in enumerate(res.results):
             where = f"ColumnParallelLinearFn on {n} ranks, rank {r}"
-            w_r, b_r, gy_r = w.chunk(n, 0)[r], b.chunk(n, 0)[r], gy.chunk(n, -1)[r]
+            w_r, gy_r = w.chunk(n, 0)[r], gy.chunk(n, -1)[r]
             _compare(got["y"], y_full.chunk(n, -1)[r], "the output y", where, hint, [
                 (F.linear(x, w_r), "It is x @ weight.t() without the bias."),
                 (sum(y_full.chunk(n, -1)), "It is the sum of every rank's output slice: the column-parallel forward "
