@@ -24,6 +24,10 @@ Examples::
     html = pio.to_html(viz.comm_animation(res.trace), include_plotlyjs=True)   # self-contained file
     # (plotly's HTML export plays an animation once on load; pass auto_play=False to open it at step 1)
 
+Figures for one technique live in their own module, used by its lesson:
+`viz.data_parallel`, `viz.memory` (ZeRO/FSDP), `viz.tensor_parallel`, `viz.pipeline` (schedule timelines),
+`viz.context_parallel` (ring and Ulysses), `viz.planner` (layout search); `grid_figure` draws a rank grid.
+
 Colours are shared by every lesson (`parlab.viz.style`): blues for compute regions
 (forward / backward / optimizer), one colour per collective, mustard for send/recv.
 """
