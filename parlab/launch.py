@@ -397,6 +397,43 @@ def init(backend: str = "auto", timeout: float = 600.0) -> Context:
     return Context(rank, world, local, device, be)
 
 
-def _destroy_at_exit() -> None:
-    if dist.is_available() and dist.is_initialized():
+def _store_rendezvous(store, key: str, world: int, timeout_s: float) -> bool:
+    """Count this rank in at `key` and wait (at most `timeout_s`) until all `world` ranks have; True if they did."""
+    store.add(key, 1)
+    deadline = time.monotonic() + timeout_s
+    while int(store.add(key, 0)) < world:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def _destroy_at_exit(timeout_s: float = 30.0) -> None:
+    """Leave the process group in step with the other ranks, so that no rank exits while a peer still talks to it.
+
+    A rank that tears down (or simply exits with) its gloo connections while a peer is still
+    finishing its last send can make that peer's process abort in C++ ("terminate called without
+    an active exception", about 1 exit in 30 on a loaded machine). So every rank first waits on
+    the rendezvous store until all ranks are done, then destroys the group, then waits once more
+    until all have destroyed it. The waits go through the store (torchrun's agent hosts it), not
+    through the process group, and are bounded: a rank that crashed or hangs costs at most
+    `timeout_s` seconds of exit time, never a hang, and a failure here never masks the exit code.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    world = dist.get_world_size()
+    store = None
+    crashed = getattr(sys, "last_value", None) is not None  # set by Python when an uncaught exception ends the script
+    if world > 1 and not crashed:  # a crashed rank leaves at once: its peers may never reach the rendezvous
+        try:
+            store = dist.distributed_c10d._get_default_store()  # private API: guarded, falls back to a plain destroy
+        except Exception:
+            store = None
+    try:
+        if store is not None:
+            _store_rendezvous(store, "parlab/exit/done", world, timeout_s)
         dist.destroy_process_group()
+        if store is not None:
+            _store_rendezvous(store, "parlab/exit/destroyed", world, timeout_s)
+    except Exception:
+        pass  # exiting anyway: the rank's own exit status is what matters

@@ -259,12 +259,17 @@ class GPT(nn.Module):
                 g = torch.Generator().manual_seed(_param_seed(seed, name))
                 p.copy_(torch.randn(p.shape, generator=g) * std)
 
-    def embed(self, idx: torch.Tensor) -> torch.Tensor:
-        """Token ids (B, S) -> hidden states (B, S, H): token + position embeddings."""
+    def embed(self, idx: torch.Tensor, pos: torch.Tensor | None = None) -> torch.Tensor:
+        """Token ids (B, S) -> hidden states (B, S, H): token + position embeddings.
+
+        `pos` (S,) gives the positions of the S tokens when they are not 0..S-1 (a context-parallel
+        rank holds a shard of a longer sequence).
+        """
         B, S = idx.shape
         if S > self.config.seq_len:
             raise ValueError(f"sequence of length {S} is longer than GPTConfig.seq_len={self.config.seq_len}")
-        pos = torch.arange(S, device=idx.device)  # (S,)
+        if pos is None:
+            pos = torch.arange(S, device=idx.device)  # (S,)
         x = self.wte(idx) + self.wpe(pos)  # (B, S, H) + (S, H) -> (B, S, H)
         return self.drop(x)  # (B, S, H)
 

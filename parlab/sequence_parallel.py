@@ -205,7 +205,7 @@ class ContextParallelGPT(nn.Module):
             raise ValueError(f"sequence of length {S} (= {idx.shape[1]} per rank x P {self.P}) is longer than "
                              f"GPTConfig.seq_len={m.config.seq_len}")
         pos = shard_positions(S, self.P, self.cp_rank, self.layout).to(idx.device)  # (S/P,) global positions
-        x = m.drop(m.wte(idx) + m.wpe(pos))       # (B, S/P, H): GPT.embed, but with this shard's positions
+        x = m.embed(idx, pos)                     # (B, S/P, H) with this shard's global positions
         for block in m.blocks:
             x = block(x)                          # (B, S/P, H); attention talks to the CP group
         logits = m.head(x)                        # (B, S/P, V)

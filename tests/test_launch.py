@@ -219,3 +219,31 @@ def test_init_without_torchrun_is_a_world_of_one(tmp_path):
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "rank 0/1 local 0 cpu gloo sum 1.0"
+
+
+CRASH_SCRIPT = """
+import torch, parlab
+from parlab import comm
+ctx = parlab.init()
+t = torch.ones(1)
+comm.all_reduce(t)
+if ctx.rank == 1:
+    raise ValueError("rank 1 gives up")
+"""
+
+
+def test_a_crashing_torchrun_rank_ends_the_job_promptly(tmp_path):
+    # The exit rendezvous (launch._destroy_at_exit) must not make a crashed job wait for the rank
+    # that will never arrive: the crashed rank skips it and torchrun stops the healthy one.
+    import subprocess
+    import sys
+    import time
+    script = tmp_path / "crash.py"
+    script.write_text(CRASH_SCRIPT)
+    t0 = time.monotonic()
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                          str(script)], capture_output=True, text=True, timeout=120)
+    took = time.monotonic() - t0
+    assert out.returncode != 0
+    assert "rank 1 gives up" in out.stderr
+    assert took < 25, f"a crashed job took {took:.1f} s to end (the exit rendezvous waits 30 s)"
