@@ -19,11 +19,14 @@ wte.weight) the first and last stage each hold a copy; after the last micro-batc
 gradients (one p2p exchange, as Megatron's embedding group does with an all-reduce [3]). With `dp_group`,
 gradients are then averaged over data-parallel replicas in one all-reduce, once per step.
 
-Communication. Sends are non-blocking (`comm.isend`, every work waited at the end of the step) and
-receives block, so a rank stalls only when the data it needs has not been produced: exactly the model
-`parlab.schedules.simulate` checks for deadlock. `comm.recv` has no tag, so messages between two ranks
-arrive in the order they were sent; the receiver knows that order (the schedule is data, known to every
-rank) and takes messages in it, keeping early ones until their action runs. Every action is a traced
+Communication. Sends are non-blocking (`comm.isend`, every work waited at the end of the step) and a
+rank waits only for the data it needs: exactly the model `parlab.schedules.simulate` checks for deadlock.
+Messages carry no tag, so two ranks must agree on the order of the messages between them; they also must
+not post them in crossed orders ("send X, recv Y" facing "send Y, recv X"), which NCCL can deadlock on
+because it runs a pair's sends and receives one after another. So both ranks of a pair post the messages
+between them in one shared order, `schedules.message_order(schedule)` (the schedule is data, known to every
+rank): a rank about to send first posts the receives that come before it in that order (`comm.irecv`,
+non-blocking), and a rank about to need a message posts up to its receive and waits for it. Every action is a traced
 region ("forward", "backward", "backward_input", "backward_weight", labelled "stage s mb i") and every
 message is labelled ("stage 1 -> 2 act mb 3", "stage 2 -> 1 grad mb 3"); `measured_spans(trace)` turns a
 trace back into per-rank (start, end, Action) spans to lay over `simulate(schedule).spans`.
@@ -39,7 +42,7 @@ from __future__ import annotations
 
 import re
 import time
-from collections import defaultdict, deque
+from collections import defaultdict
 
 import torch
 import torch.nn as nn
@@ -47,7 +50,7 @@ import torch.nn as nn
 from . import comm
 from .data import micro_batches
 from .models import GPT, clone_model
-from .schedules import KINDS, Action, Schedule, unit_cost, validate
+from .schedules import KINDS, Action, Schedule, message_order, unit_cost, validate
 from .trace import Trace, region
 
 __all__ = ["split_layers", "PipelineParallel", "measured_spans", "measured_bubble", "measured_costs"]
@@ -112,6 +115,13 @@ class PipelineParallel:
             m.ln_f = m.lm_head = None
         # tied embeddings split across two ranks: each keeps a copy whose gradients are added after the step
         self.tied = model.config.tie_embeddings and schedule.placement[0] != schedule.placement[S - 1]
+        # this rank's messages with each peer (pipeline ranks), in the order both sides post them
+        self._order: dict[int, list[tuple[str, tuple[str, int, int]]]] = defaultdict(list)
+        for (a, b), msgs in message_order(schedule).items():
+            if self.rank in (a, b):
+                for src, kind, stage, mb in msgs:
+                    self._order[b if self.rank == a else a].append(
+                        ("send" if src == self.rank else "recv", (kind, stage, mb)))
         self._split = any(a.kind in "IW" for a in schedule.actions[self.rank])
         self._captures: list | None = None
         if self._split:
@@ -156,7 +166,9 @@ class PipelineParallel:
         b, T = micro[0][0].shape
         dtype = self.dtype
         shape = (b, T, self.module.config.n_embd)             # every message: (b, S, H)
-        self._inbox = _Inbox(sch, me, self.peers, shape, dtype, self.device, self.group)
+        self._shape = shape
+        self._posted: dict[int, int] = defaultdict(int)       # peer -> messages of self._order[peer] posted
+        self._recvs: dict[tuple, tuple] = {}                  # message key -> (buffer, work) of a posted irecv
         self._sends, self._local = [], {}
         saved, kept = {}, {}                                  # (stage, mb) -> (input, output); I's leftovers
         loss_sum = torch.zeros((), dtype=dtype, device=self.device)
@@ -199,6 +211,8 @@ class PipelineParallel:
         for w in self._sends:                                 # every isend waited (gloo rule)
             w.wait()
         self._sends = []
+        left = {q: len(seq) - self._posted[q] for q, seq in self._order.items() if len(seq) > self._posted[q]}
+        assert not left and not self._recvs, f"messages not exchanged this step: {left}"   # an executor bug
         self._sync_tied()
         if self.dp_group is not None:
             self._all_reduce_dp()
@@ -226,12 +240,38 @@ class PipelineParallel:
         if to == self.rank:
             self._local[(kind, dst, i)] = t
         else:
-            self._sends.append(comm.isend(t.contiguous(), self.peers[to], group=self.group,
-                                          label=f"stage {src} -> {dst} {kind} mb {i}"))
+            self._post_until(to, ("send", (kind, dst, i)), t.contiguous())
 
     def _get(self, kind: str, dst: int, i: int) -> torch.Tensor:
         key = (kind, dst, i)
-        return self._local.pop(key) if key in self._local else self._inbox.get(key)
+        if key in self._local:
+            return self._local.pop(key)
+        if key not in self._recvs:
+            self._post_until(self.schedule.placement[dst - 1 if kind == "act" else dst + 1], ("recv", key))
+        buf, work = self._recvs.pop(key)
+        work.wait()
+        return buf                                            # (b, S, H)
+
+    def _post_until(self, peer: int, target: tuple, tensor: torch.Tensor | None = None) -> None:
+        """Post the messages with `peer` in their shared order, up to and including `target`: receives as
+        irecv into fresh buffers, and `target` itself (a send of `tensor`, or a receive)."""
+        seq = self._order[peer]
+        while self._posted[peer] < len(seq):
+            op, (kind, dst, i) = seq[self._posted[peer]]
+            label = f"stage {dst - 1 if kind == 'act' else dst + 1} -> {dst} {kind} mb {i}"
+            if op == "recv":
+                buf = torch.empty(self._shape, dtype=self.dtype, device=self.device)   # (b, S, H)
+                self._recvs[(kind, dst, i)] = (buf, comm.irecv(buf, self.peers[peer], group=self.group,
+                                                               label=label))
+            elif (op, (kind, dst, i)) == target:
+                self._sends.append(comm.isend(tensor, self.peers[peer], group=self.group, label=label))
+            else:   # cannot happen for a schedule simulate() accepts: our own sends come in production order
+                raise RuntimeError(f"pipeline rank {self.rank} would post {target} before its own {op} of "
+                                   f"{(kind, dst, i)}; the message order does not fit this schedule")
+            self._posted[peer] += 1
+            if (op, (kind, dst, i)) == target:
+                return
+        raise RuntimeError(f"pipeline rank {self.rank}: {target} is not among the messages with rank {peer}")
 
     def _sync_tied(self) -> None:
         """First and last stage add their gradients of the tied embedding (wte.weight == lm_head.weight)."""
@@ -245,9 +285,13 @@ class PipelineParallel:
         w = mine.weight
         g = w.grad if w.grad is not None else torch.zeros_like(w)
         buf = torch.empty_like(g)
-        work = comm.isend(g.clone(), self.peers[other], group=self.group, label="tied embedding grad")
-        comm.recv(buf, self.peers[other], group=self.group, label="tied embedding grad")
-        work.wait()
+        if self.rank < other:     # the lower rank sends first, the higher receives first: mirrored orders
+            work = comm.isend(g.clone(), self.peers[other], group=self.group, label="tied embedding grad")
+            comm.recv(buf, self.peers[other], group=self.group, label="tied embedding grad")
+            work.wait()
+        else:
+            comm.recv(buf, self.peers[other], group=self.group, label="tied embedding grad")
+            comm.send(g, self.peers[other], group=self.group, label="tied embedding grad")
         w.grad = g + buf
 
     def _all_reduce_dp(self) -> None:
@@ -259,35 +303,6 @@ class PipelineParallel:
         comm.all_reduce(flat, op=torch.distributed.ReduceOp.AVG, group=self.dp_group, label="pipeline dp grads")
         for q, g in zip(prms, flat.split([q.numel() for q in prms])):
             q.grad.copy_(g.view_as(q))
-
-
-class _Inbox:
-    """Receives the messages of one step in the order each sender sends them (the schedule tells which)."""
-
-    def __init__(self, sch: Schedule, me: int, peers: list[int], shape, dtype, device, group):
-        self.expect: dict[int, deque] = defaultdict(deque)   # sender pipeline rank -> message keys in send order
-        for q, acts in enumerate(sch.actions):
-            if q == me:
-                continue
-            for a in acts:
-                if a.kind == "F" and a.stage < sch.stages - 1 and sch.placement[a.stage + 1] == me:
-                    self.expect[q].append(("act", a.stage + 1, a.mb))
-                elif a.kind in "BI" and a.stage > 0 and sch.placement[a.stage - 1] == me:
-                    self.expect[q].append(("grad", a.stage - 1, a.mb))
-        self.sch, self.peers, self.shape, self.dtype, self.device, self.group = sch, peers, shape, dtype, device, group
-        self.early: dict = {}
-
-    def get(self, key) -> torch.Tensor:
-        kind, dst, i = key
-        src_stage = dst - 1 if kind == "act" else dst + 1
-        q = self.sch.placement[src_stage]
-        while key not in self.early:
-            k = self.expect[q].popleft()
-            buf = torch.empty(self.shape, dtype=self.dtype, device=self.device)   # (b, S, H)
-            src = k[1] - 1 if k[0] == "act" else k[1] + 1
-            comm.recv(buf, self.peers[q], group=self.group, label=f"stage {src} -> {k[1]} {k[0]} mb {k[2]}")
-            self.early[k] = buf
-        return self.early.pop(key)
 
 
 @torch.no_grad()

@@ -32,6 +32,12 @@ gradient; sends never block (isend, each waited once it completes or at the end 
 free of deadlock exactly when "action A needs the message of action B" never forms a
 cycle together with each rank's order; `simulate` finds such cycles and names them.
 
+`message_order(schedule)` gives, for every pair of ranks, the one order in which both post the
+messages between them (each activation or gradient as a send on one side and a receive on the other).
+NCCL runs a pair's sends and receives one after another on one stream, and a send may wait until its
+receive is posted, so two ranks that post "send X, recv Y" and "send Y, recv X" wait for each other
+forever; posting in one shared order, taken from the simulated time each message is produced, cannot.
+
 `simulate(schedule, costs)` times every action (unit costs by default: F = 1, B = 2,
 I = W = 1, each divided by v) and returns per-rank (start, end, action) spans for
 timeline figures, the makespan, the bubble fraction of each rank and overall, and the
@@ -60,7 +66,8 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterable, Mapping
 
 __all__ = ["Action", "Schedule", "ScheduleError", "Simulation", "naive", "gpipe", "one_f_one_b",
-           "interleaved_1f1b", "zero_bubble_h1", "SCHEDULES", "validate", "simulate", "bubble_formula", "unit_cost"]
+           "interleaved_1f1b", "zero_bubble_h1", "SCHEDULES", "validate", "simulate", "bubble_formula", "unit_cost",
+           "message_order"]
 
 KINDS = {"F": "forward", "B": "backward", "I": "backward_input", "W": "backward_weight"}
 _ACTION = re.compile(r"^\s*(\d+)\s*([FBIW])\s*(\d+)\s*$")
@@ -404,6 +411,28 @@ def simulate(schedule: Schedule, costs: Costs = None, comm: float = 0.0) -> Simu
             raise ScheduleError("deadlock: " + "; ".join(_waiting(schedule, pos, finish)))
     return Simulation(schedule, spans, max(free), [sum(e - s for s, e, _ in sp) for sp in spans],
                       *_peaks(schedule, spans))
+
+
+def message_order(schedule: Schedule) -> dict[tuple[int, int], list[tuple[int, str, int, int]]]:
+    """For each pair of ranks (a, b), a < b, that exchange messages: every message between them as
+    (sender rank, kind "act" or "grad", receiving stage, micro-batch), in the order both ranks post them.
+
+    The order is the simulated time each message is produced (unit costs, all positive), ties broken by the
+    sender's rank. A rank's own messages are produced in its program order, so it can post its sends in this
+    order as it produces them, posting the receives that come between them early (non-blocking); and the
+    order respects every dependency, so the two streams of a pair never wait on each other in a cycle."""
+    sim, S, pl = simulate(schedule), schedule.stages, schedule.placement
+    produced = []                                  # (time, sender, receiver, kind, receiving stage, mb)
+    for r, spans in enumerate(sim.spans):
+        for _, end, a in spans:
+            if a.kind == "F" and a.stage < S - 1 and pl[a.stage + 1] != r:
+                produced.append((end, r, pl[a.stage + 1], "act", a.stage + 1, a.mb))
+            elif a.kind in "BI" and a.stage > 0 and pl[a.stage - 1] != r:
+                produced.append((end, r, pl[a.stage - 1], "grad", a.stage - 1, a.mb))
+    order: dict[tuple[int, int], list[tuple[int, str, int, int]]] = defaultdict(list)
+    for _, src, dst, kind, stage, mb in sorted(produced):
+        order[(min(src, dst), max(src, dst))].append((src, kind, stage, mb))
+    return dict(order)
 
 
 def _waiting(s: Schedule, pos: list[int], finish) -> list[str]:

@@ -189,3 +189,29 @@ def test_stage_split_is_balanced_and_refuses_too_many_stages():
     assert [len(r) for r in split_layers(6, 4)] == [1, 2, 2, 1]     # extra layers to the middle stages
     with pytest.raises(ValueError, match="the model has 4 layers but the pipeline has 8"):
         split_layers(4, 8)
+
+
+def _traced_steps(schedules):
+    for s in schedules:
+        PipelineParallel(GPT(CFG, seed=0, dtype=torch.float64), s).step(*_batch())
+
+
+@pytest.mark.parametrize("p", [2, 4])
+def test_every_rank_pair_posts_its_messages_in_one_mirrored_order(p):
+    # NCCL runs the sends and receives between two GPUs one after another on one stream, and a send may not
+    # finish before its receive is posted. So if rank a posts "send X, recv Y" while rank b posts "send Y,
+    # recv X", both streams wait for each other forever (gloo buffers sends, so it hides this). The executor
+    # must therefore post, for every pair of ranks, the same sequence of messages on both sides: a send on
+    # one side where the other has the receive. Checked from the trace, which records calls in post order.
+    schedules = [sch.gpipe(p, 4), sch.one_f_one_b(p, 4), sch.one_f_one_b(p, {2: 6, 4: 8}[p]),
+                 sch.interleaved_1f1b(p, 4, 2), sch.zero_bubble_h1(p, 4)]
+    tr = parlab.run(_traced_steps, p, schedules, trace=True).trace
+    seq = {}                                       # (rank, peer) -> [(op, label), ...] in post order
+    for e in tr.events:
+        if e.kind == "p2p":
+            seq.setdefault((e.rank, e.peer), []).append((e.op, e.label))
+    assert seq, "no messages traced"
+    flip = {"send": "recv", "recv": "send"}
+    for (a, b), mine in seq.items():
+        theirs = [(flip[op], label) for op, label in seq.get((b, a), [])]
+        assert mine == theirs, f"ranks {a} and {b} post their messages in different orders:\n{mine}\n{theirs}"
