@@ -3,6 +3,7 @@
     parlab course build [--check]        regenerate exercises/*.ipynb from exercises/solutions/*.ipynb
     parlab course strip [--check]        strip outputs and execution counts from the course notebooks
     parlab course scorecard results.xml  per-check pass/fail table from pytest --nbval-lax --junitxml
+    parlab course html [NB ...] --out DIR  execute notebooks (default: the lessons) and export HTML pages
     parlab grid --world 16 --tp 2 --pp 4 --gpus-per-node 8   print the rank groups of a layout
 
 Each subcommand is one ``add_<name>(subparsers)`` function that registers its
@@ -57,6 +58,18 @@ def _course_scorecard(args) -> int:
     return 0 if passed == len(rows) else 1
 
 
+def _course_html(args) -> int:
+    from . import course
+    paths = args.notebooks or sorted((course.ROOT / "lessons").glob("*.ipynb"))
+    missing = [p for p in paths if not Path(p).is_file()]
+    if missing:
+        print(f"parlab course html: no such notebook: {', '.join(map(str, missing))}", file=sys.stderr)
+        return 2
+    for page in course.export_html(paths, args.out, timeout=args.timeout):
+        print(f"wrote {page}")
+    return 0
+
+
 def add_course(sub) -> None:
     p = sub.add_parser("course", help="build exercises, strip notebooks, read grading results")
     csub = p.add_subparsers(dest="course_command", required=True)
@@ -66,6 +79,11 @@ def add_course(sub) -> None:
     s = csub.add_parser("strip", help="remove outputs and execution counts from lessons/ and exercises/")
     s.add_argument("--check", action="store_true", help="write nothing; exit 1 and list the notebooks with outputs")
     s.set_defaults(func=_course_strip)
+    h = csub.add_parser("html", help="execute notebooks (default: every lesson) and export them as HTML pages")
+    h.add_argument("notebooks", nargs="*", type=Path)
+    h.add_argument("--out", type=Path, default=Path("html"), help="folder for the pages (default: ./html)")
+    h.add_argument("--timeout", type=float, default=300.0, help="seconds one cell may run (default: 300)")
+    h.set_defaults(func=_course_html)
     c = csub.add_parser("scorecard", help="per-check results from a pytest --junitxml file")
     c.add_argument("junit_xml", type=Path)
     c.set_defaults(func=_course_scorecard)

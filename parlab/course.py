@@ -171,6 +171,64 @@ def strip(root: str | Path = ROOT, check: bool = False) -> list[Path]:
     return [p for p in course_notebooks(root) if _write_if_changed(p, dumps(strip_notebook(read(p))), check)]
 
 
+# ---------------------------------------------------------------------- executing and exporting
+def execute(nb: nbformat.NotebookNode, cwd: str | Path, timeout: float = 300.0,
+            poll: float = 0.5) -> nbformat.NotebookNode:
+    """Run every cell of `nb` in a fresh kernel started in `cwd`, in place (outputs kept); returns `nb`.
+
+    A cell that takes more than `timeout` seconds raises nbclient's CellTimeoutError. Works around
+    nbclient's lost-reply stall (jupyter/nbclient#312): on cells that open widgets, the kernel's reply can
+    sit unnoticed on the client's socket until the wait times out (measured here: lesson 07 under plain
+    nbclient stalled a cell for the full 90 s timeout in 2 of 3 runs, and forever without a timeout).
+    Waiting in slices of `poll` seconds makes every wake-up also look at the socket, so a stall lasts at
+    most `poll` seconds."""
+    from nbclient import NotebookClient
+
+    class _Client(NotebookClient):
+        async def async_start_new_kernel_client(self):
+            kc = await super().async_start_new_kernel_client()
+            for channel in (kc.shell_channel, kc.iopub_channel):
+                channel.get_msg = _sliced(channel.get_msg, poll)
+            return kc
+
+    _Client(nb, timeout=timeout, kernel_name="python3", resources={"metadata": {"path": str(cwd)}}).execute()
+    return nb
+
+
+def _sliced(get_msg, poll: float):
+    """`get_msg(timeout)` that waits in slices of `poll` seconds, each ending with a fresh look at the socket."""
+    from queue import Empty
+    from time import monotonic
+
+    async def get(timeout=None):
+        deadline = None if timeout is None else monotonic() + timeout
+        while True:
+            left = poll if deadline is None else min(poll, max(0.0, deadline - monotonic()))
+            try:
+                return await get_msg(timeout=left)
+            except Empty:
+                if deadline is not None and monotonic() >= deadline:
+                    raise
+    return get
+
+
+def export_html(paths, out: str | Path, timeout: float = 300.0) -> list[Path]:
+    """Execute each notebook (in its own folder) and write NAME.html into `out`; returns the pages written.
+    Plotly figures carry their own plotly.js, so the pages work offline; widgets show their first state."""
+    from nbconvert import HTMLExporter
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    pages = []
+    for path in map(Path, paths):
+        nb = execute(read(path), path.resolve().parent, timeout=timeout)
+        html, _ = HTMLExporter().from_notebook_node(nb)
+        page = out / (path.stem + ".html")
+        page.write_text(html, encoding="utf-8")
+        pages.append(page)
+    return pages
+
+
 # ---------------------------------------------------------------------- grading results
 def _error_line(report: str) -> str:
     """The exception a cell ended with ("AssertionError: rank 2, chunk 1 ..."), colour codes removed."""

@@ -121,6 +121,40 @@ def test_strip_command_strips_and_check_reports(tmp_path):
     assert cli.main(["course", "strip", "--check", "--root", str(tmp_path)]) == 0
 
 
+def test_sliced_wait_finds_a_message_whose_wake_up_was_lost():
+    # nbclient#312: the kernel's reply sits on the socket but the waiting coroutine is never woken, so an
+    # unbounded wait never returns and a bounded one returns only at its timeout (where pyzmq looks again).
+    # The fake channel behaves like that: a message "arrives" at t = 0.1 s, but only a wait that times out
+    # after that moment sees it.
+    import asyncio
+    import time
+    from queue import Empty
+
+    t0 = time.monotonic()
+
+    async def lossy_get_msg(timeout=None):
+        if timeout is None:
+            await asyncio.sleep(3600)                   # never woken
+        await asyncio.sleep(timeout)
+        if time.monotonic() - t0 >= 0.1:
+            return {"msg_type": "execute_reply"}
+        raise Empty
+
+    get = course._sliced(lossy_get_msg, poll=0.05)
+    msg = asyncio.run(asyncio.wait_for(get(timeout=None), 5))
+    assert msg["msg_type"] == "execute_reply" and time.monotonic() - t0 < 1.0   # ~0.1 s, not 3600 s
+    t0 = time.monotonic() + 3600                          # a message that never comes: the timeout still holds
+    start = time.monotonic()
+    with pytest.raises(Empty):
+        asyncio.run(get(timeout=0.2))
+    assert 0.2 <= time.monotonic() - start < 1.0
+
+
+def test_html_command_rejects_a_missing_notebook(tmp_path, capsys):
+    assert cli.main(["course", "html", str(tmp_path / "nope.ipynb"), "--out", str(tmp_path)]) == 2
+    assert "no such notebook" in capsys.readouterr().err
+
+
 def test_grid_command_prints_the_seed_000_groups(capsys):
     assert cli.main(["grid", "--world", "16", "--tp", "2", "--pp", "4", "--gpus-per-node", "8"]) == 0
     out = capsys.readouterr().out
