@@ -16,8 +16,9 @@ gradients is the gradient of the mean loss over the global batch: the one-proces
 `build_hybrid(model, groups, ...)` applies the strategies in one visible order, each one using only the
 group it needs (groups are passed explicitly, from `parlab.groups.build_groups`):
 
-    1. TP/SP  shard the layers over `groups.tp` (Megatron plan of `parlab.tensor_parallel`; the output layer
-              gathers the vocabulary-split logits, so the pipeline's ordinary loss applies)
+    1. TP/SP  shard the layers over `groups.tp` (Megatron plan of `parlab.tensor_parallel`); the last stage
+              keeps its logits split over the vocabulary, (b, S, V/tp), and its loss is the vocab-parallel
+              cross-entropy (three all-reduces of (b, S) numbers instead of gathering (b, S, V) logits)
     2. PP     keep this rank's stage(s) of the schedule over `groups.pp` (`parlab.pipeline_parallel`)
     3. CP     attention of every kept layer over `groups.cp`; position embeddings at global positions
     4. DP     gradient average over `groups.dp_cp` (one flat all-reduce), or ZeRO-1/2 over the same group
@@ -57,8 +58,8 @@ from .pipeline_parallel import PipelineParallel
 from .ring_attention import check_seq_len, ring_attention, shard_positions, shard_sequence
 from .schedules import SCHEDULES, Schedule
 from .sequence_parallel import ulysses_attention
-from .tensor_parallel import (Colwise, _matches, check_divisible, dense_state_dict, gpt_plan, parallelize,
-                              sync_sequence_parallel_grads)
+from .tensor_parallel import (_matches, _mean_vocab_parallel_loss, check_divisible, dense_state_dict, gpt_plan,
+                              parallelize, sync_sequence_parallel_grads)
 from .topology import ParallelGrid
 from .zero import ShardedOptimizer
 
@@ -174,10 +175,8 @@ class HybridGPT:
 
 
 def _stage_plan(module, sequence_parallel: bool) -> dict:
-    """Megatron's GPT plan, restricted to the modules this stage holds; the vocabulary-split logits are
-    gathered (an all-gather of (b, S, V/tp) per micro-batch) so the pipeline's ordinary loss applies."""
+    """Megatron's GPT plan, restricted to the modules this stage holds (lm_head: vocabulary-split logits)."""
     plan = gpt_plan()
-    plan["lm_head"] = Colwise(gather_output=True)
     names = [n for n, _ in module.named_modules()]
     return {p: s for p, s in plan.items() if any(_matches(p, n) for n in names)}
 
@@ -214,6 +213,8 @@ def build_hybrid(model: GPT, groups: ProcessGroups, *, schedule: str | Schedule 
     # 1. TP/SP: shard every layer the stage holds over the tp group.
     if grid.tp > 1:
         parallelize(stage, _stage_plan(stage, sequence_parallel), groups.tp, sequence_parallel)
+        if stage.lm_head is not None:                         # the last stage: loss on (b, S, V/tp) logits
+            stage.loss = functools.partial(_mean_vocab_parallel_loss, group=groups.tp)
     # 3. CP: attention over the cp group; position embeddings at this rank's global positions.
     if grid.cp > 1:
         cp_rank = groups.local_rank("cp")

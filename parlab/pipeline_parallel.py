@@ -6,7 +6,7 @@ group)` keeps on this rank only the stages `schedule.placement` gives it, and `s
 list of actions from `parlab.schedules` (any valid schedule: GPipe, 1F1B, interleaved, ZB-H1, your own):
 
     F  s i   input: token ids (s = 0), else the activation of stage s - 1   (recv, or a local hand-off)
-             output: sent to stage s + 1; on the last stage the loss of micro-batch i, divided by m
+             output: sent to stage s + 1; on the last stage the loss of micro-batch i (`module.loss`), / m
     B  s i   gradient of the output (recv from stage s + 1; the loss itself on the last stage) ->
              parameter gradients accumulate in .grad; the input gradient is sent to stage s - 1
     I  s i   the same, but only the input gradient (and the gradients of every layer output), graph kept
@@ -181,7 +181,8 @@ class PipelineParallel:
                     self._captures = [] if self._split else None
                     out = self.forward_stage(s, inp)          # (b, S, H), or logits (b, S, V) on the last stage
                     if s == S - 1:
-                        out = GPT.loss(out, micro[i][1]) / m  # mean over micro-batches = mean over the batch
+                        # the module's own loss: GPT.loss, or a TP stage's vocab-parallel cross-entropy
+                        out = self.module.loss(out, micro[i][1]) / m  # mean over micro-batches = over the batch
                         loss_sum += out.detach()
                     saved[(s, i)] = (inp, out, self._captures)
                     self._captures = None

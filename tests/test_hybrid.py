@@ -100,6 +100,10 @@ def test_layout_matches_one_process(dp, tp, pp, cp, kw):
     assert (grad_sync > 0) == (dp * cp > 1)
     assert sum(r["messages"] for r in traffic_by_dim(res.trace, grid).values()) == sum(
         e.op not in ("recv", "irecv") for e in events)
+    if tp > 1:   # the last stage keeps (b, S, V/tp) logits: vocab-parallel cross-entropy, no logits gather
+        assert any(e.label.startswith("cross-entropy") for e in events)
+        if not kw.get("sequence_parallel"):                     # (SP gathers lm_head's input, (b, S, H))
+            assert not any(e.op == "all_gather" and e.label.startswith("lm_head") for e in events)
 
 
 def test_unsupported_combinations_say_what_is_supported():
