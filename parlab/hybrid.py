@@ -33,8 +33,8 @@ rows (dp) and positions (cp), runs the chosen pipeline schedule over `schedule.m
 reduces the gradients and steps the optimizer; it returns the global mean loss on every rank.
 
 Supported: any tp x cp x dp x pp whose sizes the model allows, with these limits (a ValueError says which):
-sequence parallelism needs pp = 1 (the pipeline's messages are full-sequence hidden states); the
-zero-bubble schedule (split I/W backward) needs tp = 1; Ulysses needs (n_head / tp) % cp == 0; dropout 0.
+sequence parallelism needs seq_len / cp divisible by tp (with SP the pipeline's messages are (b, S/tp, H),
+as in Megatron, a tp-th of the bytes); the zero-bubble schedule (split I/W backward) needs tp = 1; Ulysses needs (n_head / tp) % cp == 0; dropout 0.
 
 References
     [1] D. Narayanan et al., "Efficient Large-Scale Language Model Training on GPU Clusters Using
@@ -66,8 +66,9 @@ from .zero import ShardedOptimizer
 __all__ = ["HybridGPT", "build_hybrid", "make_schedule", "check_layout", "group_dim", "traffic_by_dim",
            "SUPPORTED"]
 
-SUPPORTED = ("any tp x cp x dp x pp the model's sizes allow; sequence_parallel needs pp=1; schedule 'zb-h1' "
-             "needs tp=1; cp attention 'ulysses' needs (n_head/tp) % cp == 0; ZeRO stage 0, 1 or 2; dropout 0")
+SUPPORTED = ("any tp x cp x dp x pp the model's sizes allow; sequence_parallel needs seq_len / cp divisible by "
+             "tp; schedule 'zb-h1' needs tp=1; cp attention 'ulysses' needs (n_head/tp) % cp == 0; ZeRO stage 0, "
+             "1 or 2; dropout 0")
 
 
 # ---------------------------------------------------------------------- checks and the schedule
@@ -97,9 +98,9 @@ def check_layout(config, grid: ParallelGrid, schedule: Schedule, *, batch_size: 
     if config.n_layer < schedule.stages:
         raise ValueError(f"n_layer {config.n_layer} < {schedule.stages} pipeline stages (pp x chunks); "
                          f"use a model with n_layer >= {schedule.stages} or a smaller pp")
-    if sequence_parallel and pp > 1:
-        raise ValueError(f"sequence_parallel needs pp=1 here (stages exchange full-sequence hidden states); "
-                         f"got pp={pp}. Supported: {SUPPORTED}")
+    if sequence_parallel and seq_len is not None and (seq_len // cp) % tp:
+        raise ValueError(f"sequence parallelism splits each rank's {seq_len // cp} positions (seq_len / cp) over "
+                         f"tp={tp} ranks; use a seq_len that is a multiple of cp * tp = {cp * tp}")
     if tp > 1 and any(a.kind in "IW" for acts in schedule.actions for a in acts):
         raise ValueError(f"schedule {schedule.name!r} splits the backward into I and W, which knows dense Linear "
                          f"layers only; with tp={tp} use 'gpipe', '1f1b' or 'interleaved'")
@@ -208,7 +209,9 @@ def build_hybrid(model: GPT, groups: ProcessGroups, *, schedule: str | Schedule 
 
     # 2. PP (first in the code, see the module docstring): this rank's stage(s) of the dense model.
     #    Plain DP (ZeRO 0) is the pipeline's own end-of-step all-reduce over dp-cp.
-    pipe = PipelineParallel(model, sch, group=groups.pp, dp_group=dp_cp if zero_stage == 0 else None)
+    #    With SP the stages exchange hidden states split along the sequence over tp: (b, S/tp, H).
+    pipe = PipelineParallel(model, sch, group=groups.pp, dp_group=dp_cp if zero_stage == 0 else None,
+                            sequence_split=grid.tp if sequence_parallel else 1)
     stage = pipe.module
     # 1. TP/SP: shard every layer the stage holds over the tp group.
     if grid.tp > 1:

@@ -81,13 +81,17 @@ class PipelineParallel:
     gradients into `.grad` (set them to None between steps, as with `backward`) and returns the mean loss on the
     rank holding the last stage (None elsewhere). x and y live on the model's device.
 
+    `sequence_split` (default 1): with Megatron sequence parallelism the hidden states between stages are
+    split along the sequence over the tp ranks, so every message is (b, S/tp, H); pass tp.
+
     `device_time` (seconds, default 0) emulates an accelerator: every action also waits device_time x its unit
     cost (`schedules.unit_cost`: F = 1, B = 2, I = W = 1, divided by v) inside its traced span, as a CPU waits
     for a GPU kernel. When 4 simulated ranks share 2 CPU cores, their real compute slows each other down; a
     device time well above the real compute makes the measured timeline show the schedule itself, in units
     of device_time comparable with `simulate(schedule)`."""
 
-    def __init__(self, model: GPT, schedule: Schedule, group=None, dp_group=None, device_time: float = 0.0):
+    def __init__(self, model: GPT, schedule: Schedule, group=None, dp_group=None, device_time: float = 0.0,
+                 sequence_split: int = 1):
         validate(schedule)
         p = comm.get_world_size(group)
         if schedule.ranks != p:
@@ -96,7 +100,10 @@ class PipelineParallel:
         if not device_time >= 0:
             raise ValueError(f"device_time is seconds of emulated device work per unit cost, >= 0; "
                              f"got {device_time!r}")
+        if not (isinstance(sequence_split, int) and sequence_split >= 1):
+            raise ValueError(f"sequence_split must be a positive integer, got {sequence_split!r}")
         self.schedule, self.group, self.dp_group, self.device_time = schedule, group, dp_group, float(device_time)
+        self.sequence_split = sequence_split                  # SP: stages exchange (b, S/tp, H)
         self.rank = comm.get_rank(group)                      # position in the pipeline group
         self.peers = comm.group_ranks(group)                  # pipeline rank -> global rank
         S = schedule.stages
@@ -165,7 +172,10 @@ class PipelineParallel:
         micro = micro_batches(x, y, m)                        # m x ((b, S), (b, S))
         b, T = micro[0][0].shape
         dtype = self.dtype
-        shape = (b, T, self.module.config.n_embd)             # every message: (b, S, H)
+        if T % self.sequence_split:
+            raise ValueError(f"sequence length {T} does not split over sequence_split={self.sequence_split} "
+                             f"(the tensor-parallel ranks of sequence parallelism); use a multiple of it")
+        shape = (b, T // self.sequence_split, self.module.config.n_embd)   # every message: (b, S/sp, H)
         self._shape = shape
         self._posted: dict[int, int] = defaultdict(int)       # peer -> messages of self._order[peer] posted
         self._recvs: dict[tuple, tuple] = {}                  # message key -> (buffer, work) of a posted irecv

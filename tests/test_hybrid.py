@@ -62,6 +62,8 @@ LAYOUTS = [
     (4, 1, 2, 1, {"schedule": "zb-h1"}),                       # zero bubble (split backward)
     (1, 2, 2, 2, {"cp_layout": "contiguous"}),                 # TP x CP x PP
     (2, 2, 1, 2, {"sequence_parallel": True, "zero_stage": 1}),  # TP+SP x CP x ZeRO-1 over dp-cp
+    (2, 2, 2, 1, {"sequence_parallel": True}),                 # TP+SP x PP: stages exchange (b, S/tp, H)
+    (1, 2, 2, 2, {"sequence_parallel": True, "schedule": "interleaved", "chunks": 2}),  # SP x PP x CP
 ]
 
 
@@ -104,12 +106,16 @@ def test_layout_matches_one_process(dp, tp, pp, cp, kw):
         assert any(e.label.startswith("cross-entropy") for e in events)
         if not kw.get("sequence_parallel"):                     # (SP gathers lm_head's input, (b, S, H))
             assert not any(e.op == "all_gather" and e.label.startswith("lm_head") for e in events)
+    if pp > 1:   # every pipeline message is one micro-batch's hidden states, a tp-th of them under SP
+        b = B // (dp * (kw.get("microbatches") or pp))           # rows per micro-batch
+        want = b * (CFG.seq_len // cp // (tp if kw.get("sequence_parallel") else 1)) * CFG.n_embd * 8
+        assert {e.nbytes for e in events if e.op == "send" and e.label.startswith("stage")} == {want}
 
 
 def test_unsupported_combinations_say_what_is_supported():
     grid = ParallelGrid(8, tp=2, pp=2)
-    with pytest.raises(ValueError, match="sequence_parallel needs pp=1"):
-        check_layout(CFG, grid, make_schedule("1f1b", 2, 2), sequence_parallel=True)
+    with pytest.raises(ValueError, match="use a seq_len that is a multiple of cp \\* tp = 2"):
+        check_layout(CFG, grid, make_schedule("1f1b", 2, 2), sequence_parallel=True, seq_len=7)
     with pytest.raises(ValueError, match="with tp=2 use"):
         check_layout(CFG, grid, make_schedule("zb-h1", 2, 2))
     with pytest.raises(ValueError, match="n_head 8 is not divisible by tp 3"):

@@ -19,7 +19,7 @@ RUNS = [
     ("tensor_parallel", 2, ["--sp"]),
     ("pipeline", 2, ["--microbatches", "4"]),
     ("context_parallel", 2, ["--attention", "ring"]),
-    ("hybrid", 4, ["--tp", "2", "--pp", "2"]),
+    ("hybrid", 4, ["--tp", "2", "--pp", "2", "--sp"]),        # TP+SP x PP
     ("hybrid", 4, ["--cp", "2", "--zero", "1"]),               # dp 2 x cp 2
 ]
 

@@ -23,7 +23,7 @@ def add_args(p):
     g.add_argument("--pp", type=int, default=1)
     g.add_argument("--cp", type=int, default=1)
     g.add_argument("--zero", type=int, choices=(0, 1, 2), default=0, help="ZeRO stage over the dp-cp group")
-    g.add_argument("--sp", action="store_true", help="sequence parallelism (needs pp=1)")
+    g.add_argument("--sp", action="store_true", help="Megatron sequence parallelism (seq-len divisible by cp x tp)")
     g.add_argument("--schedule", choices=sorted(SCHEDULES), default="1f1b")
     g.add_argument("--microbatches", type=int, default=None, help="per step (default: 2 x pp)")
     g.add_argument("--chunks", type=int, default=1, help="model chunks per rank (interleaved schedule)")
