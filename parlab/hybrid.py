@@ -34,7 +34,7 @@ reduces the gradients and steps the optimizer; it returns the global mean loss o
 
 Supported: any tp x cp x dp x pp whose sizes the model allows, with these limits (a ValueError says which):
 sequence parallelism needs seq_len / cp divisible by tp (with SP the pipeline's messages are (b, S/tp, H),
-as in Megatron, a tp-th of the bytes); the zero-bubble schedule (split I/W backward) needs tp = 1; Ulysses needs (n_head / tp) % cp == 0; dropout 0.
+as in Megatron, a tp-th of the bytes); Ulysses needs (n_head / tp) % cp == 0; dropout 0.
 
 References
     [1] D. Narayanan et al., "Efficient Large-Scale Language Model Training on GPU Clusters Using
@@ -67,7 +67,7 @@ __all__ = ["HybridGPT", "build_hybrid", "make_schedule", "check_layout", "group_
            "SUPPORTED"]
 
 SUPPORTED = ("any tp x cp x dp x pp the model's sizes allow; sequence_parallel needs seq_len / cp divisible by "
-             "tp; schedule 'zb-h1' needs tp=1; cp attention 'ulysses' needs (n_head/tp) % cp == 0; ZeRO stage 0, "
+             "tp; cp attention 'ulysses' needs (n_head/tp) % cp == 0; ZeRO stage 0, "
              "1 or 2; dropout 0")
 
 
@@ -101,9 +101,6 @@ def check_layout(config, grid: ParallelGrid, schedule: Schedule, *, batch_size: 
     if sequence_parallel and seq_len is not None and (seq_len // cp) % tp:
         raise ValueError(f"sequence parallelism splits each rank's {seq_len // cp} positions (seq_len / cp) over "
                          f"tp={tp} ranks; use a seq_len that is a multiple of cp * tp = {cp * tp}")
-    if tp > 1 and any(a.kind in "IW" for acts in schedule.actions for a in acts):
-        raise ValueError(f"schedule {schedule.name!r} splits the backward into I and W, which knows dense Linear "
-                         f"layers only; with tp={tp} use 'gpipe', '1f1b' or 'interleaved'")
     if cp_attention not in ("ring", "ulysses"):
         raise ValueError(f"cp_attention must be 'ring' or 'ulysses', got {cp_attention!r}")
     if cp_attention == "ulysses" and (config.n_head // tp) % cp:
@@ -218,6 +215,7 @@ def build_hybrid(model: GPT, groups: ProcessGroups, *, schedule: str | Schedule 
         parallelize(stage, _stage_plan(stage, sequence_parallel), groups.tp, sequence_parallel)
         if stage.lm_head is not None:                         # the last stage: loss on (b, S, V/tp) logits
             stage.loss = functools.partial(_mean_vocab_parallel_loss, group=groups.tp)
+        pipe.register_split_backward_hooks()                  # zero-bubble W: the sharded layers too
     # 3. CP: attention over the cp group; position embeddings at this rank's global positions.
     if grid.cp > 1:
         cp_rank = groups.local_rank("cp")

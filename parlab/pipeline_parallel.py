@@ -10,8 +10,9 @@ list of actions from `parlab.schedules` (any valid schedule: GPipe, 1F1B, interl
     B  s i   gradient of the output (recv from stage s + 1; the loss itself on the last stage) ->
              parameter gradients accumulate in .grad; the input gradient is sent to stage s - 1
     I  s i   the same, but only the input gradient (and the gradients of every layer output), graph kept
-    W  s i   the weight gradients from what I kept: Linear dW = dY^T X, db = sum dY; LayerNorm and
-             Embedding through their own small autograd node. Nobody waits for a W.
+    W  s i   the weight gradients from what I kept: Linear dW = dY^T X, db = sum dY; any other module
+             with parameters (LayerNorm, Embedding, tensor-parallel layers) by autograd from its own output
+             back to its own parameters. Nobody waits for a W.
 
 Every micro-batch's loss is divided by m, so the accumulated gradients are those of the mean loss over the
 whole batch, exactly as the unsplit model computes them. With tied embeddings (GPT-2's lm_head.weight is
@@ -42,6 +43,7 @@ from __future__ import annotations
 
 import re
 import time
+import weakref
 from collections import defaultdict
 
 import torch
@@ -131,13 +133,19 @@ class PipelineParallel:
                         ("send" if src == self.rank else "recv", (kind, stage, mb)))
         self._split = any(a.kind in "IW" for a in schedule.actions[self.rank])
         self._captures: list | None = None
-        if self._split:
-            for mod in m.modules():
-                if isinstance(mod, (nn.Linear, nn.LayerNorm, nn.Embedding)):
-                    mod.register_forward_hook(self._capture)
-                elif any(True for _ in mod.parameters(recurse=False)):
-                    raise ValueError(f"the split backward (I/W) knows Linear, LayerNorm and Embedding weights, not "
-                                     f"{type(mod).__name__}; use a schedule with B actions for this model")
+        self._hooked: weakref.WeakSet = weakref.WeakSet()   # (not ids: a replaced module's id can be reused)
+        self.register_split_backward_hooks()
+
+    def register_split_backward_hooks(self) -> None:
+        """For schedules with I and W: record the output (and, for nn.Linear, the input) of every module that
+        owns parameters, so W can compute their gradients later. Called by the constructor; call it again
+        after replacing modules of `self.module` (e.g. sharding them for tensor parallelism)."""
+        if not self._split:
+            return
+        for mod in self.module.modules():
+            if mod not in self._hooked and any(True for _ in mod.parameters(recurse=False)):
+                mod.register_forward_hook(self._capture)
+                self._hooked.add(mod)
 
     # ------------------------------------------------------------------ the model pieces
     def parameters(self):
@@ -328,12 +336,13 @@ def _weight_grads(caps, gys) -> None:
             if mod.bias is not None:
                 grads.append(g2.sum(0))                       # db = sum over rows of dY: (out,)
             prms = [mod.weight] + ([mod.bias] if mod.bias is not None else [])
-        else:                                                 # LayerNorm / Embedding: their own backward node
-            prms = [q for q in mod.parameters() if q.requires_grad]
+        else:   # LayerNorm, Embedding, tensor-parallel layers: backward through the module's own graph only
+            prms = [q for q in mod.parameters(recurse=False) if q.requires_grad]
             with torch.enable_grad():
-                grads = torch.autograd.grad(y, prms, gy, retain_graph=True)
+                grads = torch.autograd.grad(y, prms, gy, retain_graph=True, allow_unused=True)
         for q, g in zip(prms, grads):
-            q.grad = g.clone() if q.grad is None else q.grad + g
+            if g is not None:
+                q.grad = g.clone() if q.grad is None else q.grad + g
 
 
 # ---------------------------------------------------------------------- measured timelines

@@ -64,6 +64,8 @@ LAYOUTS = [
     (2, 2, 1, 2, {"sequence_parallel": True, "zero_stage": 1}),  # TP+SP x CP x ZeRO-1 over dp-cp
     (2, 2, 2, 1, {"sequence_parallel": True}),                 # TP+SP x PP: stages exchange (b, S/tp, H)
     (1, 2, 2, 2, {"sequence_parallel": True, "schedule": "interleaved", "chunks": 2}),  # SP x PP x CP
+    (2, 2, 2, 1, {"schedule": "zb-h1"}),                       # zero bubble with TP-sharded layers
+    (1, 2, 4, 1, {"schedule": "zb-h1", "sequence_parallel": True, "microbatches": 4}),  # ZB-H1 x TP+SP
 ]
 
 
@@ -116,8 +118,6 @@ def test_unsupported_combinations_say_what_is_supported():
     grid = ParallelGrid(8, tp=2, pp=2)
     with pytest.raises(ValueError, match="use a seq_len that is a multiple of cp \\* tp = 2"):
         check_layout(CFG, grid, make_schedule("1f1b", 2, 2), sequence_parallel=True, seq_len=7)
-    with pytest.raises(ValueError, match="with tp=2 use"):
-        check_layout(CFG, grid, make_schedule("zb-h1", 2, 2))
     with pytest.raises(ValueError, match="n_head 8 is not divisible by tp 3"):
         check_layout(CFG, ParallelGrid(6, tp=3), make_schedule("1f1b", 1, 1))
     with pytest.raises(ValueError, match="n_layer 4 < 8 pipeline stages"):
