@@ -198,3 +198,32 @@ def test_schedules_module_is_pure_python():
     imported = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     imported |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
     assert "torch" not in imported, "parlab.schedules must not import torch (it is pure planning)"
+
+
+def test_message_order_of_1f1b_on_two_ranks():
+    # rank 0: 0F0 0F1 0B0 0F2 0B1 0B2; unit costs put act 0, act 1 at t = 1, 2, grad 0 at 4, then act 2 and
+    # grad 1 both at 7 (ties go to the lower sender), grad 2 at 10
+    assert sch_module.message_order(one_f_one_b(2, 3)) == {(0, 1): [
+        (0, "act", 1, 0), (0, "act", 1, 1), (1, "grad", 0, 0), (0, "act", 1, 2), (1, "grad", 0, 1),
+        (1, "grad", 0, 2)]}
+
+
+@pytest.mark.parametrize("s", [gpipe(4, 6), one_f_one_b(4, 8), interleaved_1f1b(2, 4, 2), interleaved_1f1b(4, 8, 2),
+                               zero_bubble_h1(4, 8), naive(3, 2)], ids=lambda s: f"{s.name}")
+def test_message_order_lists_every_message_once_in_each_senders_own_order(s):
+    order = sch_module.message_order(s)
+    pl, S = s.placement, s.stages
+    sent = {}                                        # sender -> its messages in its program order
+    for r, acts in enumerate(s.actions):
+        for a in acts:
+            if a.kind == "F" and a.stage < S - 1 and pl[a.stage + 1] != r:
+                sent.setdefault(r, []).append((r, "act", a.stage + 1, a.mb))
+            elif a.kind in "BI" and a.stage > 0 and pl[a.stage - 1] != r:
+                sent.setdefault(r, []).append((r, "grad", a.stage - 1, a.mb))
+    listed = [msg for msgs in order.values() for msg in msgs]
+    assert sorted(listed) == sorted(m for ms in sent.values() for m in ms)      # each message exactly once
+    for (a, b), msgs in order.items():
+        assert a < b
+        for sender in (a, b):                          # a sender's messages keep its program order
+            mine = [m for m in msgs if m[0] == sender]
+            assert mine == [m for m in sent.get(sender, []) if pl[m[2]] == (b if sender == a else a)]
