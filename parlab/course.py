@@ -35,6 +35,7 @@ from __future__ import annotations
 import ast
 import copy
 import re
+import subprocess
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
@@ -191,7 +192,10 @@ def execute(nb: nbformat.NotebookNode, cwd: str | Path, timeout: float = 300.0,
                 channel.get_msg = _sliced(channel.get_msg, poll)
             return kc
 
-    _Client(nb, timeout=timeout, kernel_name="python3", resources={"metadata": {"path": str(cwd)}}).execute()
+    # the kernel's own stderr only carries jupyter_client's shutdown noise ("KeyboardInterrupt caught in
+    # kernel", sent on purpose before shutdown); errors in cells come back in the notebook and raise here
+    _Client(nb, timeout=timeout, kernel_name="python3", resources={"metadata": {"path": str(cwd)}}).execute(
+        stderr=subprocess.DEVNULL)
     return nb
 
 
@@ -214,7 +218,8 @@ def _sliced(get_msg, poll: float):
 
 def export_html(paths, out: str | Path, timeout: float = 300.0) -> list[Path]:
     """Execute each notebook (in its own folder) and write NAME.html into `out`; returns the pages written.
-    Plotly figures carry their own plotly.js, so the pages work offline; widgets show their first state."""
+    Plotly figures carry their own plotly.js, so they draw offline; formulas are typeset by MathJax, which
+    nbconvert's page loads from its CDN (raw TeX without a network). Widget cells keep no output."""
     from nbconvert import HTMLExporter
 
     out = Path(out)
