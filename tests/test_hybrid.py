@@ -10,6 +10,8 @@ from parlab.hybrid import build_hybrid, check_layout, group_dim, make_schedule, 
 from parlab.models import GPT, GPTConfig
 from parlab.topology import ParallelGrid
 
+from p2p_order import assert_mirrored_p2p
+
 # 8 heads and vocab 16 so tp=8 works; 4 layers so pp=4 (or pp=2 x 2 chunks) works; S=8 splits into 2*cp=4 chunks.
 CFG = GPTConfig(vocab_size=16, seq_len=8, n_layer=4, n_head=8, n_embd=16, mlp_ratio=2)
 B, STEPS, LR = 8, 3, 1e-2
@@ -108,6 +110,8 @@ def test_layout_matches_one_process(dp, tp, pp, cp, kw):
         assert any(e.label.startswith("cross-entropy") for e in events)
         if not kw.get("sequence_parallel"):                     # (SP gathers lm_head's input, (b, S, H))
             assert not any(e.op == "all_gather" and e.label.startswith("lm_head") for e in events)
+    if any(e.kind == "p2p" for e in events):                   # PP and ring messages: safe on NCCL too
+        assert_mirrored_p2p(res.trace)
     if pp > 1:   # every pipeline message is one micro-batch's hidden states, a tp-th of them under SP
         b = B // (dp * (kw.get("microbatches") or pp))           # rows per micro-batch
         want = b * (CFG.seq_len // cp // (tp if kw.get("sequence_parallel") else 1)) * CFG.n_embd * 8

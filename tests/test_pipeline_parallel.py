@@ -8,6 +8,7 @@ from parlab.groups import build_groups
 from parlab.models import GPT, GPTConfig
 from parlab.pipeline_parallel import PipelineParallel, measured_bubble, measured_costs, measured_spans, split_layers
 from parlab.topology import ParallelGrid
+from p2p_order import assert_mirrored_p2p
 
 CFG = GPTConfig(vocab_size=32, seq_len=8, n_layer=8, n_head=2, n_embd=16)
 BATCH = 24                     # divisible by every micro-batch count used below
@@ -205,13 +206,4 @@ def test_every_rank_pair_posts_its_messages_in_one_mirrored_order(p):
     # one side where the other has the receive. Checked from the trace, which records calls in post order.
     schedules = [sch.gpipe(p, 4), sch.one_f_one_b(p, 4), sch.one_f_one_b(p, {2: 6, 4: 8}[p]),
                  sch.interleaved_1f1b(p, 4, 2), sch.zero_bubble_h1(p, 4)]
-    tr = parlab.run(_traced_steps, p, schedules, trace=True).trace
-    seq = {}                                       # (rank, peer) -> [(op, label), ...] in post order
-    for e in tr.events:
-        if e.kind == "p2p":
-            seq.setdefault((e.rank, e.peer), []).append((e.op, e.label))
-    assert seq, "no messages traced"
-    flip = {"send": "recv", "recv": "send"}
-    for (a, b), mine in seq.items():
-        theirs = [(flip[op], label) for op, label in seq.get((b, a), [])]
-        assert mine == theirs, f"ranks {a} and {b} post their messages in different orders:\n{mine}\n{theirs}"
+    assert_mirrored_p2p(parlab.run(_traced_steps, p, schedules, trace=True).trace)

@@ -10,6 +10,8 @@ from parlab.ring_attention import (LAYOUTS, RingStats, attention_block, block_pl
                                    merge_partials, ring_attention, ring_bytes_per_rank, shard_positions, shard_sequence,
                                    unshard_sequence, work_matrix)
 
+from p2p_order import assert_mirrored_p2p
+
 B, NH, HD = 2, 3, 4
 
 
@@ -165,6 +167,7 @@ def test_ring_attention_equals_full_attention_output_and_grads(P, causal, layout
             assert sent("ring bwd dkv") == P * block
             assert sent("ring bwd") == formula["backward"]
     assert len(sends) == len(lengths) * P * (3 * P - 2)         # (P-1) + (P-1) + P messages per rank and length
+    assert assert_mirrored_p2p(res.trace) == (2 if P == 2 else 2 * P)  # safe on NCCL (tests/p2p_order.py)
 
 
 def test_ring_attention_float32_is_close_to_the_float64_reference():
