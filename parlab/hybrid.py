@@ -107,8 +107,10 @@ def check_layout(config, grid: ParallelGrid, schedule: Schedule, *, batch_size: 
         raise ValueError(f"Ulysses splits the {config.n_head // tp} heads per tp rank over cp={cp} ranks; "
                          f"choose cp dividing n_head/tp, or cp_attention='ring'")
     if zero_stage not in (0, 1, 2):
-        raise ValueError(f"zero_stage must be 0 (plain DP), 1 or 2 (parlab.zero); got {zero_stage!r}. "
-                         f"ZeRO-3 (parlab.fsdp) is not composed with TP/PP here")
+        raise ValueError(f"zero_stage must be 0 (plain DP), 1 or 2 (parlab.zero); got {zero_stage!r}. ZeRO-3 "
+                         f"(parlab.fsdp) is not composed with TP/PP here: under PP it would all-gather each stage's "
+                         f"weights again for every micro-batch (DeepSpeed's pipeline engine, too, allows ZeRO-1 "
+                         f"only). For ZeRO-3 use parlab.fsdp.FullyShardedDataParallel on its own (pure DP)")
     if config.dropout:
         raise ValueError("the hybrid model needs dropout=0 (ranks would draw different masks)")
     if batch_size is not None and batch_size % (dp * schedule.microbatches):
