@@ -128,7 +128,7 @@ def test_unsupported_combinations_say_what_is_supported():
         check_layout(CFG, ParallelGrid(8, pp=8), make_schedule("1f1b", 8, 8))
     with pytest.raises(ValueError, match="global batch 6 must split"):
         check_layout(CFG, ParallelGrid(8, tp=2, pp=2), make_schedule("1f1b", 2, 2), batch_size=6)
-    with pytest.raises(ValueError, match="ZeRO-3 .* not composed with TP/PP .* FullyShardedDataParallel on its own"):
+    with pytest.raises(ValueError, match="ZeRO-3 .* not composed with TP/PP .*FullyShardedDataParallel on its own"):
         check_layout(CFG, grid, make_schedule("1f1b", 2, 2), zero_stage=3)
     with pytest.raises(ValueError, match="unknown schedule"):
         make_schedule("pipedream", 2, 2)
