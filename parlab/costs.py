@@ -46,6 +46,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .schedules import split_layers
+
 __all__ = ["ModelSpec", "Cluster", "PRESETS", "CLUSTERS", "preset", "from_gpt_config", "ring_all_reduce",
            "ring_gather", "activation_bytes_per_layer", "BYTES_16BIT"]
 
@@ -104,12 +106,18 @@ class ModelSpec:
         return round(self.layers * self.layer_params() + self.embedding_params() + self.head_params())
 
     def stage_params(self, tp: int, pp: int) -> float:
-        """Parameters on the fullest rank: L/pp layers plus the embedding (first stage) or the head (last
-        stage; with a tied head and pp > 1 the last stage keeps its own copy of the embedding [7])."""
-        body = self.layers / pp * self.layer_params(tp)
-        first = body + self.embedding_params(tp) + (self.head_params(tp) if pp == 1 else 0)
-        last = body + self.head_params(tp) + (self.vocab * self.hidden / tp if self.tied else 0)
-        return max(first, last) if pp > 1 else first
+        """Parameters on the fullest rank: its stage's layers plus the embedding (first stage) or the head
+        (last stage; with a tied head and pp > 1 the last stage keeps its own copy of the embedding [7]).
+        Layers per stage as parlab's pipeline splits them (`schedules.split_layers`): L/pp each when pp
+        divides L, else one more on some stages."""
+        if pp == 1:
+            return self.layers * self.layer_params(tp) + self.embedding_params(tp) + self.head_params(tp)
+        sizes = [len(r) for r in split_layers(self.layers, pp)]
+        first = sizes[0] * self.layer_params(tp) + self.embedding_params(tp)
+        last = sizes[-1] * self.layer_params(tp) + self.head_params(tp) + (self.vocab * self.hidden / tp
+                                                                           if self.tied else 0)
+        middle = max(sizes[1:-1], default=0) * self.layer_params(tp)
+        return max(first, last, middle)
 
 
 def activation_bytes_per_layer(m: ModelSpec, b: int, tp: int = 1, cp: int = 1, recompute: bool = False) -> float:

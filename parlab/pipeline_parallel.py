@@ -52,26 +52,10 @@ import torch.nn as nn
 from . import comm
 from .data import micro_batches
 from .models import GPT, clone_model
-from .schedules import KINDS, Action, Schedule, message_order, unit_cost, validate
+from .schedules import KINDS, Action, Schedule, message_order, split_layers, unit_cost, validate
 from .trace import Trace, region
 
 __all__ = ["split_layers", "PipelineParallel", "measured_spans", "measured_bubble", "measured_costs"]
-
-
-def split_layers(n_layer: int, stages: int) -> list[range]:
-    """Balanced contiguous runs of blocks, one per stage; sizes differ by at most one, and the extra blocks go
-    to the middle stages (the first stage also embeds, the last one also runs the head and the loss)."""
-    if stages < 1:
-        raise ValueError(f"a pipeline needs at least one stage, got {stages}")
-    if n_layer < stages:
-        raise ValueError(f"the model has {n_layer} layers but the pipeline has {stages} (virtual) stages; every "
-                         f"stage needs at least one layer: use at most {n_layer} stages (ranks x chunks) or "
-                         f"a model with n_layer >= {stages}")
-    base, extra = divmod(n_layer, stages)
-    middle_first = sorted(range(stages), key=lambda s: -min(s, stages - 1 - s))
-    sizes = [base + (s in middle_first[:extra]) for s in range(stages)]
-    starts = [sum(sizes[:s]) for s in range(stages)]
-    return [range(a, a + n) for a, n in zip(starts, sizes)]
 
 
 class PipelineParallel:

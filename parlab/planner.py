@@ -51,7 +51,7 @@ from dataclasses import dataclass
 from .costs import (BYTES_16BIT, CLUSTERS, PRESETS, Cluster, ModelSpec, activation_bytes_per_layer, from_gpt_config,
                     preset, ring_all_reduce, ring_gather)
 from .memory import model_state_bytes
-from .schedules import bubble_formula
+from .schedules import bubble_formula, split_layers
 from .topology import ParallelGrid
 
 __all__ = ["Estimate", "estimate", "enumerate_layouts", "plan", "explain", "format_table", "volume_table",
@@ -128,7 +128,7 @@ def estimate(model: ModelSpec, cluster: Cluster, global_batch: int, *, tp: int =
     # ---- memory of the first stage (the fullest: embedding + the most micro-batches in flight)
     psi_stage = model.stage_params(tp, pp)
     states = model_state_bytes(psi_stage, nd, zero)
-    layers = model.layers // pp
+    layers = max(len(r) for r in split_layers(model.layers, pp))   # the fullest stage's layers (L / pp if pp | L)
     in_flight = min(pp, m)
     act = layers * in_flight * activation_bytes_per_layer(model, micro_batch, tp, cp, recompute)
     if recompute:   # the layer being recomputed holds its full set for a moment

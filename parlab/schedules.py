@@ -67,7 +67,7 @@ from typing import Callable, Iterable, Mapping
 
 __all__ = ["Action", "Schedule", "ScheduleError", "Simulation", "naive", "gpipe", "one_f_one_b",
            "interleaved_1f1b", "zero_bubble_h1", "SCHEDULES", "validate", "simulate", "bubble_formula", "unit_cost",
-           "message_order"]
+           "message_order", "split_layers"]
 
 KINDS = {"F": "forward", "B": "backward", "I": "backward_input", "W": "backward_weight"}
 _ACTION = re.compile(r"^\s*(\d+)\s*([FBIW])\s*(\d+)\s*$")
@@ -265,6 +265,22 @@ def bubble_formula(name: str, p: int, m: int, v: int = 1) -> float:
     if name not in forms:
         raise ValueError(f"no closed form for {name!r}; known: {', '.join(forms)}")
     return forms[name]()
+
+
+def split_layers(n_layer: int, stages: int) -> list[range]:
+    """Balanced contiguous runs of blocks, one per stage; sizes differ by at most one, and the extra blocks go
+    to the middle stages (the first stage also embeds, the last one also runs the head and the loss)."""
+    if stages < 1:
+        raise ValueError(f"a pipeline needs at least one stage, got {stages}")
+    if n_layer < stages:
+        raise ValueError(f"the model has {n_layer} layers but the pipeline has {stages} (virtual) stages; every "
+                         f"stage needs at least one layer: use at most {n_layer} stages (ranks x chunks) or "
+                         f"a model with n_layer >= {stages}")
+    base, extra = divmod(n_layer, stages)
+    middle_first = sorted(range(stages), key=lambda s: -min(s, stages - 1 - s))
+    sizes = [base + (s in middle_first[:extra]) for s in range(stages)]
+    starts = [sum(sizes[:s]) for s in range(stages)]
+    return [range(a, a + n) for a, n in zip(starts, sizes)]
 
 
 # ---------------------------------------------------------------------- validation
