@@ -27,10 +27,12 @@ not post them in crossed orders ("send X, recv Y" facing "send Y, recv X"), whic
 because it runs a pair's sends and receives one after another. So both ranks of a pair post the messages
 between them in one shared order, `schedules.message_order(schedule)` (the schedule is data, known to every
 rank): a rank about to send first posts the receives that come before it in that order (`comm.irecv`,
-non-blocking), and a rank about to need a message posts up to its receive and waits for it. Every action is a traced
-region ("forward", "backward", "backward_input", "backward_weight", labelled "stage s mb i") and every
-message is labelled ("stage 1 -> 2 act mb 3", "stage 2 -> 1 grad mb 3"); `measured_spans(trace)` turns a
-trace back into per-rank (start, end, Action) spans to lay over `simulate(schedule).spans`.
+non-blocking), and a rank about to need a message posts up to its receive and waits for it.
+
+Every action is a traced region ("forward", "backward", "backward_input", "backward_weight", labelled
+"stage s mb i") and every message is labelled ("stage 1 -> 2 act mb 3", "stage 2 -> 1 grad mb 3");
+`measured_spans(trace)` turns a trace back into per-rank (start, end, Action) spans to lay over
+`simulate(schedule).spans`.
 
 References
     [1] Y. Huang et al., "GPipe", NeurIPS 2019, arXiv:1811.06965.
