@@ -144,7 +144,7 @@ def grid_figure(grid: ParallelGrid, highlight: str = "tp", nodes_per_row: int = 
     rows = -(-grid.num_nodes // nodes_per_row)
     fig.update_layout(
         title=dict(text=heading(highlight)), template="plotly_white", hovermode="closest",
-        updatemenus=[dict(type="dropdown", buttons=buttons, active=HIGHLIGHTS.index(highlight), x=0, xanchor="left",
+        updatemenus=[dict(type="dropdown", buttons=buttons, active=HIGHLIGHTS.index(highlight), x=1, xanchor="right",
                           y=1.0, yanchor="bottom", showactive=True)],
         xaxis=dict(visible=False, scaleanchor="y", scaleratio=1), yaxis=dict(visible=False),
         legend=dict(title="groups", itemclick="toggle"),
