@@ -67,8 +67,7 @@ __all__ = ["HybridGPT", "build_hybrid", "make_schedule", "check_layout", "group_
            "SUPPORTED"]
 
 SUPPORTED = ("any tp x cp x dp x pp the model's sizes allow; sequence_parallel needs seq_len / cp divisible by "
-             "tp; cp attention 'ulysses' needs (n_head/tp) % cp == 0; ZeRO stage 0, "
-             "1 or 2; dropout 0")
+             "tp; cp attention 'ulysses' needs (n_head/tp) % cp == 0; ZeRO stage 0, 1 or 2; dropout 0")
 
 
 # ---------------------------------------------------------------------- checks and the schedule

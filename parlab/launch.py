@@ -193,12 +193,17 @@ def _child(rank: int, world_size: int, workdir: str, backend: str, threads: int,
     os._exit(0 if status[0] == "ok" else 1)
 
 
-def _store_barrier(store, key: str, world_size: int) -> None:
-    """Wait until all ranks reached this point, through the rendezvous store (no collective involved)."""
+def _store_barrier(store, key: str, world_size: int, timeout_s: float | None = None) -> bool:
+    """Wait until all ranks reached this point, through the rendezvous store (no collective involved).
+    With `timeout_s`, give up after that many seconds; returns whether every rank arrived."""
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
     arrived = store.add(key, 1)
     while arrived < world_size:
+        if deadline is not None and time.monotonic() > deadline:
+            return False
         time.sleep(0.001)
         arrived = store.add(key, 0)
+    return True
 
 
 def _spawn_entry(rank, world_size, workdir, backend, threads, seed, seed_per_rank, timeout, trace, payload):
@@ -397,17 +402,6 @@ def init(backend: str = "auto", timeout: float = 600.0) -> Context:
     return Context(rank, world, local, device, be)
 
 
-def _store_rendezvous(store, key: str, world: int, timeout_s: float) -> bool:
-    """Count this rank in at `key` and wait (at most `timeout_s`) until all `world` ranks have; True if they did."""
-    store.add(key, 1)
-    deadline = time.monotonic() + timeout_s
-    while int(store.add(key, 0)) < world:
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True
-
-
 def _destroy_at_exit(timeout_s: float = 30.0) -> None:
     """Leave the process group in step with the other ranks, so that no rank exits while a peer still talks to it.
 
@@ -431,9 +425,9 @@ def _destroy_at_exit(timeout_s: float = 30.0) -> None:
             store = None
     try:
         if store is not None:
-            _store_rendezvous(store, "parlab/exit/done", world, timeout_s)
+            _store_barrier(store, "parlab/exit/done", world, timeout_s)
         dist.destroy_process_group()
         if store is not None:
-            _store_rendezvous(store, "parlab/exit/destroyed", world, timeout_s)
+            _store_barrier(store, "parlab/exit/destroyed", world, timeout_s)
     except Exception:
         pass  # exiting anyway: the rank's own exit status is what matters

@@ -192,7 +192,7 @@ class PipelineParallel:
                     self._captures = None
                     self._device(a)
                 if s < S - 1:
-                    self._put("act", s, s + 1, i, out.detach())
+                    self._put("act", s + 1, i, out.detach())
             elif a.kind in "BI":
                 inp, out, caps = saved.pop((s, i))
                 grad = None if s == S - 1 else self._get("grad", s, i)   # dL/d(out): (b, S, H)
@@ -207,7 +207,7 @@ class PipelineParallel:
                         kept[(s, i)] = (caps, g[1:] if s > 0 else g)
                     self._device(a)
                 if s > 0:
-                    self._put("grad", s, s - 1, i, gin)
+                    self._put("grad", s - 1, i, gin)
             else:                                             # W: weight gradients from what I kept
                 with region(name, label=label):
                     _weight_grads(*kept.pop((s, i)))
@@ -239,7 +239,12 @@ class PipelineParallel:
                 pending.append(w)
         self._sends = pending
 
-    def _put(self, kind: str, src: int, dst: int, i: int, t: torch.Tensor) -> None:
+    @staticmethod
+    def _source(kind: str, dst: int) -> int:
+        """The stage a message for stage `dst` comes from: activations flow forward, gradients backward."""
+        return dst - 1 if kind == "act" else dst + 1
+
+    def _put(self, kind: str, dst: int, i: int, t: torch.Tensor) -> None:
         """Hand stage `dst` its input (act) or output gradient (grad) for micro-batch i."""
         to = self.schedule.placement[dst]
         if to == self.rank:
@@ -252,7 +257,7 @@ class PipelineParallel:
         if key in self._local:
             return self._local.pop(key)
         if key not in self._recvs:
-            self._post_until(self.schedule.placement[dst - 1 if kind == "act" else dst + 1], ("recv", key))
+            self._post_until(self.schedule.placement[self._source(kind, dst)], ("recv", key))
         buf, work = self._recvs.pop(key)
         work.wait()
         return buf                                            # (b, S, H)
@@ -263,7 +268,7 @@ class PipelineParallel:
         seq = self._order[peer]
         while self._posted[peer] < len(seq):
             op, (kind, dst, i) = seq[self._posted[peer]]
-            label = f"stage {dst - 1 if kind == 'act' else dst + 1} -> {dst} {kind} mb {i}"
+            label = f"stage {self._source(kind, dst)} -> {dst} {kind} mb {i}"
             if op == "recv":
                 buf = torch.empty(self._shape, dtype=self.dtype, device=self.device)   # (b, S, H)
                 self._recvs[(kind, dst, i)] = (buf, comm.irecv(buf, self.peers[peer], group=self.group,
