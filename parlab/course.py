@@ -29,6 +29,11 @@ with a docstring saying what it checks (nbgrader's style). `graded_cells`
 lists them, and `scorecard` joins them with the JUnit XML that
 ``pytest --nbval-lax --junitxml=...`` writes, where nbval names code cell k
 (0-based, code cells only) ``Cell k``.
+
+`execute` runs a notebook in a fresh kernel and `export_html` turns executed
+lessons into HTML handouts (``parlab course html``); `execute` waits on the
+kernel in short slices to avoid nbclient's lost-reply stall on widget cells
+(jupyter/nbclient#312).
 """
 from __future__ import annotations
 
