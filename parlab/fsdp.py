@@ -36,14 +36,13 @@ References
 """
 from __future__ import annotations
 
-import glob
 import os
 import weakref
 
 import torch
 import torch.nn as nn
 
-from . import comm
+from . import checkpoint, comm
 from .trace import Event, current_recorder, now
 
 __all__ = ["FullyShardedDataParallel"]
@@ -276,37 +275,45 @@ class FullyShardedDataParallel(nn.Module):
         return out
 
     def save_sharded(self, path: str, optimizer: torch.optim.Optimizer | None = None) -> None:
-        """Each rank writes its shards (and its optimizer state) to ``path/shard_<r>_of_<Nd>.pt`` (collective)."""
-        os.makedirs(path, exist_ok=True)
-        doc = {"world_size": self.world, "flats": {}, "param_groups": None}
+        """Each rank writes its shards (and its optimizer state) to ``path/fsdp_<r>_of_<Nd>.pt``; rank 0 then
+        writes ``path/manifest.json`` (collective; see `parlab.checkpoint`). Every file appears atomically.
+        With several nodes, `path` must be on a file system that every node shares."""
+        payload = {"flats": {}, "param_groups": None}
+        layout = {"units": {}}
         for u in self.units:
             for f in self.flats[u]:
                 st = optimizer.state.get(f.shard, {}) if optimizer is not None else {}
-                doc["flats"][f.label] = {"numel": f.numel, "shard": f.shard.detach().clone(),
-                                         "optim": {k: v.clone() if torch.is_tensor(v) else v for k, v in st.items()}}
+                payload["flats"][f.label] = {"numel": f.numel, "shard": f.shard.detach().clone(),
+                                             "optim": {k: v.clone() if torch.is_tensor(v) else v for k, v in st.items()}}
+                layout["units"][f.label] = {"numel": f.numel, "names": f.names,
+                                            "shapes": [list(s) for s in f.shapes], "dtype": str(f.shard.dtype)}
         if optimizer is not None:
-            doc["param_groups"] = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
-        torch.save(doc, os.path.join(path, f"shard_{self.rank}_of_{self.world}.pt"))
-        comm.barrier(group=self.group, label="fsdp checkpoint saved")
+            payload["param_groups"] = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+        checkpoint.save(path, "fsdp", payload, layout, group=self.group, device=self.shards[0].device)
 
     @torch.no_grad()
     def load_sharded(self, path: str, optimizer: torch.optim.Optimizer | None = None) -> None:
-        """Load shards saved at any DP size: rebuild each flat vector, keep this rank's slice."""
-        files = glob.glob(os.path.join(path, "shard_*_of_*.pt"))
-        if not files:
-            raise ValueError(f"no sharded checkpoint (shard_<r>_of_<n>.pt) in {path!r}")
-        old = int(files[0].rsplit("_of_", 1)[1][:-3])
-        docs = [torch.load(os.path.join(path, f"shard_{r}_of_{old}.pt"), weights_only=True) for r in range(old)]
+        """Load shards saved at any DP size: verify every file against the manifest (a CheckpointError names
+        a missing, truncated, corrupted or mixed file), rebuild each flat vector, keep this rank's slice.
+        Files load onto the CPU, then the values are copied to each shard's device. With several nodes,
+        `path` must be on a file system that every node shares."""
+        manifest = checkpoint.read_manifest(path, "fsdp")
+        old = manifest["world_size"]
+        docs = [checkpoint.load_file(path, manifest, r) for r in range(old)]
+        where = os.path.join(path, checkpoint.MANIFEST)
         for u in self.units:
             for f in self.flats[u]:
                 saved = [d["flats"].get(f.label) for d in docs]
-                if any(s is None for s in saved) or saved[0]["numel"] != f.numel:
-                    raise ValueError(f"checkpoint in {path!r} does not match unit {f.unit!r}; "
-                                     f"wrap the same model with the same units")
+                lay = manifest["layout"]["units"].get(f.label)
+                if any(s is None for s in saved) or lay is None or lay["names"] != f.names or \
+                        lay["shapes"] != [list(s) for s in f.shapes] or saved[0]["numel"] != f.numel:
+                    raise checkpoint.CheckpointError(
+                        f"{where} does not match unit {f.unit!r} ({f.label}: {len(f.names)} parameters, "
+                        f"{f.numel} elements); wrap the same model with the same units")
                 f.shard.copy_(self._reslice(torch.cat([s["shard"] for s in saved]), f))
                 if optimizer is not None and saved[0]["optim"]:
                     optimizer.state[f.shard] = {
-                        k: self._reslice(torch.cat([s["optim"][k] for s in saved]), f)
+                        k: self._reslice(torch.cat([s["optim"][k] for s in saved]), f).clone()
                         if torch.is_tensor(v) and v.shape == saved[0]["shard"].shape else v   # per-element state
                         for k, v in saved[0]["optim"].items()}
         if optimizer is not None and docs[0]["param_groups"] is not None:

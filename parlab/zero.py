@@ -48,11 +48,12 @@ References
 from __future__ import annotations
 
 import io
+import os
 from typing import Any, Iterable
 
 import torch
 
-from . import comm
+from . import checkpoint, comm
 from .trace import region
 
 __all__ = ["ShardedOptimizer", "partition_parameters", "iter_owned"]
@@ -112,6 +113,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             for k, v in _hyper(local).items():                                # by optimizer_cls itself
                 mine.setdefault(k, v)
         self.state = self.optim.state        # opt.state[p] works for owned p: the only state this rank holds
+        self._device = self.params[self.trainable[0]].device
         self._layouts = self._make_layouts()
         self._reduced = False
         self._ready = True
@@ -211,20 +213,30 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict:
-        """The full optimizer state, as ``optimizer_cls`` on one process would return it (collective)."""
+        """The full optimizer state, as ``optimizer_cls`` on one process would return it (collective).
+        Per-element state lands on its parameter's device; scalars (e.g. AdamW's step) as torch keeps them."""
         local = self.optim.state_dict()["state"]                 # keyed by local index
         mine = {self.owned[j]: s for j, s in local.items()}     # keyed by global index
         buf = io.BytesIO()
         torch.save(mine, buf)
-        blob = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)  # (bytes,)
+        blob = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8).to(self._device)  # (bytes,)
         state: dict[int, Any] = {}
         for part in comm.all_gather_uneven(blob, group=self.group, label="zero state_dict"):
-            state.update(torch.load(io.BytesIO(part.numpy().tobytes()), weights_only=True))
+            got = torch.load(io.BytesIO(part.cpu().numpy().tobytes()), map_location="cpu", weights_only=True)
+            state.update({gi: self._place(gi, s) for gi, s in got.items()})
+        return {"state": dict(sorted(state.items())), "param_groups": self._full_groups()}
+
+    def _place(self, gi: int, st: dict) -> dict:
+        """One parameter's state with its per-element tensors on that parameter's device."""
+        dev = self.params[gi].device
+        return {k: v.to(dev) if torch.is_tensor(v) and v.dim() > 0 else v for k, v in st.items()}
+
+    def _full_groups(self) -> list[dict]:
         groups, start = [], 0
         for g in self.param_groups:
             groups.append({**_hyper(g), "params": list(range(start, start + len(g["params"])))})
             start += len(g["params"])
-        return {"state": dict(sorted(state.items())), "param_groups": groups}
+        return groups
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a full state dict (from `state_dict()` at any DP size, or from a plain optimizer)."""
@@ -232,10 +244,14 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if [len(g["params"]) for g in groups] != [len(g["params"]) for g in self.param_groups]:
             raise ValueError("the state dict's parameter groups do not match this optimizer's; "
                              "build the optimizer from the same parameters (and groups) that were saved")
-        for mine, saved in zip(self.param_groups, groups):
-            mine.update(_hyper(saved))
+        self._load_owned(state_dict["state"], [_hyper(g) for g in groups])
+
+    def _load_owned(self, state: dict, hypers: list[dict]) -> None:
+        """Take the hyper-parameters of every group and the state of the parameters this rank owns."""
+        for mine, saved in zip(self.param_groups, hypers):
+            mine.update(saved)
         local_index = {gi: j for j, gi in enumerate(self.owned)}
-        local_state = {local_index[gi]: s for gi, s in state_dict["state"].items() if gi in local_index}
+        local_state = {local_index[gi]: s for gi, s in state.items() if gi in local_index}
         owned_ids = {id(self.params[i]) for i in self.owned}
         local_groups, j = [], 0
         for g in self.param_groups:
@@ -244,6 +260,48 @@ class ShardedOptimizer(torch.optim.Optimizer):
             j += n
         self.optim.load_state_dict({"state": local_state, "param_groups": local_groups})
         self.state = self.optim.state
+
+    def _layout_doc(self) -> dict:
+        """What a sharded checkpoint records about the parameters: owner (-1: frozen), shape, dtype, groups."""
+        return {"owner": [self.owner.get(i, -1) for i in range(len(self.params))],
+                "shapes": [list(p.shape) for p in self.params], "dtypes": [str(p.dtype) for p in self.params],
+                "groups": [len(g["params"]) for g in self.param_groups]}
+
+    @torch.no_grad()
+    def save_sharded(self, path: str) -> None:
+        """Each rank writes the parameters it owns and their optimizer state to ``path/zero_<r>_of_<Nd>.pt``;
+        rank 0 then writes ``path/manifest.json`` (collective; see `parlab.checkpoint`). Frozen parameters
+        are not saved (they never change). With several nodes, `path` must be on a shared file system."""
+        local = self.optim.state_dict()["state"]
+        payload = {"params": {gi: self.params[gi].detach().clone() for gi in self.owned},
+                   "state": {self.owned[j]: s for j, s in local.items()},
+                   "param_groups": [_hyper(g) for g in self.param_groups]}
+        checkpoint.save(path, "zero", payload, self._layout_doc(), group=self.group, device=self._device)
+
+    @torch.no_grad()
+    def load_sharded(self, path: str) -> None:
+        """Load a checkpoint of `save_sharded` made at any DP size (collective): verify the files this rank
+        needs against the manifest (CheckpointError on a missing, truncated, corrupted or mixed file), take
+        the owned parameters and their state, then all-gather the parameters. With several nodes, `path`
+        must be on a shared file system."""
+        manifest = checkpoint.read_manifest(path, "zero")
+        saved, mine = manifest["layout"], self._layout_doc()
+        for key in ("shapes", "dtypes", "groups"):
+            if saved.get(key) != mine[key]:
+                raise checkpoint.CheckpointError(
+                    f"{os.path.join(path, checkpoint.MANIFEST)}: the saved parameter {key} differ from this "
+                    f"optimizer's; build it from the same model and parameter groups that were saved")
+        need = sorted({saved["owner"][gi] for gi in self.owned} | {0})
+        state, params, hypers = {}, {}, None
+        for r in need:
+            doc = checkpoint.load_file(path, manifest, r)
+            state.update(doc["state"])
+            params.update(doc["params"])
+            hypers = hypers or doc["param_groups"]
+        for gi in self.owned:
+            self.params[gi].copy_(params[gi])                   # CPU -> the parameter's device
+        self._load_owned(state, hypers)
+        self._gather_parameters()
 
 
 def _hyper(group: dict) -> dict:
