@@ -25,6 +25,9 @@ Mixed precision (``compute_dtype=torch.float16`` / ``bfloat16``): shards, gradie
 optimizer and the optimizer step stay fp32 (master weights); the gathered weights, the compute
 and both collectives use the compute dtype, as in FSDP's MixedPrecision(param_dtype=reduce_dtype).
 
+Checkpoints (`save_sharded` / `load_sharded`, via `parlab.checkpoint`): one file per rank plus a manifest
+written last; loads at any DP size, verifying every file first. Several nodes need a shared file system.
+
 Frozen parameters go to a second flat per unit: gathered like the others, never reduced.
 Tied parameters must live in one unit (GPT's wte / lm_head both sit in the root unit).
 
