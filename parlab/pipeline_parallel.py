@@ -22,12 +22,15 @@ gradients are then averaged over data-parallel replicas in one all-reduce, once 
 
 Communication. Sends are non-blocking (`comm.isend`, every work waited at the end of the step) and a
 rank waits only for the data it needs: exactly the model `parlab.schedules.simulate` checks for deadlock.
-Messages carry no tag, so two ranks must agree on the order of the messages between them; they also must
-not post them in crossed orders ("send X, recv Y" facing "send Y, recv X"), which NCCL can deadlock on
-because it runs a pair's sends and receives one after another. So both ranks of a pair post the messages
-between them in one shared order, `schedules.message_order(schedule)` (the schedule is data, known to every
-rank): a rank about to send first posts the receives that come before it in that order (`comm.irecv`,
-non-blocking), and a rank about to need a message posts up to its receive and waits for it.
+Messages carry no tag, so two ranks must agree on the order of the messages between them. On NCCL a large
+send also completes only once its receive is posted, and with eager communicators (`device_id=` at init)
+all of a rank's sends and receives run one at a time, whatever the peer. Agreeing per pair is then not
+enough (with interleaving, three ranks' first queued sends can wait on each other in a cycle), so every
+rank posts all its messages in one order merged across peers, `p2p_plan.merged_plan` (the global order
+`schedules.message_sequence`; the schedule is data, known to every rank): a rank about to send first posts
+the receives that come before it in that order (`comm.irecv`, non-blocking), and a rank about to need a
+message posts up to its receive and waits for it. `p2p_plan.serialised_run` checks this against a model
+of one serialised queue per rank.
 
 Every action is a traced region ("forward", "backward", "backward_input", "backward_weight", labelled
 "stage s mb i") and every message is labelled ("stage 1 -> 2 act mb 3", "stage 2 -> 1 grad mb 3");
@@ -54,7 +57,8 @@ import torch.nn as nn
 from . import comm
 from .data import micro_batches
 from .models import GPT, clone_model
-from .schedules import KINDS, Action, Schedule, message_order, split_layers, unit_cost, validate
+from .p2p_plan import Post, merged_plan
+from .schedules import KINDS, Action, Schedule, split_layers, unit_cost, validate
 from .trace import Trace, region
 
 __all__ = ["split_layers", "PipelineParallel", "measured_spans", "measured_bubble", "measured_costs"]
@@ -110,13 +114,8 @@ class PipelineParallel:
             m.ln_f = m.lm_head = None
         # tied embeddings split across two ranks: each keeps a copy whose gradients are added after the step
         self.tied = model.config.tie_embeddings and schedule.placement[0] != schedule.placement[S - 1]
-        # this rank's messages with each peer (pipeline ranks), in the order both sides post them
-        self._order: dict[int, list[tuple[str, tuple[str, int, int]]]] = defaultdict(list)
-        for (a, b), msgs in message_order(schedule).items():
-            if self.rank in (a, b):
-                for src, kind, stage, mb in msgs:
-                    self._order[b if self.rank == a else a].append(
-                        ("send" if src == self.rank else "recv", (kind, stage, mb)))
+        # this rank's messages with every peer (pipeline ranks), in the one order merged across peers
+        self._plan = merged_plan(schedule, self.rank)
         self._split = any(a.kind in "IW" for a in schedule.actions[self.rank])
         self._captures: list | None = None
         self._hooked: weakref.WeakSet = weakref.WeakSet()   # (not ids: a replaced module's id can be reused)
@@ -171,7 +170,7 @@ class PipelineParallel:
                              f"(the tensor-parallel ranks of sequence parallelism); use a multiple of it")
         shape = (b, T // self.sequence_split, self.module.config.n_embd)   # every message: (b, S/sp, H)
         self._shape = shape
-        self._posted: dict[int, int] = defaultdict(int)       # peer -> messages of self._order[peer] posted
+        self._posted = 0                                      # operations of self._plan posted so far
         self._recvs: dict[tuple, tuple] = {}                  # message key -> (buffer, work) of a posted irecv
         self._sends, self._local = [], {}
         saved, kept = {}, {}                                  # (stage, mb) -> (input, output); I's leftovers
@@ -216,7 +215,7 @@ class PipelineParallel:
         for w in self._sends:                                 # every isend waited (gloo rule)
             w.wait()
         self._sends = []
-        left = {q: len(seq) - self._posted[q] for q, seq in self._order.items() if len(seq) > self._posted[q]}
+        left = self._plan[self._posted:]
         assert not left and not self._recvs, f"messages not exchanged this step: {left}"   # an executor bug
         self._sync_tied()
         if self.dp_group is not None:
@@ -250,38 +249,38 @@ class PipelineParallel:
         if to == self.rank:
             self._local[(kind, dst, i)] = t
         else:
-            self._post_until(to, ("send", (kind, dst, i)), t.contiguous())
+            self._post_until(Post("send", to, (kind, dst, i)), t.contiguous())
 
     def _get(self, kind: str, dst: int, i: int) -> torch.Tensor:
         key = (kind, dst, i)
         if key in self._local:
             return self._local.pop(key)
         if key not in self._recvs:
-            self._post_until(self.schedule.placement[self._source(kind, dst)], ("recv", key))
+            self._post_until(Post("recv", self.schedule.placement[self._source(kind, dst)], key))
         buf, work = self._recvs.pop(key)
         work.wait()
         return buf                                            # (b, S, H)
 
-    def _post_until(self, peer: int, target: tuple, tensor: torch.Tensor | None = None) -> None:
-        """Post the messages with `peer` in their shared order, up to and including `target`: receives as
-        irecv into fresh buffers, and `target` itself (a send of `tensor`, or a receive)."""
-        seq = self._order[peer]
-        while self._posted[peer] < len(seq):
-            op, (kind, dst, i) = seq[self._posted[peer]]
+    def _post_until(self, target: Post, tensor: torch.Tensor | None = None) -> None:
+        """Post this rank's messages in the merged order, up to and including `target`: receives as irecv into
+        fresh buffers, and `target` itself (a send of `tensor`, or a receive)."""
+        while self._posted < len(self._plan):
+            post = self._plan[self._posted]
+            kind, dst, i = post.key
             label = f"stage {self._source(kind, dst)} -> {dst} {kind} mb {i}"
-            if op == "recv":
+            if post.op == "recv":
                 buf = torch.empty(self._shape, dtype=self.dtype, device=self.device)   # (b, S, H)
-                self._recvs[(kind, dst, i)] = (buf, comm.irecv(buf, self.peers[peer], group=self.group,
-                                                               label=label))
-            elif (op, (kind, dst, i)) == target:
-                self._sends.append(comm.isend(tensor, self.peers[peer], group=self.group, label=label))
+                self._recvs[post.key] = (buf, comm.irecv(buf, self.peers[post.peer], group=self.group,
+                                                         label=label))
+            elif post == target:
+                self._sends.append(comm.isend(tensor, self.peers[post.peer], group=self.group, label=label))
             else:   # cannot happen for a schedule simulate() accepts: our own sends come in production order
-                raise RuntimeError(f"pipeline rank {self.rank} would post {target} before its own {op} of "
-                                   f"{(kind, dst, i)}; the message order does not fit this schedule")
-            self._posted[peer] += 1
-            if (op, (kind, dst, i)) == target:
+                raise RuntimeError(f"pipeline rank {self.rank} would post {target} before its own {post}; "
+                                   f"the message order does not fit this schedule")
+            self._posted += 1
+            if post == target:
                 return
-        raise RuntimeError(f"pipeline rank {self.rank}: {target} is not among the messages with rank {peer}")
+        raise RuntimeError(f"pipeline rank {self.rank}: {target} is not among its messages")
 
     def _sync_tied(self) -> None:
         """First and last stage add their gradients of the tied embedding (wte.weight == lm_head.weight)."""

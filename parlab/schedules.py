@@ -37,6 +37,9 @@ messages between them (each activation or gradient as a send on one side and a r
 NCCL runs a pair's sends and receives one after another on one stream, and a send may wait until its
 receive is posted, so two ranks that post "send X, recv Y" and "send Y, recv X" wait for each other
 forever; posting in one shared order, taken from the simulated time each message is produced, cannot.
+`message_sequence(schedule)` is that order before it is split by pair: with eager NCCL communicators a
+rank's sends and receives to *all* peers run one at a time, so the executor posts in this one merged
+order (`parlab.p2p_plan`; per-pair orders alone can wait in a cycle across three ranks).
 
 `simulate(schedule, costs)` times every action (unit costs by default: F = 1, B = 2,
 I = W = 1, each divided by v) and returns per-rank (start, end, action) spans for
@@ -67,7 +70,7 @@ from typing import Callable, Iterable, Mapping
 
 __all__ = ["Action", "Schedule", "ScheduleError", "Simulation", "naive", "gpipe", "one_f_one_b",
            "interleaved_1f1b", "zero_bubble_h1", "SCHEDULES", "validate", "simulate", "bubble_formula", "unit_cost",
-           "message_order", "split_layers"]
+           "message_order", "message_sequence", "split_layers"]
 
 KINDS = {"F": "forward", "B": "backward", "I": "backward_input", "W": "backward_weight"}
 _ACTION = re.compile(r"^\s*(\d+)\s*([FBIW])\s*(\d+)\s*$")
@@ -431,12 +434,24 @@ def simulate(schedule: Schedule, costs: Costs = None, comm: float = 0.0) -> Simu
 
 def message_order(schedule: Schedule) -> dict[tuple[int, int], list[tuple[int, str, int, int]]]:
     """For each pair of ranks (a, b), a < b, that exchange messages: every message between them as
-    (sender rank, kind "act" or "grad", receiving stage, micro-batch), in the order both ranks post them.
+    (sender rank, kind "act" or "grad", receiving stage, micro-batch), in the order both ranks post them:
+    `message_sequence` split by pair.
 
     The order is the simulated time each message is produced (unit costs, all positive), ties broken by the
     sender's rank. A rank's own messages are produced in its program order, so it can post its sends in this
     order as it produces them, posting the receives that come between them early (non-blocking); and the
     order respects every dependency, so the two streams of a pair never wait on each other in a cycle."""
+    order: dict[tuple[int, int], list[tuple[int, str, int, int]]] = defaultdict(list)
+    for src, dst, kind, stage, mb in message_sequence(schedule):
+        order[(min(src, dst), max(src, dst))].append((src, kind, stage, mb))
+    return dict(order)
+
+
+def message_sequence(schedule: Schedule) -> list[tuple[int, int, str, int, int]]:
+    """Every message of the schedule as (sender, receiver, kind "act" or "grad", receiving stage, micro-batch),
+    in one global order: the simulated time it is produced (unit costs), ties broken by sender rank. A rank
+    that posts all its messages, with every peer, in this one merged order never waits in a cycle even when
+    its point-to-point operations run one at a time (`parlab.p2p_plan`)."""
     sim, S, pl = simulate(schedule), schedule.stages, schedule.placement
     produced = []                                  # (time, sender, receiver, kind, receiving stage, mb)
     for r, spans in enumerate(sim.spans):
@@ -445,10 +460,7 @@ def message_order(schedule: Schedule) -> dict[tuple[int, int], list[tuple[int, s
                 produced.append((end, r, pl[a.stage + 1], "act", a.stage + 1, a.mb))
             elif a.kind in "BI" and a.stage > 0 and pl[a.stage - 1] != r:
                 produced.append((end, r, pl[a.stage - 1], "grad", a.stage - 1, a.mb))
-    order: dict[tuple[int, int], list[tuple[int, str, int, int]]] = defaultdict(list)
-    for _, src, dst, kind, stage, mb in sorted(produced):
-        order[(min(src, dst), max(src, dst))].append((src, kind, stage, mb))
-    return dict(order)
+    return [(src, dst, kind, stage, mb) for _, src, dst, kind, stage, mb in sorted(produced)]
 
 
 def _waiting(s: Schedule, pos: list[int], finish) -> list[str]:
