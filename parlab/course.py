@@ -30,6 +30,13 @@ lists them, and `scorecard` joins them with the JUnit XML that
 ``pytest --nbval-lax --junitxml=...`` writes, where nbval names code cell k
 (0-based, code cells only) ``Cell k``.
 
+Every generated cell carries nbgrader-compatible metadata (``cell.metadata.nbgrader``, schema 3, see
+`nbgrader_metadata`): the cells a student answers in (those with a solution region) are *solution* cells;
+graded cells are *grade* cells worth one point each; every other cell is *locked* (read-only). Each has a
+``grade_id`` that stays the same across rebuilds (the check and its argument for a graded cell, the defined
+name for a solution cell), which is how ``parlab grade`` restores edited or deleted cells of a submission,
+and a ``checksum`` computed as nbgrader computes it, so a course on nbgrader can import the exercises.
+
 `execute` runs a notebook in a fresh kernel and `export_html` turns executed
 lessons into HTML handouts (``parlab course html``); `execute` waits on the
 kernel in short slices to avoid nbclient's lost-reply stall on widget cells
@@ -39,6 +46,7 @@ from __future__ import annotations
 
 import ast
 import copy
+import hashlib
 import re
 import subprocess
 import xml.etree.ElementTree as ET
@@ -47,7 +55,8 @@ from pathlib import Path
 import nbformat
 
 __all__ = ["BEGIN", "END", "PLACEHOLDER", "strip_solution", "make_exercise", "strip_notebook", "stripped_problems",
-           "graded_cells", "read", "dumps", "build", "strip", "course_notebooks", "scorecard", "ROOT"]
+           "graded_cells", "read", "dumps", "build", "strip", "course_notebooks", "scorecard", "ROOT",
+           "nbgrader_metadata", "nbgrader_checksum", "is_graded"]
 
 BEGIN, END = "### BEGIN SOLUTION", "### END SOLUTION"
 PLACEHOLDER = "raise NotImplementedError  # your code here"
@@ -83,10 +92,66 @@ def strip_solution(source: str, where: str = "cell") -> str:
 def make_exercise(solution: nbformat.NotebookNode, name: str = "") -> nbformat.NotebookNode:
     """The student notebook: solution regions replaced, outputs stripped, a note saying where it came from."""
     nb = strip_notebook(solution)
+    has_solution = [c.cell_type == "code" and any(l.strip() == BEGIN for l in c.source.splitlines())
+                    for c in nb.cells]
     for i, cell in enumerate(nb.cells):
         if cell.cell_type == "code":
             cell.source = strip_solution(cell.source, where=f"{name or 'notebook'}, cell {i}")
+    nbgrader_metadata(nb, has_solution)
     nb.metadata["parlab"] = {"generated": GENERATED_NOTE.format(name=name)}
+    return nb
+
+
+# ---------------------------------------------------------------------- nbgrader-compatible cell metadata
+GRADED_CALL = re.compile(r"\bgrading\.(check_\w+)\(\s*([A-Za-z_][\w.]*)?")
+
+
+def is_graded(cell) -> bool:
+    """A graded cell: a code cell that calls grading.check_..."""
+    return cell.cell_type == "code" and GRADED_CALL.search(cell.source) is not None
+
+
+def _cell_id(cell, is_solution: bool, k: int) -> str:
+    if is_graded(cell):
+        m = GRADED_CALL.search(cell.source)
+        return m.group(1) + (f"-{m.group(2)}" if m.group(2) else "")
+    if is_solution:
+        m = re.search(r"^(?:def|class)\s+(\w+)", cell.source, flags=re.M)
+        if m:
+            return f"answer-{m.group(1)}"
+    return f"{cell.cell_type}-{k}"
+
+
+def nbgrader_checksum(cell) -> str:
+    """nbgrader's `compute_checksum` (nbgrader/utils.py): md5 over source, type, flags, id and points."""
+    meta = cell.metadata["nbgrader"]
+    m = hashlib.md5()
+    for part in (cell.source, cell.cell_type, str(meta["grade"]), str(meta["solution"]), str(meta["locked"]),
+                 meta["grade_id"]):
+        m.update(part.encode("utf-8"))
+    if meta["grade"]:
+        m.update(str(float(meta["points"])).encode("utf-8"))
+    return m.hexdigest()
+
+
+def nbgrader_metadata(nb: nbformat.NotebookNode, has_solution: list[bool]) -> nbformat.NotebookNode:
+    """Give every cell nbgrader's metadata, in place: solution cells (had a solution region), graded cells
+    (1 point, locked) and read-only cells (everything else, locked). Ids are unique within the notebook."""
+    seen: dict[str, int] = {}
+    for k, (cell, solution) in enumerate(zip(nb.cells, has_solution)):
+        old = cell.metadata.get("nbgrader", {})
+        gid = old.get("grade_id") or _cell_id(cell, solution, k)
+        if gid in seen:
+            seen[gid] += 1
+            gid = f"{gid}-{seen[gid]}"
+        seen.setdefault(gid, 1)
+        graded = is_graded(cell)
+        meta = {"schema_version": 3, "grade_id": gid, "grade": graded, "solution": solution,
+                "locked": not solution}
+        if graded:
+            meta["points"] = old.get("points", 1)
+        cell.metadata["nbgrader"] = meta
+        cell.metadata["nbgrader"]["checksum"] = nbgrader_checksum(cell)
     return nb
 
 
