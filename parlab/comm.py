@@ -86,6 +86,8 @@ class TracedWork:
     def wait(self, *args, **kwargs):
         out = self._work.wait(*args, **kwargs)
         self._finish()
+        if self.event.waited is None:   # where the program first needed the result (for parlab.replay)
+            self.event.waited = now()
         return out
 
     def is_completed(self) -> bool:

@@ -34,7 +34,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Iterable, Iterator
 
-__all__ = ["Event", "Recorder", "Trace", "recording", "current_recorder", "region", "mark", "wire_bytes", "now"]
+__all__ = ["Event", "Recorder", "Trace", "recording", "current_recorder", "region", "mark", "wire_bytes", "now",
+           "count_costs"]
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "reduce",
                "gather", "scatter", "barrier")
@@ -61,6 +62,12 @@ class Event:
     dtype: str = ""
     label: str = ""             # free text, e.g. "grad bucket 2" or "stage 1 -> 2 act mb 3"
     asynchronous: bool = False  # launched with async_op=True (end = completion time)
+    # What a replay on other hardware needs (parlab.replay): the work of a compute span (FLOPs of its
+    # matrix products; its nbytes are then the bytes its memory-bound ops moved; kernels = ops it ran),
+    # and for an asynchronous call the time the program first waited for it (None: never waited).
+    flops: float = 0.0
+    kernels: int = 0
+    waited: float | None = None
 
     @property
     def duration(self) -> float:
@@ -109,8 +116,15 @@ class Recorder:
     def __init__(self, rank: int = 0):
         self.rank = rank
         self.events: list[Event] = []
+        self.meter = None          # a cost meter while `count_costs()` is active
+        self._stamp = (0.0, 0, 0)  # the meter's totals when the last event was added
 
     def add(self, event: Event) -> Event:
+        if self.meter is not None:   # a compute span added by hand gets the work metered since the last event
+            totals = self.meter.totals()
+            if event.kind == "compute" and not (event.flops or event.nbytes or event.kernels):
+                event.flops, event.nbytes, event.kernels = (a - b for a, b in zip(totals, self._stamp))
+            self._stamp = totals
         self.events.append(event)
         return event
 
@@ -144,17 +158,49 @@ def recording(rank: int | None = None) -> Iterator[Recorder]:
 
 
 @contextlib.contextmanager
-def region(name: str, label: str = "") -> Iterator[None]:
-    """Record the block as a compute span named `name` (a no-op when tracing is off)."""
+def region(name: str, label: str = "", flops: float | None = None, nbytes: int | None = None) -> Iterator[None]:
+    """Record the block as a compute span named `name` (a no-op when tracing is off).
+
+    `flops` / `nbytes` state the block's work for a replay (`parlab.replay`); left out, they are what
+    `count_costs()` metered inside the block (0 when nothing meters)."""
     rec = current_recorder()
     if rec is None:
         yield
         return
     start = now()
+    before = rec.meter.totals() if rec.meter is not None else None
     try:
         yield
     finally:
-        rec.add(Event(rank=rec.rank, kind="compute", op=name, start=start, end=now(), label=label))
+        ev = Event(rank=rec.rank, kind="compute", op=name, start=start, end=now(), label=label)
+        if before is not None:
+            ev.flops, ev.nbytes, ev.kernels = (a - b for a, b in zip(rec.meter.totals(), before))
+        if flops is not None:
+            ev.flops = float(flops)
+        if nbytes is not None:
+            ev.nbytes = int(nbytes)
+        rec.add(ev)
+
+
+@contextlib.contextmanager
+def count_costs() -> Iterator[None]:
+    """Meter the work of every torch op run inside the block, for the compute spans of the active recorder:
+    FLOPs of matrix products and attention (the formulas of ``torch.utils.flop_counter``), bytes read and
+    written by every other op (memory-bound: elementwise, norms, softmax), and the number of ops (kernels).
+    Views and communication ops count nothing. A no-op when tracing is off. Costs a few microseconds per op,
+    so time a run without it and replay a run with it (``parlab.replay``)."""
+    rec = current_recorder()
+    if rec is None:
+        yield
+        return
+    from .replay_meter import CostMeter   # torch only when metering
+    meter, previous = CostMeter(), rec.meter
+    rec.meter, rec._stamp = meter, meter.totals()
+    try:
+        with meter:
+            yield
+    finally:
+        rec.meter = previous
 
 
 def mark(name: str, label: str = "") -> None:
@@ -169,6 +215,7 @@ def mark(name: str, label: str = "") -> None:
 class Trace:
     """The merged events of all ranks of one run, sorted by start time."""
     events: list[Event] = field(default_factory=list)
+    hardware: str = ""   # set by parlab.replay: the hardware the times were replayed on ("" = measured here)
 
     def __post_init__(self):
         self.events = sorted(self.events, key=lambda e: (e.start, e.rank))
@@ -198,11 +245,11 @@ class Trace:
         ops = {op} if isinstance(op, str) else (set(op) if op is not None else None)
         return Trace([e for e in self.events
                       if (rank is None or e.rank == rank) and (ops is None or e.op in ops)
-                      and (kind is None or e.kind == kind) and (label is None or label in e.label)])
+                      and (kind is None or e.kind == kind) and (label is None or label in e.label)], self.hardware)
 
     def comm(self) -> "Trace":
         """Only the communication events (collectives and p2p)."""
-        return Trace([e for e in self.events if e.kind in ("collective", "p2p")])
+        return Trace([e for e in self.events if e.kind in ("collective", "p2p")], self.hardware)
 
     # ------------------------------------------------------------------ tables
     def table(self) -> list[dict]:
@@ -248,6 +295,8 @@ class Trace:
             d = asdict(e)
             d["start"] -= t0
             d["end"] -= t0
+            if d.get("waited") is not None:
+                d["waited"] -= t0
             d["group"] = list(e.group)
             d["wire_bytes"] = e.wire_bytes
             out.append(d)
@@ -258,6 +307,8 @@ class Trace:
         one thread per rank, times in microseconds. Written to `path` when given."""
         t0 = self.t0
         evs = []
+        if self.hardware:
+            evs.append({"name": "process_name", "ph": "M", "pid": 0, "args": {"name": f"replayed on {self.hardware}"}})
         for r in self.ranks:
             evs.append({"name": "thread_name", "ph": "M", "pid": 0, "tid": r, "args": {"name": f"rank {r}"}})
         for e in self.events:
@@ -265,6 +316,8 @@ class Trace:
                     "group": list(e.group), "label": e.label}
             if e.peer is not None:
                 args["peer"] = e.peer
+            if e.flops:
+                args["flops"] = e.flops
             evs.append({"name": e.label or e.op, "cat": e.kind, "ph": "X", "pid": 0, "tid": e.rank,
                         "ts": (e.start - t0) * 1e6, "dur": max(e.duration, 0.0) * 1e6, "args": args})
         doc = {"traceEvents": evs, "displayTimeUnit": "ms"}

@@ -1,0 +1,206 @@
+"""Hardware descriptions for replaying a trace: how fast a GPU computes, and how fast its links move bytes.
+
+A `Hardware` is a few numbers per GPU (plain data, JSON in and out), enough for the two models
+`parlab.replay` times a trace with:
+
+* compute, roofline style (Williams, Waterman, Patterson, "Roofline", CACM 2009): a span that did F FLOPs in
+  matrix products, moved M bytes in memory-bound ops and launched K kernels takes
+
+      F / (peak_flops x efficiency)  +  M / (mem_bw x mem_efficiency)  +  K x kernel_overhead
+
+  `efficiency` is the MFU-style factor: the fraction of the datasheet's dense peak that matrix products sustain
+  in a real training run;
+* communication, alpha-beta (Hockney 1994; the ring costs of Patarasuk & Yuan 2009, as nccl-tests'
+  PERFORMANCE.md counts them): a collective over N ranks takes ``base_latency + steps x hop_latency +
+  factor x X / bandwidth`` on the slowest link its group crosses (NVLink inside a node, InfiniBand across
+  nodes); `collective_time` has the factors and steps of each op, ring and (for all-reduce across nodes) tree.
+
+Presets (`PRESETS`, `preset(name)`): ``dgx-a100`` and ``dgx-h100``; each number is cited where it is set.
+`parlab.calibrate` measures this machine (or a GPU node under torchrun) and writes its own description.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, fields, replace
+
+__all__ = ["Hardware", "PRESETS", "preset", "load", "COLLECTIVE_FACTORS"]
+
+# NCCL's own latency model (src/graph/tuning.cc, NCCL 2.x, Ring algorithm with the Simple protocol that large
+# messages use): a base latency per collective of 8.4 us and a per-step hardware latency of 5.7 us over NVLink /
+# PCI and 6.6 us over the network. We use them for both presets: NVIDIA publishes no per-generation figure.
+NCCL_BASE_LATENCY = 8.4e-6
+NCCL_NVLINK_HOP = 5.7e-6
+NCCL_NET_HOP = 6.6e-6
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """One GPU (or CPU rank) and its links. Rates are per GPU: FLOP/s, bytes/s per direction; times in s."""
+
+    name: str
+    peak_flops: float               # dense 16-bit matrix FLOP/s
+    mem_bw: float                   # memory bandwidth, bytes/s
+    intra_bw: float                 # bytes/s per GPU and direction inside a node (NVLink)
+    inter_bw: float                 # bytes/s per GPU and direction between nodes (one NIC per GPU)
+    gpus_per_node: int = 8
+    efficiency: float = 0.5         # fraction of peak_flops that matrix products sustain (MFU-style)
+    mem_efficiency: float = 0.8     # fraction of mem_bw that memory-bound kernels sustain
+    kernel_overhead: float = 0.0    # seconds per kernel (launch and per-op framework cost)
+    base_latency: float = NCCL_BASE_LATENCY   # seconds per collective call
+    intra_latency: float = NCCL_NVLINK_HOP    # seconds per algorithm step inside a node
+    inter_latency: float = NCCL_NET_HOP       # seconds per algorithm step across nodes
+    source: str = ""                # where the numbers come from
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError(f"hardware name must be a non-empty string, got {self.name!r}")
+        if isinstance(self.gpus_per_node, bool) or not isinstance(self.gpus_per_node, int) or self.gpus_per_node < 1:
+            raise ValueError(f"hardware {self.name!r}: gpus_per_node must be a positive integer, "
+                             f"got {self.gpus_per_node!r}")
+        for k in ("peak_flops", "mem_bw", "intra_bw", "inter_bw"):
+            v = getattr(self, k)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0 or math.isnan(v):
+                raise ValueError(f"hardware {self.name!r}: {k} must be a positive rate (per second), got {v!r}")
+        for k in ("efficiency", "mem_efficiency"):
+            v = getattr(self, k)
+            if not (isinstance(v, (int, float)) and 0 < v <= 1):
+                raise ValueError(f"hardware {self.name!r}: {k} is a fraction in (0, 1], got {v!r}")
+        for k in ("kernel_overhead", "base_latency", "intra_latency", "inter_latency"):
+            v = getattr(self, k)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0:
+                raise ValueError(f"hardware {self.name!r}: {k} must be a time >= 0 in seconds, got {v!r}")
+
+    # ------------------------------------------------------------------ JSON
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Hardware":
+        if not isinstance(d, dict):
+            raise ValueError(f"a hardware description is a JSON object, got {type(d).__name__}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"unknown hardware field(s) {unknown}; known fields: {', '.join(sorted(known))}")
+        missing = [k for k in ("name", "peak_flops", "mem_bw", "intra_bw", "inter_bw") if k not in d]
+        if missing:
+            raise ValueError(f"hardware description lacks {', '.join(missing)} (see parlab.hardware.Hardware)")
+        return cls(**d)
+
+    def save(self, path: str) -> None:
+        with open(path, "w") as f:
+            json.dump(self.to_dict(), f, indent=2)
+
+    def with_(self, **changes) -> "Hardware":
+        """A copy with some fields changed, e.g. ``preset("dgx-h100").with_(efficiency=0.6)``."""
+        return replace(self, **changes)
+
+    # ------------------------------------------------------------------ models
+    def compute_time(self, flops: float = 0.0, nbytes: float = 0.0, kernels: int = 0) -> float:
+        """Seconds of a compute span: matrix FLOPs at the sustained peak, memory-bound bytes at the sustained
+        bandwidth, plus a fixed cost per kernel (see the module docstring)."""
+        return (flops / (self.peak_flops * self.efficiency) + nbytes / (self.mem_bw * self.mem_efficiency)
+                + kernels * self.kernel_overhead)
+
+    def link(self, crosses_nodes: bool) -> tuple[float, float]:
+        """(bandwidth in bytes/s, latency per step in s) of the slowest link a group uses."""
+        return (self.inter_bw, self.inter_latency) if crosses_nodes else (self.intra_bw, self.intra_latency)
+
+    def collective_time(self, op: str, nbytes: float, n: int, crosses_nodes: bool = False, nodes: int = 1,
+                        algorithm: str = "auto") -> float:
+        """Seconds of one call of `op` with payload `nbytes` (as `parlab.trace.Event.nbytes` counts it) over
+        `n` ranks whose slowest link is inter-node when `crosses_nodes`, spread over `nodes` nodes.
+
+        ring:  base + steps x hop + factor x nbytes / bandwidth, with (steps, factor) from COLLECTIVE_FACTORS,
+               e.g. all-reduce 2(n-1) steps, 2(n-1)/n of the bytes (reduce-scatter + all-gather).
+        tree (all-reduce only; "auto" takes it when it is faster, as NCCL's tuner does across nodes): a chain
+               inside each node and a binary tree across nodes, reduced up and broadcast down: 2 (log2(nodes)
+               inter + (n/nodes - 1) intra) steps, and each rank moves the whole payload up and down once:
+               2 x nbytes / bandwidth (NCCL's double binary tree: Sanders et al. 2009).
+        send / recv: one step, nbytes / bandwidth, no base latency."""
+        if n < 1:
+            raise ValueError(f"a collective needs at least one rank, got n={n}")
+        if op not in COLLECTIVE_FACTORS:
+            raise ValueError(f"no cost model for op {op!r}; known: {', '.join(COLLECTIVE_FACTORS)}")
+        if algorithm not in ("auto", "ring", "tree"):
+            raise ValueError(f"algorithm must be 'auto', 'ring' or 'tree', got {algorithm!r}")
+        bw, hop = self.link(crosses_nodes)
+        if op in ("send", "recv"):
+            return hop + nbytes / bw
+        if n == 1:
+            return 0.0
+        steps, factor = COLLECTIVE_FACTORS[op](n)
+        ring = self.base_latency + steps * hop + factor * nbytes / bw
+        if op != "all_reduce" or algorithm == "ring" or (algorithm == "auto" and not crosses_nodes):
+            return ring
+        per_node = max(1, n // max(nodes, 1))
+        tree_steps = 2 * (math.ceil(math.log2(max(nodes, 2))) * self.inter_latency + (per_node - 1) * self.intra_latency)
+        tree = self.base_latency + tree_steps + 2 * nbytes / bw
+        return tree if algorithm == "tree" else min(ring, tree)
+
+
+#: (algorithm steps, bytes factor on the payload) of the ring / chain algorithm of each op over n ranks
+#: (nccl-tests PERFORMANCE.md bus-bandwidth factors; Patarasuk & Yuan 2009).
+COLLECTIVE_FACTORS = {
+    "all_reduce": lambda n: (2 * (n - 1), 2 * (n - 1) / n),
+    "all_gather": lambda n: (n - 1, (n - 1) / n),
+    "reduce_scatter": lambda n: (n - 1, (n - 1) / n),
+    "all_to_all": lambda n: (n - 1, (n - 1) / n),
+    "broadcast": lambda n: (n - 1, 1.0),          # pipelined chain: the payload once, n - 1 hops to fill it
+    "reduce": lambda n: (n - 1, 1.0),
+    "gather": lambda n: (n - 1, (n - 1) / n),
+    "scatter": lambda n: (n - 1, (n - 1) / n),
+    "barrier": lambda n: (2 * (n - 1), 0.0),
+    "send": lambda n: (1, 1.0),
+    "recv": lambda n: (1, 1.0),
+}
+
+
+def _dgx_a100() -> Hardware:
+    return Hardware(
+        name="DGX A100",
+        peak_flops=312e12,      # A100 SXM dense BF16 tensor core: 312 TFLOP/s (NVIDIA A100 datasheet)
+        mem_bw=2.039e12,        # A100 80GB SXM HBM2e: 2,039 GB/s (NVIDIA A100 datasheet)
+        intra_bw=300e9,         # NVLink 3: 600 GB/s bidirectional per GPU (12 links) = 300 GB/s each way
+        inter_bw=25e9,          # DGX A100: 8 x 200 Gb/s HDR InfiniBand (ConnectX-6), one per GPU = 25 GB/s
+        gpus_per_node=8,        # DGX A100 user guide: 8 GPUs per system
+        efficiency=0.5,         # Megatron-LM on A100: 44-52% of peak (Narayanan et al. SC'21, table 1)
+        source="NVIDIA A100 datasheet, DGX A100 user guide; NCCL tuning.cc latencies")
+
+
+def _dgx_h100() -> Hardware:
+    return Hardware(
+        name="DGX H100",
+        peak_flops=989e12,      # H100 SXM dense BF16: 989 TFLOP/s (1,979 with sparsity; NVIDIA H100 datasheet)
+        mem_bw=3.35e12,         # H100 SXM HBM3: 3.35 TB/s (NVIDIA H100 datasheet)
+        intra_bw=450e9,         # NVLink 4: 900 GB/s bidirectional per GPU (18 links) = 450 GB/s each way
+        inter_bw=50e9,          # DGX H100: 8 x 400 Gb/s NDR InfiniBand (ConnectX-7), one per GPU = 50 GB/s
+        gpus_per_node=8,        # DGX H100 user guide: 8 GPUs per system
+        efficiency=0.5,         # the same MFU-style factor as the A100 (no published H100 Megatron table here)
+        source="NVIDIA H100 datasheet, DGX H100 user guide; NCCL tuning.cc latencies")
+
+
+PRESETS: dict[str, Hardware] = {"dgx-a100": _dgx_a100(), "dgx-h100": _dgx_h100()}
+
+
+def preset(name: str) -> Hardware:
+    """A named hardware description: 'dgx-a100' or 'dgx-h100'."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown hardware preset {name!r}; known: {', '.join(PRESETS)} "
+                         f"(or load a JSON file written by `parlab calibrate` with parlab.hardware.load)")
+    return PRESETS[name]
+
+
+def load(path_or_name: str) -> Hardware:
+    """A preset by name, or a JSON file written by `Hardware.save` / `parlab calibrate`."""
+    if path_or_name in PRESETS:
+        return PRESETS[path_or_name]
+    try:
+        with open(path_or_name) as f:
+            data = json.load(f)
+    except FileNotFoundError:
+        raise ValueError(f"no hardware preset or file named {path_or_name!r}; presets: {', '.join(PRESETS)}") from None
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path_or_name} is not valid JSON ({err}); write it with Hardware.save") from None
+    return Hardware.from_dict(data)

@@ -1,0 +1,250 @@
+"""Replay: re-time a trace of what parlab really ran on a model of other hardware (a virtual cluster).
+
+`replay(trace, hardware)` keeps the program every rank ran (its order of compute spans, collectives,
+messages and waits, from `parlab.replay_program.build_programs`) and gives every step a new duration:
+
+* compute spans from their work (`Event.flops`, `nbytes`, `kernels`, metered by `parlab.trace.count_costs`)
+  on the hardware's roofline (`Hardware.compute_time`);
+* collectives and messages from the alpha-beta model of their algorithm (`Hardware.collective_time`: ring,
+  or tree for an all-reduce across nodes where that is faster), on the slowest link the group crosses. Which
+  groups cross nodes follows from the placement: rank r sits on node ``r // gpus_per_node`` (torchrun's and
+  `parlab.topology.ParallelGrid`'s rule; pass a grid to use its `node_of`).
+
+A discrete-event loop then runs every rank's program against the others, with the dependencies of the real run:
+
+    compute            starts when the rank is free, runs for its cost
+    collective         starts when every member has called it and the group's earlier calls are done (one
+                       communication stream per rank and group, as torch's ProcessGroupNCCL has); a blocking
+                       call holds its rank until it ends, an asynchronous one does not
+    send / recv        a message moves once both sides have posted it (rendezvous); blocking sides wait for it
+    wait               holds the rank until that asynchronous call has finished
+                       (so compute issued after the wait waits for it; compute before it overlaps)
+
+The result is an ordinary `parlab.Trace` (times from 0, in seconds; `trace.hardware` names the hardware), so
+`parlab.viz.timeline`, the animations and `Trace.to_chrome` draw it unchanged. Every rank starts at 0; time a
+rank spent outside any traced event (Python between calls) is not replayed.
+
+Anchors: ASTRA-sim (Chakra traces on network models), vTrain, Echo, Proteus, SimAI re-time a program's
+operator graph the same way; none of them runs the program it models, and none is built for teaching.
+Pure Python: no torch.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections import defaultdict
+from typing import Callable
+
+from .hardware import Hardware
+from .replay_program import Step, build_programs
+from .topology import ParallelGrid
+from .trace import Event, Trace
+
+__all__ = ["replay", "ReplayError", "step_time", "bubble", "Placement"]
+
+
+class ReplayError(ValueError):
+    """A trace that cannot be replayed: unmatched calls, or a program that would wait forever."""
+
+
+class Placement:
+    """Which node each rank sits on: ``rank // gpus_per_node``, or a `ParallelGrid`'s `node_of`."""
+
+    def __init__(self, hardware: Hardware, grid: ParallelGrid | None = None, gpus_per_node: int | None = None):
+        if grid is not None and not isinstance(grid, ParallelGrid):
+            raise ValueError(f"grid must be a parlab.topology.ParallelGrid, got {type(grid).__name__}")
+        gpn = gpus_per_node if gpus_per_node is not None else hardware.gpus_per_node
+        if isinstance(gpn, bool) or not isinstance(gpn, int) or gpn < 1:
+            raise ValueError(f"gpus_per_node must be a positive integer, got {gpn!r}")
+        self.grid, self.gpus_per_node = grid, gpn
+
+    def node_of(self, rank: int) -> int:
+        if self.grid is not None:
+            if rank >= self.grid.world_size:
+                raise ReplayError(f"the trace has rank {rank} but the grid has {self.grid.world_size} ranks; pass "
+                                  f"the ParallelGrid of the run that was traced")
+            return self.grid.node_of(rank)
+        return rank // self.gpus_per_node
+
+    def nodes(self, ranks) -> int:
+        return len({self.node_of(r) for r in ranks})
+
+
+def default_costs(hardware: Hardware, placement: Placement, compute_scale: float | None):
+    """The two cost callbacks `replay` uses unless given its own (seconds per event)."""
+
+    def compute(e: Event) -> float:
+        if e.flops or e.nbytes or e.kernels:
+            return hardware.compute_time(e.flops, e.nbytes, e.kernels)
+        if compute_scale is not None:
+            return e.duration * compute_scale
+        raise ReplayError(f"compute span {e.op!r} ({e.label or 'no label'}) of rank {e.rank} carries no work "
+                          f"(flops, bytes, kernels): record the run inside parlab.trace.count_costs(), give the "
+                          f"region flops=..., or pass compute_scale= to replay measured durations scaled")
+
+    def comm(e: Event) -> float:
+        if e.kind == "p2p":
+            return hardware.collective_time(e.op, e.nbytes, 2, placement.node_of(e.rank) != placement.node_of(e.peer))
+        group = tuple(e.group) or (e.rank,)
+        nodes = placement.nodes(group)
+        return hardware.collective_time(e.op, e.nbytes, len(group), nodes > 1, nodes)
+
+    return compute, comm
+
+
+def replay(trace: Trace, hardware: Hardware, *, grid: ParallelGrid | None = None, gpus_per_node: int | None = None,
+           compute_scale: float | None = None, compute_time: Callable[[Event], float] | None = None,
+           comm_time: Callable[[Event], float] | None = None) -> Trace:
+    """The trace re-timed on `hardware` (see the module docstring). Returns a new `Trace`.
+
+    grid / gpus_per_node   placement of the ranks on nodes (default: the hardware's GPUs per node)
+    compute_scale          for compute spans without metered work: measured duration x this factor
+    compute_time, comm_time  replace the cost models: functions of an `Event`, returning seconds
+                           (`parlab.scaleup` re-costs spans with a big model's shapes this way)"""
+    if not isinstance(trace, Trace):
+        raise ReplayError(f"replay needs a parlab.Trace (e.g. parlab.run(..., trace=True).trace), "
+                          f"got {type(trace).__name__}")
+    if not isinstance(hardware, Hardware):
+        raise ReplayError(f"replay needs a parlab.hardware.Hardware (e.g. parlab.hardware.preset('dgx-h100')), "
+                          f"got {type(hardware).__name__}")
+    if not trace.events:
+        raise ReplayError("the trace is empty: run with parlab.run(fn, n, trace=True) and call parlab.comm / "
+                          "parlab.trace.region inside fn")
+    placement = Placement(hardware, grid, gpus_per_node)
+    compute, comm = default_costs(hardware, placement, compute_scale)
+    try:
+        programs = build_programs(trace, compute_time or compute, comm_time or comm)
+    except ReplayError:
+        raise
+    except ValueError as err:
+        raise ReplayError(str(err)) from None
+    events = _run(programs)
+    return Trace(events, hardware.name)
+
+
+def _run(programs: dict[int, list[Step]]) -> list[Event]:
+    """The discrete-event loop: advance every rank as far as its dependencies allow, until all are done."""
+    ranks = sorted(programs)
+    pos = {r: 0 for r in ranks}
+    clock = {r: 0.0 for r in ranks}
+    arrivals: dict[tuple, dict[int, float]] = defaultdict(dict)   # collective key -> rank -> call time
+    posts: dict[tuple, dict[str, float]] = defaultdict(dict)      # message key -> side -> post time
+    done: dict[tuple, tuple[float, float]] = {}                    # key -> (start, end) of the transfer
+    stream: dict[tuple, float] = defaultdict(float)                # (rank, group) -> communication stream free at
+    issued: dict[tuple[int, tuple], Step] = {}                     # (rank, key) -> the async call's step
+    out: list[tuple[Step, float, float]] = []
+
+    def resolve_coll(step: Step) -> None:
+        key, members = step.key, step.members
+        got = arrivals[key]
+        if key in done or not set(members) <= set(got):
+            return
+        start = max([*got.values(), *(stream[(m, members)] for m in members)])
+        end = start + step.cost
+        for m in members:
+            stream[(m, members)] = end
+        done[key] = (start, end)
+
+    def resolve_msg(step: Step) -> None:
+        key, got = step.key, posts[step.key]
+        if key in done or len(got) < 2:
+            return
+        start = max(got.values())
+        done[key] = (start, start + step.cost)
+
+    def advance(r: int) -> bool:
+        moved = False
+        prog = programs[r]
+        while pos[r] < len(prog):
+            st = prog[pos[r]]
+            t = clock[r]
+            if st.kind == "compute":
+                out.append((st, t, t + st.cost))
+                clock[r] = t + st.cost
+            elif st.kind == "mark":
+                out.append((st, t, t))
+            elif st.kind in ("coll", "send", "recv"):
+                if st.kind == "coll":
+                    arrivals[st.key].setdefault(r, t)
+                    resolve_coll(st)
+                else:
+                    posts[st.key].setdefault(st.kind, t)
+                    resolve_msg(st)
+                if st.asynchronous:
+                    issued[(r, st.key)] = st
+                    st.extra["issue"] = t
+                    out.append((st, t, None))                      # end filled in when known
+                elif st.key in done:
+                    start_at = arrivals[st.key][r] if st.kind == "coll" else posts[st.key][st.kind]
+                    out.append((st, start_at, done[st.key][1]))
+                    clock[r] = max(t, done[st.key][1])
+                else:
+                    return moved                                    # blocked until the others arrive
+            elif st.kind == "wait":
+                if st.key not in done:
+                    return moved
+                clock[r] = max(t, done[st.key][1])
+                if (r, st.key) in issued:
+                    issued[(r, st.key)].extra["waited"] = clock[r]
+            pos[r] += 1
+            moved = True
+        return moved
+
+    while any(pos[r] < len(programs[r]) for r in ranks):
+        progress = False
+        for r in ranks:
+            progress |= advance(r)
+        if not progress:
+            raise ReplayError("the replayed program waits forever: " + "; ".join(
+                f"rank {r} at {_describe(programs[r][pos[r]])}" for r in ranks if pos[r] < len(programs[r])))
+    events = []
+    for st, start, end in out:
+        e = st.event
+        if end is None:                                             # an async call: ends when its transfer does
+            if st.key not in done:
+                raise ReplayError(f"rank {e.rank}: {_describe(st)} never completed (its partner never called it)")
+            end = max(start, done[st.key][1])
+        events.append(dataclasses.replace(e, start=start, end=end, group=tuple(e.group),
+                                          waited=st.extra.get("waited") if e.asynchronous else None))
+    return events
+
+
+def _describe(st: Step) -> str:
+    e = st.event
+    what = f"{e.op}" + (f" ({e.label})" if e.label else "")
+    if st.kind == "coll":
+        return f"collective {what} on group {list(st.members)}, waiting for its other members"
+    if st.kind in ("send", "recv"):
+        other = st.key[2] if st.kind == "send" else st.key[1]
+        return f"{st.kind} {what} with rank {other}, waiting for the matching {'recv' if st.kind == 'send' else 'send'}"
+    if st.kind == "wait":
+        return f"wait for {what}, which has not completed"
+    return what
+
+
+# ---------------------------------------------------------------------- measures of a (replayed) trace
+def step_time(trace: Trace, kind: str | None = None) -> float:
+    """Seconds from the first event's start to the last event's end (optionally of one kind)."""
+    evs = [e for e in trace.events if kind is None or e.kind == kind]
+    if not evs:
+        raise ValueError("no events to measure" + (f" of kind {kind!r}" if kind else ""))
+    return max(e.end for e in evs) - min(e.start for e in evs)
+
+
+def bubble(trace: Trace) -> float:
+    """Idle fraction of the compute window over all ranks: 1 - busy / (ranks x (last compute end - first
+    compute start)); for a pipeline run, its bubble fraction (`parlab.schedules.Simulation.bubble_fraction`)."""
+    comp = [e for e in trace.events if e.kind == "compute"]
+    if not comp:
+        raise ValueError("the trace has no compute spans, so it has no bubble")
+    span = max(e.end for e in comp) - min(e.start for e in comp)
+    ranks = {e.rank for e in comp}
+    busy = sum(e.duration for e in comp)
+    return 1 - busy / (len(ranks) * span) if span > 0 else 0.0
+
+
+def timed(fn, *args, **kwargs):
+    """(result, seconds) of one call: for reporting how long a replay takes."""
+    t = time.perf_counter()
+    res = fn(*args, **kwargs)
+    return res, time.perf_counter() - t

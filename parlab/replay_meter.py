@@ -1,0 +1,61 @@
+"""Cost meter: the work of every torch op run while a trace records, for replaying it on other hardware.
+
+`CostMeter` is a ``TorchDispatchMode``: each aten op that reaches the dispatcher is run as usual and counted:
+
+    FLOPs    of matrix products and attention kernels, with the formulas ``torch.utils.flop_counter``
+             registers (mm, addmm, bmm, baddbmm, convolutions, scaled-dot-product attention): 2 m n k for an
+             (m x k) @ (k x n) product
+    bytes    read and written by every other op (the memory-bound ones: elementwise, reductions, norms,
+             softmax, copies): the sizes of its tensor inputs and outputs
+    kernels  the number of ops counted (views and metadata ops launch nothing and count nothing)
+
+Communication ops (namespace c10d) count nothing: the trace times them separately. Use it through
+`parlab.trace.count_costs()`, which hands the totals to each compute span of the active recorder.
+A replay then charges a span max-free roofline time: FLOPs / achieved FLOP/s + bytes / achieved memory
+bandwidth + kernels x launch overhead (`parlab.hardware.Hardware.compute_time`), i.e. matrix products are taken
+as compute-bound and every other op as memory-bound, as in the roofline model (Williams, Waterman, Patterson,
+"Roofline", CACM 2009).
+"""
+from __future__ import annotations
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+from torch.utils.flop_counter import flop_registry
+
+__all__ = ["CostMeter"]
+
+_SKIP_NAMESPACES = ("c10d", "_c10d_functional", "c10d_functional", "prim", "profiler")
+
+
+def _tensor_bytes(obj) -> int:
+    leaves, _ = tree_flatten(obj)
+    return sum(t.numel() * t.element_size() for t in leaves if isinstance(t, torch.Tensor))
+
+
+class CostMeter(TorchDispatchMode):
+    """Running totals of (FLOPs, bytes of memory-bound ops, kernels) of the ops run inside ``with meter:``."""
+
+    def __init__(self):
+        super().__init__()
+        self.flops, self.bytes, self.kernels = 0.0, 0, 0
+
+    def totals(self) -> tuple[float, int, int]:
+        return self.flops, self.bytes, self.kernels
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func.namespace in _SKIP_NAMESPACES or getattr(func, "is_view", False):
+            return out
+        packet = func._overloadpacket
+        formula = flop_registry.get(packet)
+        if formula is not None:
+            self.flops += float(formula(*args, **kwargs, out_val=out))
+            self.kernels += 1
+        else:
+            moved = _tensor_bytes(args) + _tensor_bytes(kwargs) + _tensor_bytes(out)
+            if moved:
+                self.bytes += moved
+                self.kernels += 1
+        return out

@@ -1,0 +1,275 @@
+"""The virtual cluster: hardware descriptions, the replay's dependency rules and closed forms, bad input."""
+import dataclasses
+import json
+
+import pytest
+import torch
+
+import parlab
+from parlab import schedules as sch
+from parlab.hardware import Hardware, load, preset
+from parlab.models import GPT, GPTConfig
+from parlab.pipeline_parallel import PipelineParallel
+from parlab.replay import ReplayError, bubble, replay, step_time
+from parlab.topology import ParallelGrid
+from parlab.trace import Event, Trace, count_costs, recording, region
+
+# Unit hardware: one FLOP per second, free communication (bandwidth 1e300, no latency): replayed times are the
+# FLOPs given to the spans, so closed forms hold exactly (up to float rounding of sums of small integers).
+UNIT = Hardware("unit", peak_flops=1.0, mem_bw=1.0, intra_bw=1e300, inter_bw=1e300, efficiency=1.0,
+                mem_efficiency=1.0, base_latency=0.0, intra_latency=0.0, inter_latency=0.0)
+# A link model with round numbers: 1 GB/s inside a node, 0.1 GB/s across, 1 us per step, 10 us per call.
+AB = Hardware("ab", peak_flops=1.0, mem_bw=1.0, intra_bw=1e9, inter_bw=1e8, gpus_per_node=4, efficiency=1.0,
+              mem_efficiency=1.0, base_latency=1e-5, intra_latency=1e-6, inter_latency=2e-6)
+
+
+def comp(rank, start, flops, op="compute", label=""):
+    return Event(rank, "compute", op, start, start + 1.0, flops=flops, label=label)
+
+
+def coll(rank, start, group, nbytes=0, op="all_reduce", asynchronous=False, waited=None, end=None):
+    return Event(rank, "collective", op, start, start if end is None else end, group=tuple(group), nbytes=nbytes,
+                 asynchronous=asynchronous, waited=waited)
+
+
+def p2p(rank, start, op, peer, nbytes=0, asynchronous=False, waited=None):
+    return Event(rank, "p2p", op, start, start, group=(0, 1), peer=peer, nbytes=nbytes, asynchronous=asynchronous,
+                 waited=waited)
+
+
+def by_rank(trace, rank, op=None):
+    return [e for e in trace.events if e.rank == rank and (op is None or e.op == op)]
+
+
+# ---------------------------------------------------------------------- hardware
+def test_presets_carry_the_datasheet_numbers_and_round_trip_through_json(tmp_path):
+    a, h = preset("dgx-a100"), preset("dgx-h100")
+    assert (a.peak_flops, a.mem_bw, a.intra_bw, a.inter_bw) == (312e12, 2.039e12, 300e9, 25e9)
+    assert (h.peak_flops, h.mem_bw, h.intra_bw, h.inter_bw) == (989e12, 3.35e12, 450e9, 50e9)
+    path = tmp_path / "h.json"
+    h.with_(efficiency=0.6).save(str(path))
+    back = load(str(path))
+    assert back == h.with_(efficiency=0.6) and back != h
+    assert load("dgx-a100") is a
+
+
+@pytest.mark.parametrize("change, words", [
+    (dict(peak_flops=0), "peak_flops must be a positive rate"),
+    (dict(efficiency=1.5), "efficiency is a fraction"),
+    (dict(gpus_per_node=0), "gpus_per_node must be a positive integer"),
+    (dict(inter_latency=-1.0), "inter_latency must be a time"),
+    (dict(name=""), "name must be a non-empty string"),
+])
+def test_bad_hardware_is_refused_with_the_field_named(change, words):
+    with pytest.raises(ValueError, match=words):
+        preset("dgx-h100").with_(**change)
+
+
+def test_bad_hardware_files_and_names_are_refused(tmp_path):
+    with pytest.raises(ValueError, match="unknown hardware preset"):
+        preset("tpu")
+    with pytest.raises(ValueError, match="no hardware preset or file"):
+        load(str(tmp_path / "missing.json"))
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({**preset("dgx-a100").to_dict(), "nvlink": 1}))
+    with pytest.raises(ValueError, match=r"unknown hardware field\(s\) \['nvlink'\]"):
+        load(str(bad))
+    bad.write_text(json.dumps({"name": "x", "peak_flops": 1.0}))
+    with pytest.raises(ValueError, match="lacks mem_bw, intra_bw, inter_bw"):
+        load(str(bad))
+    bad.write_text("{not json")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        load(str(bad))
+    with pytest.raises(ValueError, match="no cost model for op 'allreduce'"):
+        AB.collective_time("allreduce", 1, 4)
+
+
+# ---------------------------------------------------------------------- collectives: the alpha-beta formula
+@pytest.mark.parametrize("n, group_nodes", [(4, 1), (8, 2)])
+def test_replayed_ring_all_reduce_is_the_alpha_beta_formula(n, group_nodes):
+    X = 12_000_000
+    tr = Trace([coll(r, 0.0, range(n), X) for r in range(n)])
+    out = replay(tr, AB, compute_time=lambda e: 0.0)
+    bw, hop = (AB.inter_bw, AB.inter_latency) if group_nodes > 1 else (AB.intra_bw, AB.intra_latency)
+    ring = AB.base_latency + 2 * (n - 1) * hop + 2 * (n - 1) / n * X / bw   # alpha-beta, ring
+    if group_nodes == 1:
+        expected = ring
+    else:   # across nodes NCCL may take a tree: 2 (log2(nodes) inter + (n/nodes - 1) intra) steps, 2 X / bw
+        tree = AB.base_latency + 2 * (1 * AB.inter_latency + 3 * AB.intra_latency) + 2 * X / bw
+        expected = min(ring, tree)
+        assert AB.collective_time("all_reduce", X, n, True, 2, algorithm="ring") == pytest.approx(ring, rel=1e-12)
+    for e in out.events:   # every member starts at 0 and ends together; rel 1e-12: float rounding only
+        assert e.start == 0.0 and e.end == pytest.approx(expected, rel=1e-12)
+
+
+def test_other_collectives_use_their_ring_factors():
+    n, X = 4, 8_000_000
+    for op, steps, factor in (("all_gather", 3, 0.75), ("reduce_scatter", 3, 0.75), ("broadcast", 3, 1.0),
+                              ("all_to_all", 3, 0.75)):
+        assert AB.collective_time(op, X, n) == pytest.approx(AB.base_latency + steps * AB.intra_latency
+                                                             + factor * X / AB.intra_bw, rel=1e-12)
+    assert AB.collective_time("send", X, 2, True) == pytest.approx(AB.inter_latency + X / AB.inter_bw, rel=1e-12)
+
+
+# ---------------------------------------------------------------------- dependency rules
+def test_a_recv_waits_for_its_send():
+    tr = Trace([comp(0, 0.0, 5.0), p2p(0, 1.0, "send", 1), p2p(1, 0.0, "recv", 0), comp(1, 0.5, 2.0)])
+    out = replay(tr, UNIT)
+    recv, after = by_rank(out, 1, "recv")[0], by_rank(out, 1, "compute")[0]
+    assert (recv.start, recv.end) == (0.0, 5.0)        # posted at 0, the message leaves at 5
+    assert (after.start, after.end) == (5.0, 7.0)
+
+
+def test_a_collective_waits_for_all_its_members():
+    tr = Trace([comp(0, 0.0, 3.0), coll(0, 1.0, (0, 1, 2)), comp(1, 0.0, 1.0), coll(1, 1.0, (0, 1, 2)),
+                coll(2, 0.0, (0, 1, 2)), comp(2, 0.1, 1.0)])
+    out = replay(tr, UNIT)
+    for r in range(3):
+        assert by_rank(out, r, "all_reduce")[0].end == 3.0
+    assert by_rank(out, 2, "compute")[0].start == 3.0
+
+
+def test_async_communication_overlaps_compute_and_the_wait_holds_what_follows():
+    X = 4_000_000                                   # 2 (N-1)/N X / 1 GB/s = 4 ms on 2 ranks, plus latencies
+    evs = []
+    for r in range(2):
+        evs += [coll(r, 0.0, (0, 1), X, asynchronous=True, waited=2.5, end=0.1),
+                comp(r, 0.5, 0.001, op="backward"), comp(r, 3.0, 0.001, op="optimizer")]
+    out = replay(Trace(evs), AB)
+    t_ar = AB.collective_time("all_reduce", X, 2)
+    for r in range(2):
+        ar, bwd, opt = by_rank(out, r, "all_reduce")[0], by_rank(out, r, "backward")[0], by_rank(out, r, "optimizer")[0]
+        assert ar.asynchronous and ar.start == 0.0 and ar.end == pytest.approx(t_ar)
+        assert bwd.start == 0.0 and bwd.end == pytest.approx(0.001)       # overlaps the all-reduce
+        assert opt.start == pytest.approx(t_ar) and ar.waited == pytest.approx(t_ar)   # after the wait
+
+
+def test_a_compute_span_is_cut_at_the_blocking_call_inside_it():
+    evs = [Event(0, "compute", "step", 0.0, 4.0, flops=8.0), coll(0, 1.0, (0, 1), end=3.0),
+           Event(1, "compute", "late", 0.0, 1.0, flops=10.0), coll(1, 1.0, (0, 1), end=1.1)]
+    out = replay(Trace(evs), UNIT)
+    pieces = by_rank(out, 0, "step")        # measured 1 s before and 1 s after: the 8 FLOPs split 4 + 4
+    assert [(p.start, p.end) for p in pieces] == [(0.0, 4.0), (10.0, 14.0)]
+
+
+def test_collectives_on_one_group_run_in_order_on_its_stream():
+    X = 1_000_000
+    evs = []
+    for r in range(2):
+        evs += [coll(r, 0.0, (0, 1), X, asynchronous=True, waited=1.0, end=0.0),
+                coll(r, 0.1, (0, 1), X, asynchronous=True, waited=1.0, end=0.1)]
+    out = replay(Trace(evs), AB)
+    first, second = by_rank(out, 0, "all_reduce")
+    assert second.end == pytest.approx(2 * first.end)      # the second starts when the first is done
+
+
+# ---------------------------------------------------------------------- bad input
+def test_bad_traces_are_refused_saying_what_is_wrong():
+    with pytest.raises(ReplayError, match="needs a parlab.Trace"):
+        replay([comp(0, 0, 1)], UNIT)
+    with pytest.raises(ReplayError, match="needs a parlab.hardware.Hardware"):
+        replay(Trace([comp(0, 0, 1)]), "dgx-h100")
+    with pytest.raises(ReplayError, match="the trace is empty"):
+        replay(Trace([]), UNIT)
+    with pytest.raises(ReplayError, match="carries no work"):
+        replay(Trace([Event(0, "compute", "forward", 0.0, 1.0)]), UNIT)
+    with pytest.raises(ReplayError, match="message #0 from rank 0 to rank 1 was never received"):
+        replay(Trace([p2p(0, 0.0, "send", 1), comp(1, 0.0, 1.0)]), UNIT)
+    with pytest.raises(ReplayError, match=r"called by ranks \[0, 1\] only"):
+        replay(Trace([coll(r, 0.0, (0, 1, 2)) for r in range(2)] + [comp(2, 0.0, 1.0)]), UNIT)
+    with pytest.raises(ReplayError, match="waits forever"):     # both receive first: a deadlock
+        replay(Trace([p2p(0, 0.0, "recv", 1), p2p(0, 1.0, "send", 1),
+                      p2p(1, 0.0, "recv", 0), p2p(1, 1.0, "send", 0)]), UNIT)
+    with pytest.raises(ReplayError, match="the grid has 2 ranks"):
+        replay(Trace([coll(r, 0.0, (0, 1, 2)) for r in range(3)]), UNIT, grid=ParallelGrid(2))
+
+
+def test_measured_durations_can_be_scaled_instead_of_metered():
+    out = replay(Trace([Event(0, "compute", "forward", 0.0, 2.0)]), UNIT, compute_scale=0.25)
+    assert out.events[0].duration == 0.5
+
+
+# ---------------------------------------------------------------------- 16 ranks, placement, output
+def test_sixteen_ranks_replay_keeps_every_event_and_places_groups_on_nodes():
+    grid = ParallelGrid(16, tp=4, pp=2, gpus_per_node=4)       # tp inside a node; dp and pp cross nodes
+    X, evs = 1_000_000, []
+    for r in range(16):
+        t = 0.0
+        for g in ("tp", "dp"):
+            evs += [comp(r, t, 1e-3 * (1 + r % 3)), coll(r, t + 1.1, grid.group_of(r, g), X, end=t + 1.5)]
+            t += 2.0
+        pp = grid.group_of(r, "pp")
+        other = pp[1 - pp.index(r)]
+        evs.append(Event(r, "p2p", "send" if r < other else "recv", t, t, group=tuple(pp), peer=other, nbytes=X))
+    out = replay(Trace(evs), AB, grid=grid)
+    assert len(out) == len(evs) and out.hardware == "ab" and sorted(out.ranks) == list(range(16))
+    for g in ("tp", "dp"):          # the members of each group finish their call together
+        for group in grid.groups(g):
+            ends = {e.end for e in out.events if e.rank in group and e.op == "all_reduce" and tuple(e.group) == tuple(group)}
+            assert len(ends) == 1
+    tp_call = next(e for e in out.events if e.op == "all_reduce" and len(e.group) == 4 and e.rank == 0)
+    dp_call = next(e for e in out.events if e.op == "all_reduce" and len(e.group) == 2 and e.rank == 0)
+    assert tp_call.duration >= AB.collective_time("all_reduce", X, 4, False)        # NVLink-like link
+    assert dp_call.duration >= AB.collective_time("all_reduce", X, 2, True, 2)      # crosses nodes: the slow link
+    for e in out.events:            # every message ends after its sender posted it
+        if e.op == "recv":
+            send = next(s for s in out.events if s.op == "send" and s.rank == e.peer)
+            assert e.end >= send.start
+    assert out.to_chrome()["traceEvents"][0]["args"]["name"] == "replayed on ab"
+    assert step_time(out) > 0
+
+
+# ---------------------------------------------------------------------- real runs
+CFG = GPTConfig(vocab_size=32, seq_len=8, n_layer=8, n_head=2, n_embd=16)
+CASES = [("gpipe", 4, 8, 1), ("1f1b", 4, 8, 1), ("interleaved", 4, 8, 2), ("zb-h1", 4, 8, 1)]
+
+
+def _pipelines():
+    """On every rank: one traced step of each schedule, each in its own recorder (events as dicts)."""
+    out = []
+    for name, p, m, v in CASES:
+        s = sch.interleaved_1f1b(p, m, v) if name == "interleaved" else sch.SCHEDULES[name](p, m)
+        x = torch.randint(CFG.vocab_size, (m, CFG.seq_len), generator=torch.Generator().manual_seed(0))  # (m, S)
+        with recording() as rec:
+            PipelineParallel(GPT(CFG, seed=0), s).step(x, x)
+        out.append([dataclasses.asdict(e) for e in rec.events])
+    return out
+
+
+def test_replayed_pipeline_bubbles_equal_the_closed_forms_in_unit_time():
+    res = parlab.run(_pipelines, 4, echo=False)
+    kinds = {v: k for k, v in sch.KINDS.items()}
+    for i, (name, p, m, v) in enumerate(CASES):
+        tr = Trace([Event(**{**d, "group": tuple(d["group"])}) for rank in res.results for d in rank[i]])
+
+        def unit(e, v=v):       # F = 1, B = 2, I = W = 1, divided by the chunks per rank (schedules.unit_cost)
+            return sch.unit_cost(sch.Action(0, kinds[e.op], 0), v) if e.op in kinds else 0.0
+
+        out = replay(tr, UNIT, compute_time=unit)
+        # exact up to float rounding of sums of halves and ones
+        assert bubble(out) == pytest.approx(sch.bubble_formula(name, p, m, v), abs=1e-12), name
+
+
+def _metered_step():
+    m = GPT(GPTConfig(vocab_size=32, seq_len=8, n_layer=2, n_head=2, n_embd=16), seed=0)
+    x = torch.randint(32, (2, 8), generator=torch.Generator().manual_seed(0))    # (B, S)
+    with count_costs():
+        with region("forward"):
+            _, loss = m(x, x)
+        with region("backward"):
+            loss.backward()
+        with region("given", flops=123.0, nbytes=7):
+            pass
+    return m
+
+
+def test_metered_spans_carry_flops_bytes_and_kernels_and_replay_by_the_roofline():
+    with recording() as rec:
+        _metered_step()
+    fwd, bwd, given = rec.events
+    assert fwd.flops > 0 and fwd.nbytes > 0 and fwd.kernels > 0
+    assert bwd.flops == 2 * fwd.flops                     # backward of a product: two products of the same size
+    assert (given.flops, given.nbytes) == (123.0, 7)
+    out = replay(Trace(rec.events), preset("dgx-h100"))
+    h = preset("dgx-h100")
+    assert out.events[0].duration == pytest.approx(h.compute_time(fwd.flops, fwd.nbytes, fwd.kernels), rel=1e-12)
