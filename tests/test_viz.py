@@ -141,7 +141,7 @@ def test_schedule_records_without_events():
     fig = viz.timeline(sched, time_unit="steps", show_labels=True)
     assert [p[:3] for p in _points(fig, "forward")] == [(0, 1, 0), (1, 1, 1)]
     assert [p[:3] for p in _points(fig, "send")] == [(1, 0.5, 0)]
-    assert "4.00 KB" in _points(fig, "send")[0][3]
+    assert "4.10 kB" in _points(fig, "send")[0][3]
     assert list([d for d in fig.data if d.name == "forward"][0].text) == ["mb 0", "mb 0"]
     steps = viz.comm_steps(sched)                              # a send without its recv is still one step
     assert len(steps) == 1 and steps[0].edges == [(0, 1, 4096.0)]
@@ -251,7 +251,8 @@ def test_style_colours_are_distinct_and_stable():
     assert len(set(comm_colours)) == len(comm_colours)
     assert style.color("compute", "attention") == style.color("compute", "attention")
     assert style.color("compute", "attention") not in comm_colours
-    assert style.human_bytes(1536) == "1.50 KB" and style.human_bytes(96) == "96 B"
+    assert style.human_bytes(1536) == "1.54 kB" and style.human_bytes(96) == "96 B"
+    assert style.human_bytes(4_000_000) == "4.00 MB" and style.human_bytes(2e12) == "2.00 TB"
 
 
 def test_thousands_of_events_make_few_traces():
@@ -266,3 +267,12 @@ def test_viz_never_communicates():
         src = path.read_text()
         assert "torch.distributed" not in src and "import torch" not in src, path
         assert "import comm" not in src and "from ..comm" not in src and "parlab.comm import" not in src, path
+
+
+def test_summary_writes_si_bytes():
+    """4,000,000 bytes is 4.00 MB (SI), not 3.81 (that would be MiB labelled MB)."""
+    from parlab.trace import Trace
+    evs = [Event(rank=r, kind="collective", op="all_reduce", start=0.0, end=1.0, group=(0, 1), nbytes=4_000_000)
+           for r in (0, 1)]
+    text = Trace(evs).summary()
+    assert "4.00 MB" in text and "3.81" not in text
