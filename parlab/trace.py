@@ -35,7 +35,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Iterable, Iterator
 
 __all__ = ["Event", "Recorder", "Trace", "recording", "current_recorder", "region", "mark", "wire_bytes", "now",
-           "count_costs"]
+           "count_costs", "format_bytes"]
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "reduce",
                "gather", "scatter", "barrier")
@@ -355,9 +355,15 @@ def _chain_position(e: Event) -> int | None:
     return (g.index(e.rank) - g.index(e.peer)) % len(g)
 
 
-def _fmt(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if abs(n) < 1024 or unit == "GB":
+def format_bytes(n: float) -> str:
+    """4_000_000 -> '4.00 MB': SI units (powers of 1000: kB, MB, GB, TB), the convention the whole course uses,
+    as GPU vendors quote memory (80 GB) and links (25 GB/s). torch's bucket_cap_mb is the one MiB in the course
+    and is always labelled MiB where it appears."""
+    for unit in ("B", "kB", "MB", "GB"):
+        if abs(n) < 1000:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    return str(n)  # pragma: no cover
+        n /= 1000
+    return f"{n:.2f} TB"
+
+
+_fmt = format_bytes

@@ -141,7 +141,7 @@ def test_schedule_records_without_events():
     fig = viz.timeline(sched, time_unit="steps", show_labels=True)
     assert [p[:3] for p in _points(fig, "forward")] == [(0, 1, 0), (1, 1, 1)]
     assert [p[:3] for p in _points(fig, "send")] == [(1, 0.5, 0)]
-    assert "4.00 KB" in _points(fig, "send")[0][3]
+    assert "4.10 kB" in _points(fig, "send")[0][3]
     assert list([d for d in fig.data if d.name == "forward"][0].text) == ["mb 0", "mb 0"]
     steps = viz.comm_steps(sched)                              # a send without its recv is still one step
     assert len(steps) == 1 and steps[0].edges == [(0, 1, 4096.0)]
@@ -181,7 +181,7 @@ def test_steps_group_collectives_and_pair_sends_with_recvs(trace):
 
 
 def test_animation_frames_edges_and_slider(trace):
-    fig = viz.comm_animation(trace, title="lesson")
+    fig = viz.comm_animation(trace, title="lesson", per_call=True)
     steps = viz.comm_steps(trace)
     assert len(fig.frames) == len(steps) == 7
     slider = fig.layout.sliders[0]
@@ -191,7 +191,7 @@ def test_animation_frames_edges_and_slider(trace):
     pos = {int(t): (x, y) for t, x, y in zip(fig.data[2].text, fig.data[2].x, fig.data[2].y)}
     assert pos[0] == pytest.approx((0, 1))                   # rank 0 on top
     for frame, step in zip(fig.frames, steps):
-        arrows, labels, nodes = frame.data
+        arrows, labels, nodes, chunks = frame.data
         xs, ys = arrows.x, arrows.y
         assert len(xs) == 3 * len(step.edges)                # start, end, gap per arrow
         assert "lesson" in frame.layout.title.text and step.op in frame.layout.title.text
@@ -218,10 +218,54 @@ def test_arrows_leaving_a_rank_carry_its_wire_bytes(op):
         assert sum(nb for a, _, nb in step.edges if a == e.rank) == pytest.approx(e.wire_bytes), (op, e.rank)
 
 
+#: how many steps each algorithm takes on N ranks (ring all-reduce: N-1 reduce-scatter + N-1 all-gather steps)
+ALGORITHM_STEPS = {"all_reduce": lambda n: 2 * (n - 1), "all_gather": lambda n: n - 1,
+                   "reduce_scatter": lambda n: n - 1, "all_to_all": lambda n: n - 1, "broadcast": lambda n: n - 1,
+                   "reduce": lambda n: n - 1, "scatter": lambda n: n - 1, "gather": lambda n: n - 1,
+                   "barrier": lambda n: 1}
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 8])
+@pytest.mark.parametrize("op", [op for op in COLLECTIVES])
+def test_every_animation_has_a_frame_per_algorithm_step(op, n):
+    """A collective's animation steps through its algorithm, each frame one step, and the arrows of all its
+    frames together carry each rank's wire bytes."""
+    group = tuple(range(n))
+    evs = [Event(rank=r, kind="collective", op=op, start=0.0, end=1.0, group=group, peer=n - 1, nbytes=1000 * n)
+           for r in group]
+    fig = viz.comm_animation(evs, title=op)
+    assert len(fig.frames) >= ALGORITHM_STEPS[op](n) and len(fig.frames) == len(fig.layout.sliders[0].steps)
+    (step,) = viz.comm_steps(evs)
+    moves = [m for _, ms in viz.algorithm_steps(step) for m in ms]
+    for e in evs:
+        assert sum(m.nbytes for m in moves if m.src == e.rank) == pytest.approx(e.wire_bytes), (op, e.rank)
+    if op in ("all_reduce", "reduce_scatter", "all_gather") and n > 2:
+        for (_, ms) in viz.algorithm_steps(step):           # in every ring step each rank sends one chunk to its right
+            assert sorted((m.src, m.dst) for m in ms) == [(r, (r + 1) % n) for r in range(n)]
+            assert len({m.chunk for m in ms}) == n           # ... and the n chunks are all different
+
+
+def test_ring_all_reduce_frames_show_sums_building_then_travelling():
+    n = 4
+    evs = [Event(rank=r, kind="collective", op="all_reduce", start=0.0, end=1.0, group=tuple(range(n)), nbytes=4000)
+           for r in range(n)]
+    fig = viz.comm_animation(evs)
+    red = style.color("collective", "all_reduce")
+    after_rs = fig.frames[n - 2].data[3].marker.color         # after n-1 reduce-scatter steps ...
+    for r in range(n):                                       # ... rank r holds the complete sum of chunk r
+        assert after_rs[r * n + r] == red
+        assert sum(c == red for c in after_rs[r * n:(r + 1) * n]) == 1
+    assert set(fig.frames[-1].data[3].marker.color) == {red}  # at the end every rank holds every complete chunk
+    assert "chunk" in fig.frames[0].data[1].text[0] and "reduce-scatter 1/3" in fig.frames[0].layout.title.text
+    assert "all-gather 3/3" in fig.frames[-1].layout.title.text
+
+
 def test_animation_max_frames_and_static_html(trace):
-    fig = viz.comm_animation(trace, max_frames=3)
+    fig = viz.comm_animation(trace, max_frames=3, per_call=True)
     assert len(fig.frames) == 3 == len(fig.layout.sliders[0].steps)
     assert "first 3 of 7 steps" in fig.layout.title.text
+    fig = viz.comm_animation(trace, max_frames=3)
+    assert len(fig.frames) == 3 and "first 3 of 19 frames" in fig.layout.title.text   # 6 + 3 + 4 sends + 6
     with pytest.raises(ValueError, match="max_frames"):
         viz.comm_animation(trace, max_frames=0)
     html = pio.to_html(viz.comm_animation(trace), include_plotlyjs=True)
@@ -251,7 +295,8 @@ def test_style_colours_are_distinct_and_stable():
     assert len(set(comm_colours)) == len(comm_colours)
     assert style.color("compute", "attention") == style.color("compute", "attention")
     assert style.color("compute", "attention") not in comm_colours
-    assert style.human_bytes(1536) == "1.50 KB" and style.human_bytes(96) == "96 B"
+    assert style.human_bytes(1536) == "1.54 kB" and style.human_bytes(96) == "96 B"
+    assert style.human_bytes(4_000_000) == "4.00 MB" and style.human_bytes(2e12) == "2.00 TB"
 
 
 def test_thousands_of_events_make_few_traces():
@@ -266,3 +311,12 @@ def test_viz_never_communicates():
         src = path.read_text()
         assert "torch.distributed" not in src and "import torch" not in src, path
         assert "import comm" not in src and "from ..comm" not in src and "parlab.comm import" not in src, path
+
+
+def test_summary_writes_si_bytes():
+    """4,000,000 bytes is 4.00 MB (SI), not 3.81 (that would be MiB labelled MB)."""
+    from parlab.trace import Trace
+    evs = [Event(rank=r, kind="collective", op="all_reduce", start=0.0, end=1.0, group=(0, 1), nbytes=4_000_000)
+           for r in (0, 1)]
+    text = Trace(evs).summary()
+    assert "4.00 MB" in text and "3.81" not in text

@@ -170,7 +170,7 @@ class Lab:
 
 
 def _mb(n: float) -> str:
-    return f"{n / 2**20:.2f} MB"
+    return f"{n / 1e6:.2f} MB"
 
 
 def gather_to_main(obj) -> list:

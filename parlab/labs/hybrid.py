@@ -55,7 +55,7 @@ def main(argv=None):
     def traffic(trace):
         lab.log("bytes sent per dimension (all ranks, all steps):")
         for dim, row in sorted(traffic_by_dim(trace, grid).items(), key=lambda kv: -kv[1]["bytes"]):
-            lab.log(f"  {dim:>6}: {row['messages']:>7} messages {row['bytes'] / 2**20:10.2f} MB")
+            lab.log(f"  {dim:>6}: {row['messages']:>7} messages {row['bytes'] / 1e6:10.2f} MB")
 
     lab.train(step, model.parameters, model.optimizer, trace_report=traffic,
               extra=f"dp={grid.dp} tp={grid.tp} pp={grid.pp} cp={grid.cp} zero={a.zero}")

@@ -8,7 +8,7 @@ Examples::
     res = parlab.run(train_step, 4, trace=True)    # any fn using parlab.comm / parlab.trace.region
     viz.timeline(res.trace)                        # one lane per rank: compute, collectives, p2p over time
     viz.timeline(res, ranks=[0, 1], time_unit="us", show_labels=True)
-    viz.comm_animation(res.trace)                  # who sends what to whom, one frame per step (press play)
+    viz.comm_animation(res.trace)                  # who sends what to whom, step by step of each algorithm (play)
     viz.bytes_bars(res.trace)                      # wire bytes sent per rank, stacked by op
     viz.bytes_bars(res.trace, by="label")          # ... or by label prefix ("grad bucket 3" -> "grad bucket")
     viz.grid_figure(parlab.topology.ParallelGrid(16, tp=2, pp=4, gpus_per_node=8), highlight="pp")
@@ -32,9 +32,9 @@ Colours are shared by every lesson (`parlab.viz.style`): blues for compute regio
 (forward / backward / optimizer), one colour per collective, mustard for send/recv.
 """
 from . import style
-from .animation import Step, comm_animation, comm_steps, step_edges
+from .animation import Move, Step, algorithm_steps, comm_animation, comm_steps, step_edges
 from .grid import grid_figure
 from .timeline import as_trace, bytes_bars, from_records, timeline
 
 __all__ = ["timeline", "comm_animation", "bytes_bars", "from_records", "as_trace", "comm_steps", "step_edges",
-           "Step", "style", "grid_figure"]
+           "Step", "Move", "algorithm_steps", "style", "grid_figure"]

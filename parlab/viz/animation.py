@@ -19,6 +19,15 @@ with the bytes each arrow carries:
       reduce                          chain into the root, X per arrow
       scatter / gather                root to each rank / each rank to the root, X/N per arrow
 
+By default each call is played *as its algorithm runs* (`algorithm_steps`): a ring all-reduce on N
+ranks is 2(N-1) frames (N-1 reduce-scatter steps, then N-1 all-gather steps), each moving one chunk
+of X/N from every rank to its right neighbour; all-gather, reduce-scatter and all-to-all are N-1
+frames, a chain broadcast/reduce N-1 hops, scatter/gather N-1 messages. Next to every rank a row
+of squares shows the chunks it holds after the frame (pale: a partial sum of few ranks; full colour:
+complete), so the student sees the sums build up and then travel round the ring. Summed over a
+call's frames, the arrows leaving a rank still carry its `Event.wire_bytes`.
+``comm_animation(trace, per_call=True)`` draws one frame per call with the call's total arrows.
+
 The figure uses plotly frames with play/pause buttons and a slider, so it
 plays in JupyterLab and in a static HTML file (``plotly.io.to_html``).
 Pure data in, figure out: nothing here communicates.
@@ -35,9 +44,12 @@ from ..trace import Event
 from . import style
 from .timeline import as_trace, empty_figure
 
-__all__ = ["Step", "comm_steps", "step_edges", "comm_animation"]
+__all__ = ["Step", "Move", "comm_steps", "step_edges", "algorithm_steps", "comm_animation"]
 
+REDUCING = ("all_reduce", "reduce_scatter", "reduce")   # ops whose chunks are summed on the way
 NODE_R = 0.15      # how far short of a node's centre an arrow stops (data units; ranks sit on the unit circle)
+CHUNK_R = 1.32     # chunk squares sit this far out (as a multiple of the node's radius) ...
+CHUNK_GAP = 0.085  # ... this far apart along the circle
 LANE_OFF = 0.04    # sideways shift of an arrow, so a -> b and b -> a show as two parallel arrows
 
 
@@ -114,6 +126,86 @@ def step_edges(step: Step) -> list[tuple[int, int, float]]:
     return []
 
 
+@dataclass
+class Move:
+    """One message inside a call's algorithm: `chunk` of the tensor (None: the whole payload) from src to dst,
+    added to dst's copy when `reduce`, else copied over it."""
+    src: int
+    dst: int
+    nbytes: float
+    chunk: int | None = None
+    reduce: bool = False
+
+
+def algorithm_steps(step: Step) -> list[tuple[str, list[Move]]]:
+    """The call as its algorithm runs it: [(what happens in this step, the messages of this step), ...].
+
+    Ring (group order g0 -> g1 -> ... -> g0, chunks of X/N, rank g_i starts owning chunk i):
+
+    * reduce-scatter, N-1 steps: in step s rank g_i sends chunk (i-s-1) mod N to g_{i+1}, which adds it to
+      its own; after the last step g_i holds the complete sum of chunk i;
+    * all-gather, N-1 steps: in step s rank g_i sends chunk (i-s) mod N to g_{i+1}, which keeps it;
+    * all-reduce: the two in a row, 2(N-1) steps;
+    * all-to-all, N-1 steps: in step s rank g_i sends its chunk for g_{i+s} straight to it;
+    * broadcast / reduce: a chain from / into the root, N-1 hops of the whole tensor;
+    * scatter / gather: the root sends / receives the N-1 other chunks, one per step.
+
+    The bytes leaving each rank, summed over the steps, equal `step_edges` (and so `Event.wire_bytes`)."""
+    g, x = list(step.group), float(step.nbytes)
+    n = len(g)
+    if step.kind == "p2p":
+        return [("one message", [Move(g[0], g[1], x)])]
+    if n < 2 or step.op == "barrier":
+        return [("no data moves", [])]
+    nxt = lambda i: g[(i + 1) % n]                                   # noqa: E731
+    rs = [(f"reduce-scatter {s + 1}/{n - 1}: every rank sends one chunk to its right neighbour, which adds it "
+           f"to its own", [Move(g[i], nxt(i), x / n, (i - s - 1) % n, True) for i in range(n)]) for s in range(n - 1)]
+    ag = [(f"all-gather {s + 1}/{n - 1}: every rank passes a complete chunk to its right neighbour",
+           [Move(g[i], nxt(i), x / n, (i - s) % n) for i in range(n)]) for s in range(n - 1)]
+    if step.op == "all_reduce":
+        return rs + ag
+    if step.op == "reduce_scatter":
+        return rs
+    if step.op == "all_gather":
+        return ag
+    if step.op == "all_to_all":
+        return [(f"all-to-all {s}/{n - 1}: every rank sends the chunk meant for the rank {s} to its right",
+                 [Move(g[i], g[(i + s) % n], x / n, (i + s) % n) for i in range(n)]) for s in range(1, n)]
+    if step.root not in g:
+        return [("root outside the group: not drawn", [])]
+    k = g.index(step.root)
+    chain = g[k:] + g[:k]
+    if step.op == "broadcast":
+        return [(f"broadcast hop {i + 1}/{n - 1}: rank {chain[i]} forwards the tensor",
+                 [Move(chain[i], chain[i + 1], x, 0)]) for i in range(n - 1)]
+    if step.op == "reduce":
+        return [(f"reduce hop {n - i}/{n - 1}: rank {chain[i]} sends its partial sum towards the root",
+                 [Move(chain[i], chain[i - 1], x, 0, True)]) for i in range(n - 1, 0, -1)]
+    if step.op == "scatter":
+        return [(f"scatter {i}/{n - 1}: the root sends rank {chain[i]} its chunk",
+                 [Move(step.root, chain[i], x / n, g.index(chain[i]))]) for i in range(1, n)]
+    if step.op == "gather":
+        return [(f"gather {i}/{n - 1}: rank {chain[i]} sends the root its chunk",
+                 [Move(chain[i], step.root, x / n, g.index(chain[i]))]) for i in range(1, n)]
+    return [("not drawn", [])]
+
+
+def _initial_chunks(step: Step) -> tuple[int, dict[int, list[set]]] | None:
+    """(chunks per rank, {rank: [set of ranks whose data is in chunk c]}) before the call, or None when a
+    row of chunk squares would not help (point to point, all-to-all, barrier)."""
+    g, n = list(step.group), len(step.group)
+    if step.kind == "p2p" or n < 2 or step.op in ("all_to_all", "barrier") or \
+            (step.op in ("broadcast", "reduce", "scatter", "gather") and step.root not in g):
+        return None
+    if step.op in ("broadcast", "reduce"):
+        return 1, {r: [{i} if step.op == "reduce" or r == step.root else set()] for i, r in enumerate(g)}
+    if step.op == "scatter":
+        return n, {r: [{c} if r == step.root else set() for c in range(n)] for r in g}
+    if step.op in ("all_gather", "gather"):
+        return n, {r: [{c} if c == i else set() for c in range(n)] for i, r in enumerate(g)}
+    return n, {r: [{i} for _ in range(n)] for i, r in enumerate(g)}      # all_reduce, reduce_scatter
+
+
 def step_title(step: Step) -> str:
     """E.g. "all_reduce 'grads' on ranks [0, 1, 2, 3]: 64 B payload, 96 B per arrow"."""
     label = f" '{step.label}'" if step.label else ""
@@ -134,11 +226,29 @@ def _positions(ranks: list[int]) -> dict[int, tuple[float, float]]:
             for i, r in enumerate(ranks)}
 
 
-def _frame_data(step: Step, pos: dict[int, tuple[float, float]]) -> list[go.Scatter]:
-    """Three traces: the arrows, their byte labels, the rank nodes (the step's ranks in the op's colour)."""
+def _mix(colour: str, f: float) -> str:
+    """`colour` faded towards white: f = 1 the colour itself, f = 0 white."""
+    rgb = [int(colour[k:k + 2], 16) for k in (1, 3, 5)]
+    return "#" + "".join(f"{round(255 - (255 - c) * f):02x}" for c in rgb)
+
+
+def _chunk_xy(pos: dict[int, tuple[float, float]], rank: int, c: int, n_chunks: int) -> tuple[float, float]:
+    """Where chunk square c of a rank sits: in a row outside its node, along the circle."""
+    x, y = pos[rank]
+    rad = math.hypot(x, y) or 1.0
+    ux, uy = x / rad, y / rad                                   # outward
+    tx, ty = -uy, ux                                            # along the circle
+    off = (c - (n_chunks - 1) / 2) * CHUNK_GAP
+    return x * CHUNK_R + tx * off, y * CHUNK_R + ty * off
+
+
+def _frame_data(step: Step, moves: list[tuple[int, int, float, str]], pos: dict[int, tuple[float, float]],
+                chunks: tuple[int, dict[int, list[set]]] | None) -> list[go.Scatter]:
+    """Four traces: the arrows, their byte labels, the rank nodes (the step's ranks in the op's colour), and the
+    chunk squares (what each rank holds after this frame; empty when the op has none to show)."""
     colour = style.color(step.kind, "send" if step.kind == "p2p" else step.op)
     ax, ay, sizes, angles, lx, ly, ltext, lhover = [], [], [], [], [], [], [], []
-    for a, b, nbytes in step_edges(step):
+    for a, b, nbytes, what in moves:
         (x0, y0), (x1, y1) = pos[a], pos[b]
         d = math.hypot(x1 - x0, y1 - y0)
         ux, uy = (x1 - x0) / d, (y1 - y0) / d               # unit vector a -> b
@@ -149,29 +259,75 @@ def _frame_data(step: Step, pos: dict[int, tuple[float, float]]) -> list[go.Scat
         ay += [sy, ey, None]
         sizes += [0, 13, 0]                                 # an arrowhead at the receiving end only
         angles += [0, math.degrees(math.atan2(ux, uy)), 0]  # plotly: degrees clockwise from "up"
-        lx.append(sx + 0.4 * (ex - sx) + 2 * LANE_OFF * nx)      # 40% along: crossing arrows keep apart
-        ly.append(sy + 0.4 * (ey - sy) + 2 * LANE_OFF * ny)
-        ltext.append(style.human_bytes(nbytes))
-        lhover.append(f"rank {a} → rank {b}: {style.human_bytes(nbytes)}")
+        along, side = (0.5, 4 * LANE_OFF) if what else (0.4, 2 * LANE_OFF)   # 40%: crossing arrows keep apart
+        lx.append(sx + along * (ex - sx) + side * nx)
+        ly.append(sy + along * (ey - sy) + side * ny)
+        ltext.append(f"{what}<br>{style.human_bytes(nbytes)}" if what else style.human_bytes(nbytes))
+        lhover.append(f"rank {a} → rank {b}: {what + ', ' if what else ''}{style.human_bytes(nbytes)}")
     active = set(step.group)
     ranks = list(pos)
+    cx, cy, ccol, chover = [], [], [], []
+    if chunks is not None:
+        n_chunks, held = chunks
+        full = len(step.group) if step.op in REDUCING else 1
+        for r, row in held.items():
+            for c, who in enumerate(row):
+                x, y = _chunk_xy(pos, r, c, n_chunks)
+                cx.append(x)
+                cy.append(y)
+                ccol.append(_mix(colour, min(1.0, len(who) / full)) if who else "#ffffff")
+                g = list(step.group)
+                chover.append(f"rank {r}, chunk {c}: " + ("nothing yet" if not who else
+                              ("sum of ranks " if step.op in REDUCING else "data of rank ")
+                              + ", ".join(str(g[k]) for k in sorted(who))))
     return [
         go.Scatter(x=ax, y=ay, mode="lines+markers", line=dict(color=colour, width=2.5), hoverinfo="skip",
                    marker=dict(symbol="arrow", size=sizes, angle=angles, color=colour), name="messages"),
-        go.Scatter(x=lx, y=ly, mode="text", text=ltext, textfont=dict(color=colour, size=11), name="bytes",
+        go.Scatter(x=lx, y=ly, mode="text", text=ltext, textfont=dict(color=colour, size=12), name="bytes",
                    hovertext=lhover, hovertemplate="%{hovertext}<extra></extra>"),
         go.Scatter(x=[pos[r][0] for r in ranks], y=[pos[r][1] for r in ranks], mode="markers+text",
                    text=[str(r) for r in ranks], textfont=dict(color="white", size=14), name="ranks",
                    marker=dict(size=38, color=[colour if r in active else "#c7c7c7" for r in ranks],
                                line=dict(color="#333333", width=1)),
                    hovertext=[f"rank {r}" for r in ranks], hovertemplate="%{hovertext}<extra></extra>"),
+        go.Scatter(x=cx, y=cy, mode="markers", name="chunks", hovertext=chover,
+                   hovertemplate="%{hovertext}<extra></extra>",
+                   marker=dict(symbol="square", size=13, color=ccol, line=dict(color="#555555", width=1))),
     ]
 
 
-def comm_animation(trace: Any, title: str | None = None, max_frames: int = 60) -> go.Figure:
-    """Animated "who sends what to whom": one frame per communication step (see `comm_steps`).
+def _frames_of(step: Step, per_call: bool) -> list[tuple[str, list[tuple[int, int, float, str]], Any]]:
+    """[(what this frame shows, its arrows (src, dst, bytes, chunk label), chunk state after it)] for one call."""
+    if per_call:
+        return [("", [(a, b, nb, "") for a, b, nb in step_edges(step)], None)]
+    init = _initial_chunks(step)
+    held = None if init is None else {r: [set(w) for w in row] for r, row in init[1].items()}
+    out = []
+    for what, moves in algorithm_steps(step):
+        arrows = []
+        for m in moves:
+            label = "" if m.chunk is None or init is None and step.op != "all_to_all" else f"chunk {m.chunk}"
+            arrows.append((m.src, m.dst, m.nbytes, label))
+        if held is not None:
+            before = {r: [set(w) for w in row] for r, row in held.items()}   # a step's moves are simultaneous
+            for m in moves:
+                if m.chunk is None:
+                    continue
+                if m.reduce:
+                    held[m.dst][m.chunk] |= before[m.src][m.chunk]
+                else:
+                    held[m.dst][m.chunk] = set(before[m.src][m.chunk])
+        state = None if held is None else (init[0], {r: [set(w) for w in row] for r, row in held.items()})
+        out.append((what, arrows, state))
+    return out
 
-    Shows the first `max_frames` steps (filter the trace, e.g. ``trace.filter(label="bucket")``, to
+
+def comm_animation(trace: Any, title: str | None = None, max_frames: int = 120, per_call: bool = False) -> go.Figure:
+    """Animated "who sends what to whom": by default one frame per step of each call's algorithm
+    (`algorithm_steps`: a ring all-reduce on N ranks is 2(N-1) frames), with per_call=True one frame per call
+    (`comm_steps`) showing its total arrows.
+
+    Shows the first `max_frames` frames (filter the trace, e.g. ``trace.filter(label="bucket")``, to
     look at others); play/pause buttons and a slider step through them."""
     if max_frames < 1:
         raise ValueError(f"max_frames={max_frames}: need at least 1 frame")
@@ -180,30 +336,48 @@ def comm_animation(trace: Any, title: str | None = None, max_frames: int = 60) -
     if not all_steps:
         return empty_figure("no communication in this trace: nothing to animate "
                             "(use parlab.comm inside fn and parlab.run(..., trace=True))", title)
-    steps = all_steps[:max_frames]
-    cut = f" (first {len(steps)} of {len(all_steps)} steps)" if len(all_steps) > len(steps) else ""
-    ranks = sorted(set(tr.ranks).union(*(s.group for s in steps)))
+    plan = []                                  # (call index, call, what, arrows, chunk state)
+    for k, step in enumerate(all_steps):
+        plan += [(k, step, what, arrows, state) for what, arrows, state in _frames_of(step, per_call)]
+    shown = plan[:max_frames]
+    calls = len({k for k, *_ in shown})
+    cut = (f" (first {len(shown)} of {len(plan)} {'steps' if per_call else 'frames'})"
+           if len(plan) > len(shown) else "")
+    ranks = sorted(set(tr.ranks).union(*(s.group for s in all_steps[:calls])))
     pos = _positions(ranks)
+    has_chunks = any(state is not None for *_, state in shown)
 
     def heading(i: int) -> str:
-        text = f"step {i + 1}/{len(steps)}{cut}: {step_title(steps[i])}"
-        return f"{title}<br><sup>{text}</sup>" if title else text
+        k, step, what, _, _ = shown[i]
+        head = f"step {i + 1}/{len(shown)}{cut}: " if per_call else \
+            f"frame {i + 1}/{len(shown)}{cut}, call {k + 1}: "
+        text = head + step_title(step) + (f"<br>{what}" if what else "")
+        return f"{title}<br><sup>{text}</sup>" if title else f"<sup>{text}</sup>"
 
-    frames = [go.Frame(name=str(i), data=_frame_data(s, pos), traces=[0, 1, 2],
-                       layout=go.Layout(title_text=heading(i))) for i, s in enumerate(steps)]
+    frames = [go.Frame(name=str(i), data=_frame_data(step, arrows, pos, state), traces=[0, 1, 2, 3],
+                       layout=go.Layout(title_text=heading(i))) for i, (_, step, _, arrows, state) in enumerate(shown)]
     still = {"mode": "immediate", "frame": {"duration": 0, "redraw": True}, "transition": {"duration": 0}}
+    lim = CHUNK_R + 0.3 if has_chunks else 1.35
     fig = go.Figure(data=frames[0].data, frames=frames)
     fig.update_layout(
-        title_text=heading(0), template="plotly_white", showlegend=False, height=560,
-        xaxis=dict(visible=False, range=[-1.35, 1.35]),
-        yaxis=dict(visible=False, range=[-1.35, 1.35], scaleanchor="x"),
+        title=dict(text=heading(0), y=0.97, yanchor="top"), template="plotly_white", showlegend=False, height=600,
+        margin=dict(t=110, b=90),
+        meta={"parlab_animation": {"calls": [[s.op, len(s.group)] for s in all_steps[:calls]],
+                                   "per_call": per_call, "frames": len(shown), "cut": bool(cut)}},
+        xaxis=dict(visible=False, range=[-lim, lim]),
+        yaxis=dict(visible=False, range=[-lim, lim], scaleanchor="x"),
         updatemenus=[dict(type="buttons", direction="left", x=0.0, y=-0.02, xanchor="left", yanchor="top",
                           buttons=[dict(label="▶ play", method="animate",
                                         args=[None, {"frame": {"duration": 900, "redraw": True},
                                                      "transition": {"duration": 0}, "fromcurrent": True}]),
                                    dict(label="❚❚ pause", method="animate", args=[[None], still])])],
         sliders=[dict(active=0, x=0.2, len=0.8, y=0.0, yanchor="top",
-                      currentvalue=dict(prefix="step "),
+                      currentvalue=dict(prefix="frame " if not per_call else "step "),
                       steps=[dict(label=str(i + 1), method="animate", args=[[str(i)], still])
-                             for i in range(len(steps))])])
+                             for i in range(len(shown))])])
+    if has_chunks:
+        fig.add_annotation(text="squares: the chunks each rank holds after this frame "
+                                "(pale = sum of few ranks, full colour = complete)",
+                           x=0.5, y=1.0, xref="paper", yref="paper", yanchor="bottom", showarrow=False,
+                           font=dict(size=12, color="#555555"))
     return fig

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import zlib
 
+from ..trace import format_bytes
+
 __all__ = ["COMPUTE_COLORS", "COLLECTIVE_COLORS", "P2P_COLORS", "MARK_COLOR", "OTHER_COLOR", "KIND_ORDER",
            "color", "human_bytes"]
 
@@ -63,10 +65,5 @@ def color(kind: str, op: str) -> str:
 
 
 def human_bytes(n: float) -> str:
-    """1536 -> '1.50 KB' (powers of 1024, as `Trace.summary` writes them)."""
-    for unit in ("B", "KB", "MB", "GB"):
-        if abs(n) < 1024 or unit == "GB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    return f"{n:.2f} TB"  # pragma: no cover - unreachable
-
+    """4_000_000 -> '4.00 MB' (SI, powers of 1000, as `Trace.summary` writes them)."""
+    return format_bytes(n)
