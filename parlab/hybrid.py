@@ -9,9 +9,10 @@ A real large-model run uses all the techniques at once, each along its own dimen
     sees    1/dp of the global batch                       (DP: average gradients over its dp-cp group)
 
 Gradients are averaged over the *dp-cp* group (Megatron's "data-parallel group with context parallelism"):
-cp ranks hold the same weights but different tokens, so for the weights they are data parallel too. Every
-rank computes the mean loss over its own tokens and all hold equally many, so the average of the local
-gradients is the gradient of the mean loss over the global batch: the one-process model's.
+cp ranks hold the same weights but different tokens, so for the weights they are data parallel too. The
+one-process model's loss is the mean over the global batch's N non-ignored targets (-100 marks padding), which
+the ranks may share unevenly; so each rank's loss is its share D * (its sum) / N, N counted over dp-cp (one
+all-reduce of an integer per step), and the average of the D ranks' gradients is the one-process gradient.
 
 `build_hybrid(model, groups, ...)` applies the strategies in one visible order, each one using only the
 group it needs (groups are passed explicitly, from `parlab.groups.build_groups`):
@@ -54,7 +55,7 @@ import torch
 from . import comm
 from .groups import ProcessGroups
 from .models import GPT
-from .pipeline_parallel import PipelineParallel
+from .pipeline_parallel import PipelineParallel, _add_back_grads, _set_aside_grads, average_grads
 from .ring_attention import check_seq_len, ring_attention, shard_positions, shard_sequence
 from .schedules import SCHEDULES, Schedule
 from .sequence_parallel import ulysses_attention
@@ -147,13 +148,24 @@ class HybridGPT:
 
     def train_step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """One optimizer step on the global batch (B, S); returns the global mean loss on every rank."""
-        g = self.groups
         self.optimizer.zero_grad(set_to_none=True)            # (here, so the last gradients can be inspected)
+        loss = self.forward_backward(x, y)
+        self.optimizer.step()                                 # ZeRO: reduce-scatter + shard step + all-gather
+        return loss
+
+    def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Forward and backward of the global batch (B, S), gradients synchronised over tp and dp-cp (ZeRO:
+        at the optimizer's step) and added to `.grad`: k calls without zeroing accumulate the gradient of the
+        k batches' losses, as k backward calls of the one-process model do. Returns the global mean loss."""
+        g = self.groups
         x, y = self.local_batch(x, y)
+        earlier = _set_aside_grads(self.module.parameters())  # the syncs below act on this call's grads only
         loss = self.pipeline.step(x, y)                       # schedule: F/B over micro-batches, PP p2p
         if self.sequence_parallel:                            # partial grads of params used on S/tp tokens
             sync_sequence_parallel_grads(self.module, g.tp)
-        self.optimizer.step()                                 # ZeRO: reduce-scatter + shard step + all-gather
+        if self.zero_stage == 0 and g.size("dp-cp") > 1:     # plain DP: one flat all-reduce
+            average_grads(self.module.parameters(), g.dp_cp)
+        _add_back_grads(earlier)
         return self._global_loss(loss)
 
     @torch.no_grad()
@@ -206,9 +218,10 @@ def build_hybrid(model: GPT, groups: ProcessGroups, *, schedule: str | Schedule 
     dp_cp = groups.dp_cp if groups.size("dp-cp") > 1 else None
 
     # 2. PP (first in the code, see the module docstring): this rank's stage(s) of the dense model.
-    #    Plain DP (ZeRO 0) is the pipeline's own end-of-step all-reduce over dp-cp.
+    #    The loss is the mean over the non-ignored targets of all dp-cp ranks (their gradients are averaged);
+    #    plain DP's average itself runs after the SP sum, in HybridGPT.forward_backward.
     #    With SP the stages exchange hidden states split along the sequence over tp: (b, S/tp, H).
-    pipe = PipelineParallel(model, sch, group=groups.pp, dp_group=dp_cp if zero_stage == 0 else None,
+    pipe = PipelineParallel(model, sch, group=groups.pp, loss_group=dp_cp,
                             sequence_split=grid.tp if sequence_parallel else 1)
     stage = pipe.module
     # 1. TP/SP: shard every layer the stage holds over the tp group.

@@ -14,11 +14,20 @@ list of actions from `parlab.schedules` (any valid schedule: GPipe, 1F1B, interl
              with parameters (LayerNorm, Embedding, tensor-parallel layers) by autograd from its own output
              back to its own parameters. Nobody waits for a W.
 
-Every micro-batch's loss is divided by m, so the accumulated gradients are those of the mean loss over the
-whole batch, exactly as the unsplit model computes them. With tied embeddings (GPT-2's lm_head.weight is
-wte.weight) the first and last stage each hold a copy; after the last micro-batch they add their two
-gradients (one p2p exchange, as Megatron's embedding group does with an all-reduce [3]). With `dp_group`,
-gradients are then averaged over data-parallel replicas in one all-reduce, once per step.
+The loss is the mean over the batch's non-ignored targets (ignore_index -100, padding), exactly as the unsplit
+model computes it: micro-batch i's mean loss (`module.loss`) is weighted by n_i / N, its share of the N counted
+targets, so micro-batches with more padding count less (not 1/m each). With tied embeddings (GPT-2's
+lm_head.weight is wte.weight) the first and last stage each hold a copy; after the last micro-batch they add
+their two gradients (one p2p exchange, as Megatron's embedding group does with an all-reduce [3]). With
+`dp_group`, gradients are then averaged over data-parallel replicas in one all-reduce, once per step; N is
+then the count over all D replicas (one all-reduce of one integer on the last stage, "loss average (token
+count)") and the weights are D n_i / N, so the average of the replicas' gradients is the gradient of the global
+mean even when the replicas hold different numbers of padded targets.
+
+Gradient accumulation. `step` adds into `.grad` like `backward`: k steps without zeroing give the sum of the k
+batches' gradients. The gradients already there are set aside during the step, so that the tied-embedding
+exchange and the data-parallel average act only on what this step added (adding the exchanged copy again would
+count the earlier steps twice).
 
 Communication. Sends are non-blocking (`comm.isend`, every work waited at the end of the step) and a
 rank waits only for the data it needs: exactly the model `parlab.schedules.simulate` checks for deadlock.
@@ -59,9 +68,10 @@ from .data import micro_batches
 from .models import GPT, clone_model
 from .p2p_plan import Post, merged_plan
 from .schedules import KINDS, Action, Schedule, split_layers, unit_cost, validate
+from .tp_loss import count_targets, weighted_mean_loss
 from .trace import Trace, region
 
-__all__ = ["split_layers", "PipelineParallel", "measured_spans", "measured_bubble", "measured_costs"]
+__all__ = ["split_layers", "PipelineParallel", "average_grads", "measured_spans", "measured_bubble", "measured_costs"]
 
 
 class PipelineParallel:
@@ -70,8 +80,14 @@ class PipelineParallel:
     `module` is a copy of the model in which the blocks (and embedding / head) of other ranks' stages are
     None, so parameter names stay those of the full model. `step(x, y)` runs one training step's schedule on
     the whole batch (x, y), each (B, S), split into `schedule.microbatches` micro-batches; it accumulates
-    gradients into `.grad` (set them to None between steps, as with `backward`) and returns the mean loss on the
-    rank holding the last stage (None elsewhere). x and y live on the model's device.
+    gradients into `.grad` as `backward` does (zero them between optimizer steps; k steps without zeroing give
+    the sum of the k batches' gradients) and returns the mean loss on the rank holding the last stage (None
+    elsewhere). x and y live on the model's device.
+
+    `loss_group` (default `dp_group`): the ranks whose batches make up the global batch and whose gradients are
+    averaged afterwards (by `dp_group` here, or by the caller, e.g. a ZeRO optimizer): the mean loss divides by
+    their total number of non-ignored targets. The returned loss is then this replica's share, D * (its sum) / N,
+    whose average over the group is the global mean (the local mean when all hold equally many targets).
 
     `sequence_split` (default 1): with Megatron sequence parallelism the hidden states between stages are
     split along the sequence over the tp ranks, so every message is (b, S/tp, H); pass tp.
@@ -83,7 +99,7 @@ class PipelineParallel:
     of device_time comparable with `simulate(schedule)`."""
 
     def __init__(self, model: GPT, schedule: Schedule, group=None, dp_group=None, device_time: float = 0.0,
-                 sequence_split: int = 1):
+                 sequence_split: int = 1, loss_group=None):
         validate(schedule)
         p = comm.get_world_size(group)
         if schedule.ranks != p:
@@ -95,6 +111,7 @@ class PipelineParallel:
         if not (isinstance(sequence_split, int) and sequence_split >= 1):
             raise ValueError(f"sequence_split must be a positive integer, got {sequence_split!r}")
         self.schedule, self.group, self.dp_group, self.device_time = schedule, group, dp_group, float(device_time)
+        self.loss_group = dp_group if loss_group is None else loss_group
         self.sequence_split = sequence_split                  # SP: stages exchange (b, S/tp, H)
         self.rank = comm.get_rank(group)                      # position in the pipeline group
         self.peers = comm.group_ranks(group)                  # pipeline rank -> global rank
@@ -170,6 +187,9 @@ class PipelineParallel:
                              f"(the tensor-parallel ranks of sequence parallelism); use a multiple of it")
         shape = (b, T // self.sequence_split, self.module.config.n_embd)   # every message: (b, S/sp, H)
         self._shape = shape
+        last = S - 1 in self.my_stages
+        counts, weights = self._loss_weights([t for _, t in micro]) if last else (None, None)
+        earlier = _set_aside_grads(self.module.parameters())  # accumulation: sync only this step's grads
         self._posted = 0                                      # operations of self._plan posted so far
         self._recvs: dict[tuple, tuple] = {}                  # message key -> (buffer, work) of a posted irecv
         self._sends, self._local = [], {}
@@ -185,7 +205,8 @@ class PipelineParallel:
                     out = self.forward_stage(s, inp)          # (b, S, H), or logits (b, S, V) on the last stage
                     if s == S - 1:
                         # the module's own loss: GPT.loss, or a TP stage's vocab-parallel cross-entropy
-                        out = self.module.loss(out, micro[i][1]) / m  # mean over micro-batches = over the batch
+                        # weighted by its share of the batch's targets: the mean over all of them
+                        out = weighted_mean_loss(self.module.loss, out, micro[i][1], counts[i], weights[i])
                         loss_sum += out.detach()
                     saved[(s, i)] = (inp, out, self._captures)
                     self._captures = None
@@ -219,8 +240,19 @@ class PipelineParallel:
         assert not left and not self._recvs, f"messages not exchanged this step: {left}"   # an executor bug
         self._sync_tied()
         if self.dp_group is not None:
-            self._all_reduce_dp()
-        return loss_sum if S - 1 in self.my_stages else None
+            average_grads(self.module.parameters(), self.dp_group)
+        _add_back_grads(earlier)
+        return loss_sum if last else None
+
+    def _loss_weights(self, targets: list[torch.Tensor]) -> tuple[list[int], list[float]]:
+        """Per micro-batch: its number n_i of non-ignored targets, and its loss weight D n_i / N (see above)."""
+        counts = torch.stack([count_targets(t) for t in targets])         # (m,) int64
+        total = counts.sum()                                               # ()
+        D = comm.get_world_size(self.loss_group) if self.loss_group is not None else 1
+        if D > 1:
+            comm.all_reduce(total, group=self.loss_group, label="loss average (token count)")
+        n, total = counts.tolist(), int(total)
+        return n, [c * D / total if c else 0.0 for c in n]
 
     def _device(self, a: Action) -> None:
         """The emulated accelerator's share of action `a` (nothing when device_time is 0)."""
@@ -303,15 +335,35 @@ class PipelineParallel:
             comm.send(g, self.peers[other], group=self.group, label="tied embedding grad")
         w.grad = g + buf
 
-    def _all_reduce_dp(self) -> None:
-        """Average the gradients over data-parallel replicas: one flat all-reduce per step."""
-        prms = [q for q in self.module.parameters() if q.grad is not None]
-        if not prms:
-            return
-        flat = torch.cat([q.grad.reshape(-1) for q in prms])  # (numel of this rank's grads,)
-        comm.all_reduce(flat, op=torch.distributed.ReduceOp.AVG, group=self.dp_group, label="pipeline dp grads")
-        for q, g in zip(prms, flat.split([q.numel() for q in prms])):
-            q.grad.copy_(g.view_as(q))
+
+
+def average_grads(params, group, label: str = "pipeline dp grads") -> None:
+    """Average the gradients over data-parallel replicas: one flat all-reduce."""
+    prms = [q for q in params if q.grad is not None]
+    if not prms:
+        return
+    flat = torch.cat([q.grad.reshape(-1) for q in prms])  # (numel of this rank's grads,)
+    comm.all_reduce(flat, op=torch.distributed.ReduceOp.AVG, group=group, label=label)
+    for q, g in zip(prms, flat.split([q.numel() for q in prms])):
+        q.grad.copy_(g.view_as(q))
+
+
+def _set_aside_grads(params) -> dict:
+    """Take the gradients accumulated so far off the parameters (.grad = None): {param: grad}."""
+    earlier = {}
+    for q in params:
+        if q.grad is not None:
+            earlier[q], q.grad = q.grad, None
+    return earlier
+
+
+@torch.no_grad()
+def _add_back_grads(earlier: dict) -> None:
+    """Put the set-aside gradients back, plus what was accumulated since (in place: .grad stays the same tensor)."""
+    for q, g in earlier.items():
+        if q.grad is not None:
+            g.add_(q.grad)
+        q.grad = g
 
 
 @torch.no_grad()

@@ -22,10 +22,12 @@ around a ring; no limit from the number of heads, and the traffic can hide behin
 
 ``ContextParallelGPT`` plugs either into the tiny GPT through ``CausalSelfAttention.core_attention``:
 token ids and targets are sharded along the sequence (``shard_sequence``, contiguous or zigzag),
-position embeddings use each rank's *global* positions, every rank's loss is the mean over its
-own tokens, and ``average_gradients`` averages the gradients over the CP group. Since every
-rank holds the same number of tokens, the mean of the local losses is the full model's loss and
-the averaged gradients are its gradients.
+position embeddings use each rank's *global* positions, and ``average_gradients`` averages the
+gradients over the CP group. The full model's loss is the mean over the N non-ignored targets of
+the whole sequence (ignore_index -100 marks padding), which the ranks share unevenly when padding
+sits at the end: so every rank's loss is its share P * (its sum) / N, N counted over the CP group
+(one all-reduce of an integer per forward). The average of the shares is the full model's loss
+and the averaged gradients are its gradients; without padding each share is the local mean.
 
 Forward/backward pairs (named for the direction, as in Megatron's mappings.py):
     _SeqToHead   forward: all-to-all sequence-sharded -> head-sharded; backward: head -> sequence
@@ -45,6 +47,7 @@ from . import comm
 from .models import GPT, causal_attention
 from .ring_attention import (LAYOUTS, RingStats, check_seq_len, ring_attention, shard_positions,
                              shard_sequence)
+from .tp_loss import count_targets, weighted_mean_loss
 
 __all__ = ["seq_to_head", "head_to_seq", "ulysses_attention", "ulysses_bytes_per_layer", "ContextParallelGPT"]
 
@@ -166,7 +169,7 @@ class ContextParallelGPT(nn.Module):
     """The tiny GPT with its sequence split over a CP group. Wraps (and modifies) `model`:
 
         cp = ContextParallelGPT(clone_model(model), group, attention="ring", layout="zigzag")
-        logits, loss = cp(cp.shard(x), cp.shard(y))    # (B, S/P, V), this rank's mean loss
+        logits, loss = cp(cp.shard(x), cp.shard(y))    # (B, S/P, V), this rank's share of the loss
         loss.backward(); cp.average_gradients()          # now equal to the full model's gradients
         cp.global_loss(loss)                             # the full model's loss, on every rank
 
@@ -198,7 +201,8 @@ class ContextParallelGPT(nn.Module):
         return shard_sequence(x, self.P, self.cp_rank, self.layout, dim=1)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
-        """idx (B, S/P): this rank's shard -> (logits (B, S/P, V), this rank's mean loss or None)."""
+        """idx (B, S/P): this rank's shard -> (logits (B, S/P, V), this rank's share of the loss or None):
+        P * (sum over its non-ignored targets) / (their count over the CP group)."""
         m = self.model
         S = idx.shape[1] * self.P
         if S > m.config.seq_len:
@@ -209,8 +213,18 @@ class ContextParallelGPT(nn.Module):
         for block in m.blocks:
             x = block(x)                          # (B, S/P, H); attention talks to the CP group
         logits = m.head(x)                        # (B, S/P, V)
-        loss = m.loss(logits, targets) if targets is not None else None
+        loss = None if targets is None else self._loss_share(logits, targets)
         return logits, loss
+
+    def _loss_share(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """P * (sum of this rank's losses) / N, N = non-ignored targets over the CP group: the shares average
+        to the full sequence's mean loss."""
+        n = count_targets(targets)                                # () int64, this rank's
+        total = n.clone()
+        if self.P > 1:
+            comm.all_reduce(total, group=self.group, label="cp loss tokens")
+        n, total = int(n), int(total)
+        return weighted_mean_loss(self.model.loss, logits, targets, n, n * self.P / total if n else 0.0)  # ()
 
     @torch.no_grad()
     def average_gradients(self) -> None:
@@ -227,7 +241,7 @@ class ContextParallelGPT(nn.Module):
 
     @torch.no_grad()
     def global_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        """The mean over the CP group of the ranks' mean losses: the full sequence's mean loss."""
+        """The mean over the CP group of the ranks' shares: the full sequence's mean loss."""
         t = loss.detach().clone()
         comm.all_reduce(t, op=comm.ReduceOp.AVG, group=self.group, label="cp loss average")
         return t

@@ -20,12 +20,14 @@ norms, dropout, residual adds) along the sequence: each rank keeps S/tp tokens
 there, f becomes an all-gather of the sequence and g a reduce-scatter, moving
 the same bytes as the all-reduce they replace. Parameters used on S/tp tokens
 (layer norms, the row-parallel bias, the position table) then hold partial
-gradients: `sync_sequence_parallel_grads` sums them (one all-reduce per step).
+gradients: `sync_sequence_parallel_grads` sums them (one all-reduce per step;
+in `parlab.tp_grads`, with `dense_state_dict` / `dense_grads`, re-exported here).
 
 The embedding and the output layer split the vocabulary: each rank embeds
 only the ids it holds, and the loss is computed from the local (B, S, V/tp)
 logits with three all-reduces of one number per token (max, sum of
 exponentials, target logit); full logits are never formed [1, section 3].
+That loss lives in `parlab.tp_loss` (re-exported here).
 
 Applying it: `parallelize(model, plan)` replaces modules by path from a
 declarative plan (path pattern -> style), like torch's ``parallelize_module``;
@@ -58,10 +60,14 @@ import torch.nn.functional as F
 from . import comm
 from .tp_comm import (copy_to_tp, gather_from_sp, gather_from_tp, reduce_from_tp, reduce_scatter_to_sp,
                       scatter_to_tp, split_dim)
+from .tp_grads import (dense_grads, dense_state_dict, mark_sequence_parallel,  # noqa: F401 (re-exported)
+                       sync_sequence_parallel_grads)
+from .tp_loss import _VocabParallelCrossEntropy, vocab_parallel_cross_entropy  # noqa: F401 (re-exported)
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "vocab_parallel_cross_entropy",
            "Colwise", "Rowwise", "VocabEmbedding", "EnterRegion", "SequenceShard", "STYLES", "gpt_plan", "parallelize",
-           "parallelize_gpt", "dense_state_dict", "dense_grads", "sync_sequence_parallel_grads", "check_divisible"]
+           "parallelize_gpt", "dense_state_dict", "dense_grads", "sync_sequence_parallel_grads",
+           "mark_sequence_parallel", "check_divisible"]
 
 
 def check_divisible(what: str, value: int, tp: int) -> None:
@@ -170,7 +176,10 @@ class RowParallelLinear(nn.Module):
 
     def _mark_bias(self) -> None:
         if self.bias is not None:  # with SP the bias is added to S/tp tokens: its gradient is partial
-            self.bias.sequence_parallel = self.sequence_parallel
+            if self.sequence_parallel:
+                mark_sequence_parallel(self.bias)
+            else:
+                self.bias.sequence_parallel = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
@@ -235,47 +244,10 @@ def _memoised(full: nn.Parameter, dim, group, memo: dict | None) -> nn.Parameter
 
 
 # ----------------------------------------------------------------------------- vocab-parallel cross-entropy
-class _VocabParallelCrossEntropy(torch.autograd.Function):
-    """Cross-entropy from logits split along the vocabulary [1, section 3].
-    forward: three all-reduces of one number per token (max, target logit, sum of exponentials);
-    backward: none (softmax - one_hot, on the local slice only)."""
-
-    @staticmethod
-    def forward(ctx, logits, targets, group, label):
-        vl = logits.shape[-1]                                         # V/tp
-        start = comm.get_rank(group) * vl
-        # naive: loss = logsumexp(full logits) - full_logits[target]; here without forming the full logits
-        m = logits.max(dim=-1).values                                 # (B, S) local max
-        comm.all_reduce(m, op=comm.ReduceOp.MAX, group=group, label=f"{label} max fwd")
-        z = logits - m.unsqueeze(-1)                                  # (B, S, V/tp) shifted, <= 0: exp is safe
-        outside = (targets < start) | (targets >= start + vl)         # (B, S) target held by another rank
-        local_t = (targets - start).masked_fill(outside, 0)           # (B, S)
-        target_logit = z.gather(-1, local_t.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)  # (B, S)
-        comm.all_reduce(target_logit, group=group, label=f"{label} target logit fwd")
-        exp = z.exp()                                                 # (B, S, V/tp)
-        sum_exp = exp.sum(dim=-1)                                     # (B, S)
-        comm.all_reduce(sum_exp, group=group, label=f"{label} sum exp fwd")
-        ctx.save_for_backward(exp.div_(sum_exp.unsqueeze(-1)), local_t, outside)  # softmax slice
-        return sum_exp.log() - target_logit                           # (B, S) per-token loss
-
-    @staticmethod
-    def backward(ctx, grad):
-        softmax, local_t, outside = ctx.saved_tensors
-        g = softmax.clone()                                           # d loss / d logits = softmax - one_hot
-        g.scatter_add_(-1, local_t.unsqueeze(-1), -(~outside).to(g.dtype).unsqueeze(-1))
-        return g * grad.unsqueeze(-1), None, None, None               # (B, S, V/tp)
-
-
-def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, group=None,
-                                 label: str = "cross-entropy") -> torch.Tensor:
-    """Per-token loss (B, S) from this rank's logits (B, S, V/tp) and the full targets (B, S)."""
-    if comm.get_world_size(group) == 1:
-        return F.cross_entropy(logits.flatten(0, -2), targets.flatten(), reduction="none").view(targets.shape)
-    return _VocabParallelCrossEntropy.apply(logits, targets, group, label)
-
-
-def _mean_vocab_parallel_loss(logits, targets, group=None):
-    return vocab_parallel_cross_entropy(logits, targets, group).mean()  # ()
+# (in parlab.tp_loss; imported above so that `from parlab.tensor_parallel import vocab_parallel_cross_entropy` works)
+def _mean_vocab_parallel_loss(logits, targets, group=None, ignore_index: int = -100):
+    """GPT.loss for vocab-split logits: the mean over the non-ignored targets, like F.cross_entropy."""
+    return vocab_parallel_cross_entropy(logits, targets, group, ignore_index=ignore_index, reduction="mean")  # ()
 
 
 # ----------------------------------------------------------------------------- plans
@@ -326,7 +298,7 @@ class SequenceShard:
     def apply(self, module, name, group, sp, memo):
         if sp:
             for p in module.parameters():
-                p.sequence_parallel = True
+                mark_sequence_parallel(p)
             if self.split_input:
                 module.register_forward_pre_hook(lambda _m, args: (split_dim(args[0], 0, group),) + tuple(args[1:]))
         return module
@@ -393,38 +365,3 @@ def parallelize_gpt(model: nn.Module, group=None, sequence_parallel: bool = Fals
     parallelize(model, gpt_plan() if plan is None else plan, group, sequence_parallel)
     model.loss = functools.partial(_mean_vocab_parallel_loss, group=group)  # shadows GPT.loss
     return model
-
-
-# ----------------------------------------------------------------------------- back to dense, SP gradients
-def _unshard(t: torch.Tensor, dim, group, label: str) -> torch.Tensor:
-    return t.detach().clone() if dim is None else comm.all_gather_dim(t.detach(), dim, group, label=label)
-
-
-def dense_state_dict(model: nn.Module, group=None) -> dict[str, torch.Tensor]:
-    """The dense model's state dict, gathered from the shards (the inverse of `parallelize`)."""
-    out, done = {}, {}
-    for name, t in model.state_dict(keep_vars=True).items():
-        if id(t) not in done:  # a tied parameter appears under two names: gather it once
-            done[id(t)] = _unshard(t, getattr(t, "tp_dim", None), group, f"gather {name}")
-        out[name] = done[id(t)]
-    return out
-
-
-def dense_grads(model: nn.Module, group=None) -> dict[str, torch.Tensor]:
-    """Every parameter's gradient in the dense layout, keyed like ``dense_model.named_parameters()``.
-    With SP, call `sync_sequence_parallel_grads` first."""
-    return {n: _unshard(p.grad, getattr(p, "tp_dim", None), group, f"gather grad {n}")
-            for n, p in model.named_parameters() if p.grad is not None}
-
-
-def sync_sequence_parallel_grads(model: nn.Module, group=None) -> int:
-    """Sum, over the TP group, the gradients of parameters used on S/tp tokens (one flat all-reduce).
-    Returns how many tensors were summed."""
-    grads = [p.grad for p in model.parameters() if getattr(p, "sequence_parallel", False) and p.grad is not None]
-    if not grads or comm.get_world_size(group) == 1:
-        return 0
-    flat = torch.cat([g.reshape(-1) for g in grads])  # (sum of numels,)
-    comm.all_reduce(flat, group=group, label="sp grads")
-    for g, part in zip(grads, flat.split([g.numel() for g in grads])):
-        g.copy_(part.view_as(g))
-    return len(grads)

@@ -151,7 +151,9 @@ def test_pipeline_with_data_parallel_averages_gradients_once_per_step():
         for replica in ([0, 2], [1, 3]):   # each replica's two stages together hold the full-batch gradients
             _check([got[r] for r in replica], CFG, x, y, f"{name} pp x dp, ranks {replica}", check_loss=False)
     for r in range(4):                     # one flat gradient all-reduce per step, over the dp group only
-        assert res.trace.count("all_reduce", rank=r) == 2
+        assert res.trace.count("all_reduce", rank=r, label="pipeline dp grads") == 2
+        # and on the last stage the global count of non-ignored targets (one integer) for the loss's mean
+        assert res.trace.count("all_reduce", rank=r) == 2 + (2 if r >= 2 else 0)
         assert all(e.group == ((0, 1) if r < 2 else (2, 3)) for e in res.trace.filter(op="all_reduce", rank=r))
 
 
