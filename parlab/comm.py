@@ -15,6 +15,12 @@ same meaning, with the same arguments and the same result, plus:
 
 Ranks (``src``, ``dst``, ``peer``) are *global* ranks, as in torch.distributed.
 
+Strict mode (``with comm.strict(): ...``; the test suite runs in it) checks every tensor handed to a call
+before it reaches torch.distributed: on the rank's device (``cuda:<current>`` under NCCL, the CPU under
+gloo), contiguous, of a dtype NCCL supports, and ReduceOp.AVG only on floating types. gloo accepts much that
+NCCL refuses or gets wrong, so on a CPU machine this is how GPU-only failures show up; a violation raises
+`StrictCommError` saying what to change.
+
 Names follow torch 2.13's non-deprecated API: all-gather and reduce-scatter of
 whole tensors use ``all_gather_single`` / ``reduce_scatter_single`` where they
 exist (``all_gather_into_tensor`` and ``reduce_scatter_tensor`` print
@@ -31,6 +37,7 @@ Collective semantics (N ranks, X = tensor):
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import Sequence
 
@@ -49,6 +56,78 @@ __all__ = [
 ReduceOp = dist.ReduceOp
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+# ---------------------------------------------------------------------- strict mode
+class StrictCommError(ValueError):
+    """A tensor handed to communication that NCCL would refuse or mishandle (raised in strict mode)."""
+
+
+# The dtypes ProcessGroupNCCL maps to an NCCL type (bool travels as uint8); float8 and complex need care
+# (no reductions on float8 before NCCL 2.24; complex is viewed as real), so strict mode leaves them out.
+NCCL_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int8, torch.uint8,
+                         torch.int32, torch.int64, torch.bool})
+
+
+class Strict:
+    """The checks of strict mode; `device` is the rank's device (None: cuda:<current> under NCCL, else CPU)."""
+
+    def __init__(self, device: torch.device | str | None = None):
+        self.device = torch.device(device) if device is not None else None
+
+    def expected_device(self, group) -> torch.device:
+        if self.device is not None:
+            return self.device
+        if dist.get_backend(group) == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    def check(self, op: str, tensors, group=None, reduce_op=None) -> None:
+        device = None
+        for t in tensors:
+            if t is None:
+                continue
+            device = device or self.expected_device(group)
+            dev = t.device if t.device.type != "cuda" or t.device.index is not None else torch.device(
+                "cuda", torch.cuda.current_device())
+            if dev != device:
+                raise StrictCommError(f"{op}: a tensor on {t.device} but this rank communicates on {device}; "
+                                      f"create it with device=... or move it with .to({str(device)!r}) first")
+            if not t.is_contiguous():
+                raise StrictCommError(f"{op}: a non-contiguous tensor of shape {tuple(t.shape)} (a view such as "
+                                      f"a transpose or a strided slice); NCCL needs one dense block: pass "
+                                      f".contiguous()")
+            if t.dtype not in NCCL_DTYPES:
+                raise StrictCommError(f"{op}: dtype {t.dtype} is not one NCCL supports; use one of "
+                                      f"{', '.join(sorted(str(d).replace('torch.', '') for d in NCCL_DTYPES))} "
+                                      f"(e.g. .to(torch.float32) before, and back after)")
+            if reduce_op == ReduceOp.AVG and not t.is_floating_point():
+                raise StrictCommError(f"{op}: ReduceOp.AVG on {t.dtype}; an average needs a floating type: sum "
+                                      f"(ReduceOp.SUM) and divide, or convert to float first")
+
+
+_STRICT: list[Strict] = []   # active strict checks of this process, innermost last (like trace's recorders)
+
+
+@contextlib.contextmanager
+def strict(device: torch.device | str | None = None):
+    """Check every tensor handed to communication inside the block (see module docstring); `device` overrides
+    the rank's device (default: cuda:<current> under NCCL, the CPU otherwise)."""
+    s = Strict(device)
+    _STRICT.append(s)
+    try:
+        yield s
+    finally:
+        _STRICT.remove(s)
+
+
+def _strict(op: str, group, *tensors, reduce_op=None) -> None:
+    """Strict mode's check of one call (nothing when strict mode is off)."""
+    if _STRICT:
+        _STRICT[-1].check(op, tensors, group, reduce_op)
+
+
+__all__ += ["strict", "Strict", "StrictCommError", "NCCL_DTYPES"]
 
 
 # ---------------------------------------------------------------------- helpers
@@ -136,24 +215,28 @@ def _nbytes(t: torch.Tensor) -> int:
 # ---------------------------------------------------------------------- collectives
 def all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None, async_op: bool = False, label: str = ""):
     """In place: every rank's `tensor` becomes the reduction (default sum) over the group."""
+    _strict("all_reduce", group, tensor, reduce_op=op)
     return _run("all_reduce", "collective", lambda: dist.all_reduce(tensor, op=op, group=group, async_op=async_op),
                 tensor, _nbytes(tensor), group, None, label, async_op)
 
 
 def broadcast(tensor: torch.Tensor, src: int, group=None, async_op: bool = False, label: str = ""):
     """In place: every rank's `tensor` becomes global rank `src`'s."""
+    _strict("broadcast", group, tensor)
     return _run("broadcast", "collective", lambda: dist.broadcast(tensor, src=src, group=group, async_op=async_op),
                 tensor, _nbytes(tensor), group, src, label, async_op)
 
 
 def reduce(tensor: torch.Tensor, dst: int, op=ReduceOp.SUM, group=None, async_op: bool = False, label: str = ""):
     """Global rank `dst` ends with the reduction; other ranks' tensors are left unspecified (torch semantics)."""
+    _strict("reduce", group, tensor, reduce_op=op)
     return _run("reduce", "collective", lambda: dist.reduce(tensor, dst=dst, op=op, group=group, async_op=async_op),
                 tensor, _nbytes(tensor), group, dst, label, async_op)
 
 
 def all_gather(output: torch.Tensor, tensor: torch.Tensor, group=None, async_op: bool = False, label: str = ""):
     """`output` (N * tensor.numel() elements) becomes the concatenation along dim 0 of every rank's `tensor`."""
+    _strict("all_gather", group, output, tensor)
     return _run("all_gather", "collective",
                 lambda: _all_gather_single(output, tensor, group=group, async_op=async_op),
                 output, _nbytes(output), group, None, label, async_op)
@@ -162,6 +245,7 @@ def all_gather(output: torch.Tensor, tensor: torch.Tensor, group=None, async_op:
 def reduce_scatter(output: torch.Tensor, tensor: torch.Tensor, op=ReduceOp.SUM, group=None, async_op: bool = False,
                    label: str = ""):
     """`output` becomes this rank's dim-0 chunk of the reduction of every rank's full `tensor`."""
+    _strict("reduce_scatter", group, output, tensor, reduce_op=op)
     return _run("reduce_scatter", "collective",
                 lambda: _reduce_scatter_single(output, tensor, op=op, group=group, async_op=async_op),
                 tensor, _nbytes(tensor), group, None, label, async_op)
@@ -170,6 +254,7 @@ def reduce_scatter(output: torch.Tensor, tensor: torch.Tensor, op=ReduceOp.SUM, 
 def all_to_all(output: torch.Tensor, tensor: torch.Tensor, output_split_sizes: Sequence[int] | None = None,
                input_split_sizes: Sequence[int] | None = None, group=None, async_op: bool = False, label: str = ""):
     """Chunk j of this rank's `tensor` (dim 0) goes to rank j; `output` holds the chunks received, in rank order."""
+    _strict("all_to_all", group, output, tensor)
     return _run("all_to_all", "collective",
                 lambda: dist.all_to_all_single(output, tensor, output_split_sizes, input_split_sizes, group=group,
                                                async_op=async_op),
@@ -180,6 +265,7 @@ def gather(tensor: torch.Tensor, gather_list: list[torch.Tensor] | None = None, 
            async_op: bool = False, label: str = ""):
     """Global rank `dst` receives every rank's `tensor` into `gather_list` (None on other ranks)."""
     n = get_world_size(group)
+    _strict("gather", group, tensor, *(gather_list or ()))
     return _run("gather", "collective",
                 lambda: dist.gather(tensor, gather_list, dst=dst, group=group, async_op=async_op),
                 tensor, _nbytes(tensor) * n, group, dst, label, async_op)
@@ -189,6 +275,7 @@ def scatter(tensor: torch.Tensor, scatter_list: list[torch.Tensor] | None = None
             async_op: bool = False, label: str = ""):
     """Rank j's `tensor` becomes `scatter_list[j]` of global rank `src`."""
     n = get_world_size(group)
+    _strict("scatter", group, tensor, *(scatter_list or ()))
     return _run("scatter", "collective",
                 lambda: dist.scatter(tensor, scatter_list, src=src, group=group, async_op=async_op),
                 tensor, _nbytes(tensor) * n, group, src, label, async_op)
@@ -202,24 +289,28 @@ def barrier(group=None, label: str = ""):
 # ---------------------------------------------------------------------- point to point
 def send(tensor: torch.Tensor, dst: int, group=None, label: str = ""):
     """Blocking send of `tensor` to global rank `dst`."""
+    _strict("send", group, tensor)
     return _run("send", "p2p", lambda: dist.send(tensor, dst=dst, group=group), tensor, _nbytes(tensor), group, dst,
                 label, False)
 
 
 def recv(tensor: torch.Tensor, src: int, group=None, label: str = ""):
     """Blocking receive into `tensor` from global rank `src`."""
+    _strict("recv", group, tensor)
     return _run("recv", "p2p", lambda: dist.recv(tensor, src=src, group=group), tensor, _nbytes(tensor), group, src,
                 label, False)
 
 
 def isend(tensor: torch.Tensor, dst: int, group=None, label: str = ""):
     """Non-blocking send; call `.wait()` on the result before reusing `tensor`."""
+    _strict("isend", group, tensor)
     return _run("send", "p2p", lambda: dist.isend(tensor, dst=dst, group=group), tensor, _nbytes(tensor), group, dst,
                 label, True)
 
 
 def irecv(tensor: torch.Tensor, src: int, group=None, label: str = ""):
     """Non-blocking receive; `tensor` holds the message after `.wait()`."""
+    _strict("irecv", group, tensor)
     return _run("recv", "p2p", lambda: dist.irecv(tensor, src=src, group=group), tensor, _nbytes(tensor), group, src,
                 label, True)
 
