@@ -5,6 +5,7 @@
     parlab course scorecard results.xml  per-check pass/fail table from pytest --nbval-lax --junitxml
     parlab course html [NB ...] --out DIR  execute notebooks (default: the lessons) and export HTML pages
     parlab grid --world 16 --tp 2 --pp 4 --gpus-per-node 8   print the rank groups of a layout
+    parlab grade SUBMISSIONS [--out DIR] [--jobs N]   grade a folder of exercise submissions (parlab.grader)
 
 Each subcommand is one ``add_<name>(subparsers)`` function that registers its
 parser and sets ``func`` (a function of the parsed arguments returning the exit
@@ -122,8 +123,15 @@ def add_plan(sub) -> None:
     p.add_argument("options", nargs="*", help="see parlab plan --help")
 
 
+def add_grade(sub) -> None:
+    from .grader import add_arguments, run_from_args
+    p = sub.add_parser("grade", help="grade a folder of exercise submissions: gradebook, feedback, summary")
+    add_arguments(p)
+    p.set_defaults(func=run_from_args)
+
+
 # ---------------------------------------------------------------------- entry point
-COMMANDS = [add_course, add_grid, add_plan]
+COMMANDS = [add_course, add_grid, add_plan, add_grade]
 
 
 def make_parser() -> argparse.ArgumentParser:

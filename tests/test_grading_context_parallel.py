@@ -161,7 +161,8 @@ def test_zigzag_chunks_check_rejects_wrong_layouts(wrong, says):
 @pytest.mark.parametrize("wrong, says", [
     (lambda S, P, r: zigzag_positions(S, P, r).flip(0), "wrong order"),
     (lambda S, P, r: zigzag_positions(S, P, r) + 1, "expected \\[0, 1"),
-    (lambda S, P, r: ra.shard_positions(S, P, r, "contiguous"), "concatenate those of zigzag_chunks"),
+    (lambda S, P, r: torch.arange(r * S // P, (r + 1) * S // P), "concatenate those of zigzag_chunks"),  # contiguous
+    (lambda S, P, r: ra.shard_positions(S, P, r, "zigzag"), "you called parlab's shard_positions; write your own"),
 ])
 def test_zigzag_positions_check_rejects_wrong_positions(wrong, says):
     with pytest.raises(AssertionError, match=says):

@@ -50,12 +50,13 @@ def test_reference_groups_pass(capsys):
 
 
 def _from_grid(**grid_kw):
-    """A student answer that builds every group from some (possibly wrong) grid."""
-    def answer(world_size, tp, cp, pp):
-        kw = dict(tp=tp, cp=cp, pp=pp) | grid_kw
-        grid = ParallelGrid(world_size, **kw)
-        return {d: grid.groups(d) for d in ("tp", "cp", "dp", "pp")}
-    return answer
+    """A student answer that returns every group of some (possibly wrong) grid. The groups are computed here,
+    before the check runs: while it runs, parlab's ParallelGrid is unavailable to answers."""
+    table = {}
+    for world_size, tp, cp, pp in grading.LAYOUTS_4D:
+        grid = ParallelGrid(world_size, **(dict(tp=tp, cp=cp, pp=pp) | grid_kw))
+        table[world_size, tp, cp, pp] = {d: grid.groups(d) for d in ("tp", "cp", "dp", "pp")}
+    return lambda *layout: table[layout]
 
 
 @pytest.mark.parametrize("answer, says", [
@@ -67,6 +68,15 @@ def test_wrong_groups_are_rejected(answer, says):
     with pytest.raises(AssertionError, match=says) as err:
         grading.check_groups_4d(answer)
     assert "Hint" in str(err.value) or "left out" in str(err.value)
+
+
+def test_calling_parlabs_grid_is_rejected():
+    def lazy(world_size, tp, cp, pp):
+        grid = ParallelGrid(world_size, tp=tp, cp=cp, pp=pp)
+        return {d: grid.groups(d) for d in ("tp", "cp", "dp", "pp")}
+    with pytest.raises(AssertionError, match="you called parlab's ParallelGrid; write your own"):
+        grading.check_groups_4d(lazy)
+    assert ParallelGrid(8, tp=2).groups("tp")                       # restored afterwards
 
 
 def test_cp_folded_into_dp_is_named():

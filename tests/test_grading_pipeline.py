@@ -13,7 +13,8 @@ from parlab.viz import pipeline as vp
 
 
 def reference(p, m, r):
-    return [str(a) for a in sch.one_f_one_b(p, m).actions[r]]
+    """1F1B written by hand (warm-up p - r - 1 forwards, steady F/B pairs, cool-down), as a student would."""
+    return _one_f_one_b(p, m, r, p - r - 1)
 
 
 def gpipe(p, m, r):
@@ -63,7 +64,13 @@ def test_reference_order_passes_every_check_and_runs_on_the_executor(capsys):
 
 
 def test_actions_may_be_returned_as_action_objects_or_one_string():
-    grading.check_1f1b_reference(lambda p, m, r: list(sch.one_f_one_b(p, m).actions[r]))
+    grading.check_1f1b_reference(lambda p, m, r: [sch.Action.parse(a) for a in reference(p, m, r)])
+
+
+def test_calling_parlabs_schedule_is_rejected():
+    with pytest.raises(AssertionError, match="you called parlab's one_f_one_b; write your own"):
+        grading.check_1f1b_reference(lambda p, m, r: list(sch.one_f_one_b(p, m).actions[r]))
+    assert sch.one_f_one_b(2, 2).actions                    # restored afterwards
     grading.check_1f1b_reference(lambda p, m, r: " ".join(reference(p, m, r)))
 
 

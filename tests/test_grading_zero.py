@@ -120,8 +120,10 @@ def test_reference_solution_passes_every_check(capsys):
     assert "31.4 GB" in out and "2, 3 ranks" in out
 
 
-def test_library_formulas_pass_too():
-    grading.check_memory_formulas(lambda *a: memory.model_state_bytes(*a))
+def test_calling_the_library_formula_is_rejected():
+    with pytest.raises(AssertionError, match="you called parlab's model_state_bytes; write your own"):
+        grading.check_memory_formulas(lambda *a: memory.model_state_bytes(*a))
+    assert memory.model_state_bytes(1e9, 8, 1)               # restored afterwards
 
 
 # ---------------------------------------------------------------------- wrong answers are rejected

@@ -8,10 +8,15 @@ one pytest item, so a lecturer gets one pass/fail line per check (see
 exercises/README.md).
 
 Code that communicates runs on simulated ranks through ``parlab.run`` on gloo,
-always with a timeout: a deadlock becomes a failed check, never a hung grader.
-Inputs are integers stored as float64, so sums are exact in any order and a
-wrong result can be explained exactly ("chunk 2 holds the sum of ranks [1, 2]
-only").
+under `watchdog` (a deadlock is recognised from the ranks' state within about
+3 s; a correct solution on a busy machine is never stopped) and a CPU-time
+limit (a runaway loop fails its check). Every check is wrapped by
+`guard.graded`: parlab's own implementation of the piece under test is
+unavailable to the student's code while it runs, rebinding grading or parlab
+internals is reported as tampered, inputs are drawn fresh (`guard.fresh_seed`)
+and a failure shows its message only. Inputs are integers stored as float64, so
+sums are exact in any order and a wrong result can be explained exactly
+("chunk 2 holds the sum of ranks [1, 2] only").
 
 Exercise 00 (ring all-reduce from send/recv; Patarasuk & Yuan 2009):
     check_ring_reduce_scatter, check_ring_all_gather, check_ring_all_reduce, check_ring_all_reduce_traffic
@@ -26,6 +31,8 @@ are shared by all of them.
 """
 from __future__ import annotations
 
+import shutil
+import tempfile
 from itertools import combinations
 
 import torch
@@ -33,11 +40,13 @@ import torch
 from .. import comm
 from ..launch import RankError, RankKilled, RankTimeout, RunResult, run
 from ..topology import ParallelGrid
+from . import guard, watchdog
+from .guard import CheckFailed, graded
 
 __all__ = ["run_student", "call_student", "check_ring_reduce_scatter", "check_ring_all_gather", "check_ring_all_reduce",
            "check_ring_all_reduce_traffic", "check_groups", "check_dp_all_reduce", "GROUP_LAYOUTS"]
 
-TIMEOUT = 20.0                  # seconds per run; a correct solution needs well under one
+TIMEOUT = 300.0                 # wall-clock backstop per run; deadlocks are found by `watchdog` within ~3 s
 WORLD_SIZES = (2, 3, 4)
 NUMEL = 24                      # divisible by 2, 3 and 4; small enough to print a chunk
 
@@ -48,27 +57,52 @@ DEADLOCK_HINT = ("Usually this is a deadlock: every rank waits in a recv (or a b
 
 # ---------------------------------------------------------------------- running student code
 def run_student(fn, world_size: int, *args, timeout: float = TIMEOUT, what: str = "your function") -> RunResult:
-    """``parlab.run(fn, world_size, *args)`` on gloo with a trace, every failure turned into an AssertionError."""
+    """``parlab.run(fn, world_size, *args)`` on gloo with a trace, under the deadlock watchdog and the CPU-time
+    limit, every failure turned into an AssertionError (CheckFailed) that says what happened."""
+    folder = tempfile.mkdtemp(prefix="parlab-watch-")
     try:
-        return run(fn, world_size, *args, backend="gloo", trace=True, timeout=timeout)
+        return run(watchdog.rank_entry, world_size, folder, guard._STATE["cpu_limit"], fn, *args, backend="gloo",
+                   trace=True, timeout=timeout)
+    except (RankKilled, RankError) as e:
+        found = watchdog.verdict(folder)        # a deadlock first: peers then fail on a closed connection
+        if found is not None:
+            where = "\n".join(f"  rank {r} waits in {site}" for r, site in found["ranks"].items())
+            raise AssertionError(f"{what} deadlocked on {world_size} ranks: every rank still running has waited "
+                                 f"in communication for {found['window']:g} s with no progress:\n{where}\n"
+                                 f"{DEADLOCK_HINT}") from None
+        if isinstance(e, RankKilled):
+            if "SIGXCPU" in str(e):
+                raise CheckFailed(guard.cpu_message(f"{what} on rank {e.rank}"), "cpu") from None
+            raise AssertionError(f"{what}: {e}") from None
+        _explain_rank_error(e, what, world_size)
     except RankTimeout as e:
         raise AssertionError(f"{what} did not finish within {timeout:g} s on {world_size} ranks "
                              f"(ranks {e.unfinished} were still running). {DEADLOCK_HINT}") from None
-    except RankError as e:
-        if e.exc_type == "NotImplementedError":
-            raise AssertionError(f"{what} is not written yet (rank {e.rank} raised NotImplementedError): replace "
-                                 f"the `raise NotImplementedError` line with your code.") from None
-        tail = "\n".join(e.traceback.strip().splitlines()[-6:])
-        raise AssertionError(f"{what} raised {e.exc_type} on rank {e.rank} of {world_size}: {e.message}\n"
-                             f"--- end of the traceback from rank {e.rank} ---\n{tail}") from None
-    except RankKilled as e:
-        raise AssertionError(f"{what}: {e}") from None
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _explain_rank_error(e: RankError, what: str, world_size: int):
+    """Raise the AssertionError (or CheckFailed) that explains an exception raised on a rank."""
+    if e.exc_type == "CpuTimeExceeded":
+        raise CheckFailed(guard.cpu_message(f"{what} on rank {e.rank}"), "cpu") from None
+    if e.exc_type == "ReferenceUsed":
+        raise AssertionError(f"{what} on rank {e.rank}: {e.message}") from None
+    if e.exc_type == "NotImplementedError":
+        raise AssertionError(f"{what} is not written yet (rank {e.rank} raised NotImplementedError): replace "
+                             f"the `raise NotImplementedError` line with your code.") from None
+    tail = "\n".join(e.traceback.strip().splitlines()[-6:])
+    raise AssertionError(f"{what} raised {e.exc_type} on rank {e.rank} of {world_size}: {e.message}\n"
+                         f"--- end of the traceback from rank {e.rank} ---\n{tail}") from None
 
 
 def call_student(fn, *args, what: str = "your function"):
     """Call a student's plain (single-process) function; its exceptions become AssertionErrors that say so."""
     try:
-        return fn(*args)
+        with guard.cpu_limit():
+            return fn(*args)
+    except guard.CpuTimeExceeded:
+        raise CheckFailed(guard.cpu_message(what), "cpu") from None
     except NotImplementedError:
         raise AssertionError(f"{what} is not written yet: replace the `raise NotImplementedError` line with "
                              f"your code.") from None
@@ -76,9 +110,10 @@ def call_student(fn, *args, what: str = "your function"):
         raise AssertionError(f"{what}{args} raised {type(e).__name__}: {e}") from e
 
 
-def rank_input(rank: int, world_size: int, numel: int = NUMEL) -> torch.Tensor:
-    """The tensor rank `rank` contributes: integers in float64, so every sum is exact whatever the order."""
-    g = torch.Generator().manual_seed(1000 * world_size + rank)
+def rank_input(rank: int, world_size: int, numel: int = NUMEL, seed: int = 0) -> torch.Tensor:
+    """The tensor rank `rank` contributes: integers in float64, so every sum is exact whatever the order.
+    The checks pass a `seed` drawn at grading time (guard.fresh_seed), so the inputs cannot be precomputed."""
+    g = torch.Generator().manual_seed(seed * 7919 + 1000 * world_size + rank)
     return torch.randint(-50, 50, (numel,), generator=g).to(torch.float64)
 
 
@@ -131,73 +166,81 @@ def _compare_chunks(got: torch.Tensor, inputs: list[torch.Tensor], rank: int, ch
 
 
 # ---------------------------------------------------------------------- exercise 00: ring all-reduce
-def _rank_reduce_scatter(student_fn, numel):
+def _rank_reduce_scatter(student_fn, numel, seed):
     n, r = comm.get_world_size(), comm.get_rank()
-    x = rank_input(r, n, numel)
+    x = rank_input(r, n, numel, seed)
     chunks = list(x.chunk(n))                            # n views of x, each (numel/n,)
     student_fn(chunks)
     return torch.cat([c.detach().clone() for c in chunks])
 
 
-def _rank_all_gather(student_fn, numel):
+def _rank_all_gather(student_fn, numel, seed):
     n, r = comm.get_world_size(), comm.get_rank()
-    x = rank_input(r, n, numel)                          # stale partial data in every chunk ...
-    full = sum(rank_input(k, n, numel) for k in range(n))
+    x = rank_input(r, n, numel, seed)                    # stale partial data in every chunk ...
+    full = sum(rank_input(k, n, numel, seed) for k in range(n))
     chunks = list(x.chunk(n))
     chunks[r].copy_(full.chunk(n)[r])                    # ... except chunk r, fully reduced
     student_fn(chunks)
     return torch.cat([c.detach().clone() for c in chunks])
 
 
-def _rank_all_reduce(student_fn, numel):
-    x = rank_input(comm.get_rank(), comm.get_world_size(), numel)
+def _rank_all_reduce(student_fn, numel, seed):
+    x = rank_input(comm.get_rank(), comm.get_world_size(), numel, seed)
     out = student_fn(x)
     if out is None:                                      # summed in place
         out = x
     return out.detach().clone() if isinstance(out, torch.Tensor) else out
 
 
+@graded("parlab.grading:rank_input")
 def check_ring_reduce_scatter(fn, world_sizes=WORLD_SIZES, timeout: float = TIMEOUT) -> None:
     """After ``fn(chunks)`` on every rank, chunk r of rank r holds the sum of chunk r over all ranks."""
     hint = ("at step s (0 <= s < N-1) rank r sends chunk (r-1-s) % N to rank (r+1) % N and adds the chunk it "
             "receives from rank (r-1) % N into chunk (r-2-s) % N; after the N-1 steps chunk r is complete.")
     for n in world_sizes:
-        res = run_student(_rank_reduce_scatter, n, fn, NUMEL, timeout=timeout, what="ring_reduce_scatter")
-        inputs = [rank_input(r, n) for r in range(n)]
+        seed = guard.fresh_seed()
+        res = run_student(_rank_reduce_scatter, n, fn, NUMEL, seed, timeout=timeout, what="ring_reduce_scatter")
+        inputs = [rank_input(r, n, NUMEL, seed) for r in range(n)]
         for r, got in enumerate(res.results):
             _compare_chunks(got, inputs, r, [r], hint, "ring_reduce_scatter")
     print(f"ring_reduce_scatter is correct on {', '.join(map(str, world_sizes))} ranks")
 
 
+@graded("parlab.grading:rank_input")
 def check_ring_all_gather(fn, world_sizes=WORLD_SIZES, timeout: float = TIMEOUT) -> None:
     """Starting with the reduced chunk r on rank r, after ``fn(chunks)`` every rank holds every reduced chunk."""
     hint = ("at step s (0 <= s < N-1) rank r sends chunk (r-s) % N to rank (r+1) % N and stores the chunk it "
             "receives from rank (r-1) % N as chunk (r-1-s) % N (copy it in, do not add).")
     for n in world_sizes:
-        res = run_student(_rank_all_gather, n, fn, NUMEL, timeout=timeout, what="ring_all_gather")
-        inputs = [rank_input(r, n) for r in range(n)]
+        seed = guard.fresh_seed()
+        res = run_student(_rank_all_gather, n, fn, NUMEL, seed, timeout=timeout, what="ring_all_gather")
+        inputs = [rank_input(r, n, NUMEL, seed) for r in range(n)]
         for r, got in enumerate(res.results):
             _compare_chunks(got, inputs, r, range(n), hint, "ring_all_gather")
     print(f"ring_all_gather is correct on {', '.join(map(str, world_sizes))} ranks")
 
 
+@graded("parlab.grading:rank_input")
 def check_ring_all_reduce(fn, world_sizes=WORLD_SIZES, timeout: float = TIMEOUT) -> None:
     """``fn(x)`` returns (or leaves in x) the sum of x over all ranks, on every rank."""
     hint = "ring_all_reduce = ring_reduce_scatter(chunks) then ring_all_gather(chunks) on chunks = list(x.chunk(N))."
     for n in world_sizes:
-        res = run_student(_rank_all_reduce, n, fn, NUMEL, timeout=timeout, what="ring_all_reduce")
-        inputs = [rank_input(r, n) for r in range(n)]
+        seed = guard.fresh_seed()
+        res = run_student(_rank_all_reduce, n, fn, NUMEL, seed, timeout=timeout, what="ring_all_reduce")
+        inputs = [rank_input(r, n, NUMEL, seed) for r in range(n)]
         for r, got in enumerate(res.results):
             _compare_chunks(got, inputs, r, range(n), hint, "ring_all_reduce")
     print(f"ring_all_reduce is correct on {', '.join(map(str, world_sizes))} ranks")
 
 
+@graded("parlab.grading:rank_input")
 def check_ring_all_reduce_traffic(fn, world_size: int = 4, numel: int = 1200, timeout: float = TIMEOUT) -> None:
     """From the trace: only send/recv, each rank talks to one ring neighbour and sends exactly
     2(N-1) messages of size/N, i.e. 2(N-1)/N x size bytes."""
     n = world_size
-    res = run_student(_rank_all_reduce, n, fn, numel, timeout=timeout, what="ring_all_reduce")
-    full = sum(rank_input(r, n, numel) for r in range(n))
+    seed = guard.fresh_seed()
+    res = run_student(_rank_all_reduce, n, fn, numel, seed, timeout=timeout, what="ring_all_reduce")
+    full = sum(rank_input(r, n, numel, seed) for r in range(n))
     if not all(torch.equal(got, full) for got in res.results):
         raise AssertionError("ring_all_reduce gives a wrong result; make check_ring_all_reduce pass first.")
     events = res.trace.comm().events
@@ -243,6 +286,7 @@ def _normalise(groups) -> list[list[int]]:
         raise AssertionError(f"expected a list of groups, each a list of ranks, got {groups!r}") from None
 
 
+@graded("parlab.topology:ParallelGrid")
 def check_groups(fn, dim: str, layouts=GROUP_LAYOUTS) -> None:
     """``fn(world_size, tp, pp)`` returns the `dim` groups (any order) equal to ParallelGrid(...).groups(dim)."""
     for world, tp, pp in layouts:
@@ -277,6 +321,7 @@ def _rank_dp_all_reduce(student_fn, tp, pp):
     return (x if out is None else out).clone()
 
 
+@graded("parlab.topology:ParallelGrid")
 def check_dp_all_reduce(fn, world_size: int = 8, tp: int = 2, pp: int = 2, timeout: float = TIMEOUT) -> None:
     """``fn(x, tp, pp)``, run on every rank, sums x over this rank's dp group with comm.all_reduce."""
     grid = ParallelGrid(world_size, tp=tp, pp=pp)
@@ -292,7 +337,20 @@ def check_dp_all_reduce(fn, world_size: int = 8, tp: int = 2, pp: int = 2, timeo
                                  f"every dp group with dist.new_group on every rank, in the same order, and pass "
                                  f"this rank's group to comm.all_reduce(x, group=...).")
     groups = {e.group for e in res.trace.filter(op="all_reduce").events}
+    for r in range(world_size):
+        mine = {e.group for e in res.trace.filter(op="all_reduce", rank=r).events}
+        if tuple(grid.group_of(r, "dp")) not in mine:
+            raise AssertionError(f"rank {r} made no comm.all_reduce over its dp group {grid.group_of(r, 'dp')} "
+                                 f"(the trace shows {sorted(mine) or 'none'}); the sum must come from an "
+                                 f"all-reduce with the dp group, not be computed locally.")
     if not groups <= {tuple(g) for g in grid.groups("dp")}:
         raise AssertionError(f"the trace shows all-reduces over {sorted(groups)}; use comm.all_reduce with the dp "
                              f"group, so that only dp groups {grid.groups('dp')} communicate.")
     print(f"all_reduce_in_dp_group sums over the dp groups {grid.groups('dp')}")
+
+
+guard.protect(__name__)
+for _mod in ("parlab.launch", "parlab.comm", "parlab.trace"):
+    guard.protect(_mod)
+guard.protect("torch", ["equal", "allclose", "isclose"])
+guard.install_ipython_hooks()

@@ -22,6 +22,13 @@ from .. import comm
 from .. import ring_attention as ra
 from ..models import causal_attention
 from . import TIMEOUT, call_student, run_student
+from .guard import graded, protect
+
+ZIGZAG_REFS = (   # parlab's own answers: unavailable to the student's code while these checks run
+    "parlab.ring_attention:chunk_ids",
+    "parlab.ring_attention:shard_positions",
+    "parlab.ring_attention:shard_sequence",
+)
 
 __all__ = ["check_merge_partials", "check_ring_step", "check_ring_traffic", "check_zigzag_chunks",
            "check_zigzag_positions", "ring_forward_with", "qkv"]
@@ -58,6 +65,7 @@ def _explain_merge(out, o1, l1, o2, l2) -> str:
     return "Your out is none of the usual mistakes; compare it with the formula term by term."
 
 
+@graded("parlab.ring_attention:merge_partials", "parlab.ring_attention:ring_attention")
 def check_merge_partials(fn) -> None:
     """``fn(out1, lse1, out2, lse2) -> (out, lse)``: the attention over the union of the two key sets."""
     formula = "lse = log(exp(lse1) + exp(lse2)) (torch.logaddexp); out = exp(lse1 - lse) out1 + exp(lse2 - lse) out2"
@@ -141,6 +149,7 @@ def _explain_ring(got, r, P) -> str:
     return "It is not attention over any subset of the blocks (check the merge and which block you attend to)."
 
 
+@graded("parlab.ring_attention:merge_partials", "parlab.ring_attention:ring_attention")
 def check_ring_step(ring_step, world_sizes=WORLD_SIZES, timeout: float = TIMEOUT) -> None:
     """The ring forward driven by ``ring_step`` gives every rank its rows of full (non-causal) attention."""
     hint = ("at each step: if step < P-1, start comm.isend(kv, (r+1) % P) and comm.irecv(buf, (r-1) % P); attend q "
@@ -162,6 +171,7 @@ def check_ring_step(ring_step, world_sizes=WORLD_SIZES, timeout: float = TIMEOUT
     print(f"ring attention built from ring_step equals full attention on {', '.join(map(str, world_sizes))} ranks")
 
 
+@graded("parlab.ring_attention:merge_partials", "parlab.ring_attention:ring_attention")
 def check_ring_traffic(ring_step, world_size: int = 4, timeout: float = TIMEOUT) -> None:
     """From the trace: only send/recv, each rank sends only to rank r+1, exactly P-1 messages of one K/V block."""
     P = world_size
@@ -202,6 +212,7 @@ def _causal_work(chunks: list[int]) -> float:
     return sum(i + 0.5 for i in chunks)
 
 
+@graded("parlab.ring_attention:chunk_ids", "parlab.ring_attention:shard_positions")
 def check_zigzag_chunks(fn, sizes=range(1, 9)) -> None:
     """``fn(rank, P)`` returns the two half-chunks (of 2P) rank `rank` holds: [rank, 2P-1-rank]."""
     hint = "pair an early half-chunk with the matching late one: rank r holds r and 2P-1-r."
@@ -240,6 +251,7 @@ def check_zigzag_chunks(fn, sizes=range(1, 9)) -> None:
     print(f"zigzag_chunks is the balanced zigzag layout for P = {min(sizes)}..{max(sizes)}")
 
 
+@graded(*ZIGZAG_REFS)
 def check_zigzag_positions(fn, cases=((8, 2), (16, 4), (24, 3), (48, 4), (16, 8))) -> None:
     """``fn(S, P, rank)`` returns the positions rank `rank` holds: a (S/P,) tensor, increasing."""
     for S, P in cases:
@@ -259,3 +271,6 @@ def check_zigzag_positions(fn, cases=((8, 2), (16, 4), (24, 3), (48, 4), (16, 8)
                                  f"holds positions j*S/(2P) .. (j+1)*S/(2P) - 1 (here {size} positions each); "
                                  f"concatenate those of zigzag_chunks({r}, {P}).")
     print(f"zigzag_positions matches parlab.ring_attention.shard_positions for {len(cases)} (S, P) cases")
+
+
+protect(__name__)

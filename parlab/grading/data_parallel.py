@@ -28,6 +28,7 @@ from ..dp_comm import assign_buckets
 from ..models import GPT, GPTConfig
 from ..trace import mark
 from . import TIMEOUT, call_student, run_student
+from .guard import graded, protect
 
 __all__ = ["CFG", "FROZEN", "grader_model", "global_batch", "reference_grads", "check_hook_grads",
            "check_hook_all_reduce_calls", "check_make_buckets", "check_bucketed_grads",
@@ -175,6 +176,7 @@ def _compare_runs(results, world, want_steps, hint, what, label="") -> None:
 
 
 # ---------------------------------------------------------------------- part 1: a hook per parameter
+@graded("parlab.data_parallel:DistributedDataParallel", "parlab.data_parallel:NaiveDataParallel")
 def check_hook_grads(fn, world_sizes=WORLD_SIZES, timeout: float = TIMEOUT) -> None:
     """After ``fn(model)`` and a backward on each rank's slice, every p.grad equals the whole-batch gradient."""
     want = reference_grads()
@@ -188,6 +190,7 @@ def _payloads(events) -> list[int]:
     return sorted(e.nbytes for e in events)
 
 
+@graded("parlab.data_parallel:DistributedDataParallel", "parlab.data_parallel:NaiveDataParallel")
 def check_hook_all_reduce_calls(fn, world_size: int = 2, timeout: float = TIMEOUT) -> None:
     """From the trace: one all-reduce per trainable parameter per backward, of that parameter's size; the frozen
     parameter is never reduced, and nothing else is communicated."""
@@ -227,6 +230,7 @@ BUCKET_CASES = (      # (nbytes, cap): what a greedy bucketing must do, edge cas
 )
 
 
+@graded("parlab.dp_comm:assign_buckets")
 def check_make_buckets(fn) -> None:
     """``make_buckets(nbytes, cap_bytes)`` equals the greedy layout of `parlab.dp_comm.assign_buckets`."""
     for nbytes, cap in BUCKET_CASES:
@@ -263,6 +267,7 @@ def _rank_caps(student_cls, caps):
     return {name: _rank_train(_bucketed, True, STEPS, student_cls, cap) for name, cap in caps.items()}
 
 
+@graded("parlab.dp_comm:assign_buckets", "parlab.dp_comm:GradBucket", "parlab.data_parallel:DistributedDataParallel")
 def check_bucketed_grads(cls, world_sizes=WORLD_SIZES, timeout: float = TIMEOUT) -> None:
     """With one bucket, a few, and one per parameter: after backward and ``finish()`` every p.grad equals the
     whole-batch gradient, on every rank, two steps in a row."""
@@ -277,6 +282,7 @@ def check_bucketed_grads(cls, world_sizes=WORLD_SIZES, timeout: float = TIMEOUT)
           f"a few, and one per parameter, two steps each")
 
 
+@graded("parlab.dp_comm:assign_buckets", "parlab.dp_comm:GradBucket", "parlab.data_parallel:DistributedDataParallel")
 def check_bucketed_all_reduce_calls(cls, world_size: int = 2, timeout: float = TIMEOUT) -> None:
     """From the trace: one asynchronous all-reduce per bucket per step, of the bucket's size, launched during
     backward (from the hooks), bucket 0 first."""
@@ -316,3 +322,6 @@ def check_bucketed_all_reduce_calls(cls, world_size: int = 2, timeout: float = T
                                  f"it travels while backward computes the earlier layers; finish() only waits.")
     print(f"BucketedGradSync: {len(want)} asynchronous all-reduces per step ({want} bytes), one per bucket, "
           f"the first launched during backward")
+
+
+protect(__name__)

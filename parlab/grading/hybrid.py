@@ -29,6 +29,7 @@ from .. import planner
 from ..costs import Cluster, ModelSpec, preset
 from ..topology import DIMS, ParallelGrid
 from . import call_student
+from .guard import graded, protect
 
 __all__ = ["check_groups_4d", "check_layout", "check_layout_search", "judge_layout", "LAYOUTS_4D",
            "LAYOUT_TASK", "SEARCH_TASKS"]
@@ -103,6 +104,7 @@ def _diagnose(dim: str, got: list[list[int]], grid: ParallelGrid, where: str) ->
     return f"{where}: expected {want}, got {got}."                   # not reached: the loop finds a rank
 
 
+@graded("parlab.topology:ParallelGrid")
 def check_groups_4d(fn, layouts=LAYOUTS_4D) -> None:
     """``fn(world_size, tp, cp, pp)`` returns {"tp": groups, "cp": ..., "dp": ..., "pp": ...} equal to
     ``ParallelGrid(world_size, tp=tp, cp=cp, pp=pp).groups(dim)`` (any order of groups and of ranks)."""
@@ -202,6 +204,7 @@ def judge_layout(layout, model, cluster: Cluster, global_batch: int, tolerance: 
     return e, best
 
 
+@graded("parlab.planner:enumerate_layouts")     # plan: the search check guards it itself
 def check_layout(fn, model=LAYOUT_TASK["model"], cluster: Cluster = LAYOUT_TASK["cluster"],
                  global_batch: int = LAYOUT_TASK["global_batch"], tolerance: float = LAYOUT_TASK["tolerance"]) -> None:
     """``fn()`` returns a layout dict for `model` on `cluster`; it must fit, keep TP in a node and be within
@@ -212,6 +215,7 @@ def check_layout(fn, model=LAYOUT_TASK["model"], cluster: Cluster = LAYOUT_TASK[
           f"{100 * (e.step_s / best.step_s - 1):.1f}% from the planner's best ({best.layout}, {best.step_s:.2f} s)")
 
 
+@graded("parlab.planner:enumerate_layouts")     # plan: the search check guards it itself
 def check_layout_search(fn, tasks=SEARCH_TASKS, tolerance: float = 0.05) -> None:
     """``fn(model, cluster, global_batch)`` returns a layout dict; on each task it must fit, keep TP in a node
     and be within `tolerance` (default 5%) of the planner's best. The planner's own search is switched off."""
@@ -243,3 +247,6 @@ def check_layout_search(fn, tasks=SEARCH_TASKS, tolerance: float = 0.05) -> None
                      f"({100 * (e.step_s / best.step_s - 1):+.1f}% vs the planner's best)")
     print(f"search_layout finds a fitting layout within {100 * tolerance:.0f}% of the best on {len(tasks)} tasks:\n"
           + "\n".join(lines))
+
+
+protect(__name__)

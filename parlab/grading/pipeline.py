@@ -25,6 +25,7 @@ import torch
 from .. import schedules as sch
 from ..models import GPT, GPTConfig
 from . import call_student, run_student
+from .guard import graded, protect
 
 __all__ = ["check_1f1b_valid", "check_1f1b_reference", "check_1f1b_bubble", "check_bubble_of_step",
            "check_bubble_over_ideal", "CASES", "BUBBLE_CASES"]
@@ -116,6 +117,7 @@ def _check_run(schedule: sch.Schedule) -> None:
 
 
 # ---------------------------------------------------------------------- checks: the 1F1B order
+@graded("parlab.schedules:one_f_one_b", "parlab.schedules:interleaved_1f1b")
 def check_1f1b_valid(fn, cases=CASES, run_case=RUN_CASE) -> None:
     """Every rank's list forms a valid schedule on every case; the real executor runs one case on 4 ranks and
     gets the unsplit model's loss and gradients."""
@@ -128,6 +130,7 @@ def check_1f1b_valid(fn, cases=CASES, run_case=RUN_CASE) -> None:
     print(f"your schedule is valid for (p, m) in {list(cases)}{ran}")
 
 
+@graded("parlab.schedules:one_f_one_b", "parlab.schedules:interleaved_1f1b")
 def check_1f1b_reference(fn, cases=CASES) -> None:
     """one_f_one_b_rank(p, m, r) equals parlab.schedules.one_f_one_b(p, m).actions[r], action by action."""
     for p, m in cases:
@@ -155,6 +158,7 @@ def check_1f1b_reference(fn, cases=CASES) -> None:
     print(f"one_f_one_b_rank equals parlab's 1F1B for (p, m) in {list(cases)}, every rank")
 
 
+@graded("parlab.schedules:one_f_one_b", "parlab.schedules:interleaved_1f1b")
 def check_1f1b_bubble(fn, cases=CASES) -> None:
     """The simulated bubble of your schedule is 1F1B's, (p-1)/(m+p-1) of the step, and rank r keeps at most
     min(p - r, m) micro-batches of activations alive."""
@@ -208,6 +212,7 @@ def _check_formula(fn, name: str, attr: str, cases, hint: str, other: tuple[str,
     print(f"{name} matches the simulation for (p, m, v) in {list(cases)}")
 
 
+@graded("parlab.schedules:simulate", "parlab.schedules:bubble_formula")
 def check_bubble_of_step(fn, cases=BUBBLE_CASES) -> None:
     """``fn(p, m, v)`` = idle time / (p x step time) of (interleaved) 1F1B, from `simulate` with unit costs."""
     _check_formula(fn, "bubble_of_step", "bubble_fraction", cases,
@@ -216,9 +221,13 @@ def check_bubble_of_step(fn, cases=BUBBLE_CASES) -> None:
                                          "whole step"))
 
 
+@graded("parlab.schedules:simulate", "parlab.schedules:bubble_formula")
 def check_bubble_over_ideal(fn, cases=BUBBLE_CASES) -> None:
     """``fn(p, m, v)`` = (step time - ideal time) / ideal time of (interleaved) 1F1B, from `simulate`."""
     _check_formula(fn, "bubble_over_ideal", "bubble_over_ideal", cases,
                    "the ideal step is m(t_f + t_b) (no idle time); the bubble adds (p-1)(t_f + t_b)/v to it.",
                    ("bubble_fraction", "the fraction of the whole step, (p-1)/(vm+p-1); this one divides by the "
                                        "ideal time"))
+
+
+protect(__name__)

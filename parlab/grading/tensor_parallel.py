@@ -26,6 +26,16 @@ import torch.nn.functional as F
 from .. import comm
 from ..trace import mark
 from . import TIMEOUT, _show, run_student
+from .guard import graded, protect
+
+LAYER_REFS = (   # parlab's own answers: unavailable to the student's code while these checks run
+    "parlab.tp_comm:copy_to_tp",
+    "parlab.tp_comm:reduce_from_tp",
+    "parlab.tp_comm:gather_from_tp",
+    "parlab.tp_comm:scatter_to_tp",
+    "parlab.tensor_parallel:ColumnParallelLinear",
+    "parlab.tensor_parallel:RowParallelLinear",
+)
 
 __all__ = ["check_column_parallel_linear", "check_row_parallel_linear", "check_vocab_parallel_cross_entropy",
            "check_vocab_parallel_cross_entropy_traffic", "TP_SIZES"]
@@ -151,6 +161,7 @@ def _traffic(trace, n, name, fwd_want, bwd_want, hint):
 
 
 # ---------------------------------------------------------------------- the checks
+@graded(*LAYER_REFS)
 def check_column_parallel_linear(fn, tp_sizes=TP_SIZES, timeout: float = TIMEOUT) -> None:
     """y_r = x W_r^T + b_r equals the dense output's columns r; x.grad equals the dense input gradient on every
     rank (all-reduced in backward, nothing in forward); weight and bias gradients equal the dense ones' rows r."""
@@ -183,6 +194,7 @@ def check_column_parallel_linear(fn, tp_sizes=TP_SIZES, timeout: float = TIMEOUT
           f"ranks; forward communicates nothing, backward one all-reduce of x.grad")
 
 
+@graded(*LAYER_REFS)
 def check_row_parallel_linear(fn, tp_sizes=TP_SIZES, timeout: float = TIMEOUT) -> None:
     """y = sum_r x_r W_r^T + b equals the dense output on every rank (one all-reduce in forward, the bias added
     once); x_r.grad, weight and bias gradients equal the dense ones' slices (nothing communicated in backward)."""
@@ -223,6 +235,7 @@ CE_HINT = ("m = all-reduce MAX of the per-token max; z = logits_r - m; the targe
            "z_target. backward: grad = (softmax_r - one_hot_r) * grad_loss, softmax_r = exp(z) / sum_exp.")
 
 
+@graded("parlab.tensor_parallel:vocab_parallel_cross_entropy", "parlab.tp_comm:reduce_from_tp")
 def check_vocab_parallel_cross_entropy(fn, tp_sizes=TP_SIZES, timeout: float = TIMEOUT) -> None:
     """The per-token loss equals F.cross_entropy on the full logits (values near 800, so exp needs the max
     subtracted), and logits_r.grad equals the dense gradient's vocabulary slice r, on 2 and 4 ranks."""
@@ -259,6 +272,7 @@ def check_vocab_parallel_cross_entropy(fn, tp_sizes=TP_SIZES, timeout: float = T
           f"{', '.join(map(str, tp_sizes))} ranks")
 
 
+@graded("parlab.tensor_parallel:vocab_parallel_cross_entropy", "parlab.tp_comm:reduce_from_tp")
 def check_vocab_parallel_cross_entropy_traffic(fn, tp: int = 4, timeout: float = TIMEOUT) -> None:
     """From the trace: forward = exactly 3 all-reduces of one value per token (B*S each), never the logits;
     backward communicates nothing."""
@@ -276,3 +290,6 @@ def check_vocab_parallel_cross_entropy_traffic(fn, tp: int = 4, timeout: float =
                                  f"sum of exponentials) and nothing in backward. Hint: {CE_HINT}")
     print(f"VocabParallelCrossEntropyFn: 3 all-reduces of {B * S} values (one per token) in forward, nothing in "
           f"backward, on {tp} ranks")
+
+
+protect(__name__)

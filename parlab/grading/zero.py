@@ -30,6 +30,13 @@ from ..memory import STAGES, measure, model_state_bytes
 from ..models import GPT, GPTConfig
 from ..zero import ShardedOptimizer
 from . import TIMEOUT, call_student, run_student
+from .guard import graded, protect
+
+ZERO1_REFS = (   # parlab's own answers: unavailable to the student's code while these checks run
+    "parlab.zero:ShardedOptimizer",
+    "parlab.fsdp:FullyShardedDataParallel",
+    "parlab.grading.zero:reference_partition",
+)
 
 __all__ = ["check_partition", "check_zero1_step", "check_zero1_memory_and_traffic", "check_memory_formulas",
            "check_memory_measured", "reference_partition", "reference_adamw", "CFG", "ADAMW"]
@@ -83,6 +90,7 @@ def reference_adamw(steps: int = STEPS, grad_scale: float = 1.0) -> list[torch.T
 
 
 # ---------------------------------------------------------------------- part 1: partition
+@graded("parlab.zero:partition_parameters", "parlab.grading.zero:reference_partition")
 def check_partition(fn) -> None:
     """``fn(flat, rank, world_size)`` returns rank's shard: equal lengths ceil(numel / N), zero padding at the end."""
     hint = ("s = ceil(numel / N) (in Python: -(-numel // N)); pad flat with zeros to N * s elements "
@@ -175,6 +183,7 @@ def _compare_training(results, n, what):
                                  "with op=comm.ReduceOp.AVG into the shard's .grad, then self.optim.step().")
 
 
+@graded(*ZERO1_REFS)
 def check_zero1_step(cls, world_sizes=(2, 3), steps: int = STEPS, timeout: float = TIMEOUT) -> None:
     """``Zero1(params, lr=..., weight_decay=...)`` trains a tiny float64 GPT on N ranks (each on its share of the
     batch) to the same parameters as one process running torch.optim.AdamW on the whole batch."""
@@ -185,6 +194,7 @@ def check_zero1_step(cls, world_sizes=(2, 3), steps: int = STEPS, timeout: float
           f"{', '.join(map(str, world_sizes))} ranks (psi = {CFG.param_count():,})")
 
 
+@graded(*ZERO1_REFS)
 def check_zero1_memory_and_traffic(cls, world_size: int = 4, steps: int = 2, timeout: float = TIMEOUT) -> None:
     """On 4 ranks: each rank's AdamW holds state for only its shard, psi / N elements (m and v), and each rank
     sends about 2 (N-1)/N psi elements per step, what one DP all-reduce sends (from the trace)."""
@@ -240,6 +250,7 @@ def _student_bytes(fn, psi, nd, stage, **widths) -> dict:
     return got
 
 
+@graded("parlab.memory:model_state_bytes", "parlab.memory:max_params", "parlab.memory:min_dp_size")
 def check_memory_formulas(fn) -> None:
     """``fn(psi, nd, stage, param_bytes=2, grad_bytes=2, k=12)`` equals the ZeRO formulas for every stage, and
     reproduces the paper's figure 1 (psi = 7.5B, Nd = 64: 120, 31.4, 16.6, 1.9 GB)."""
@@ -281,6 +292,7 @@ def _rank_measure_stages():
     return {"psi": cfg.param_count(), "bytes": out}
 
 
+@graded("parlab.memory:model_state_bytes", "parlab.memory:measure")
 def check_memory_measured(fn, world_size: int = 4, timeout: float = TIMEOUT) -> None:
     """Measured on 4 simulated ranks (fp32 tiny GPT, AdamW, parlab's DP / ZeRO-1 / ZeRO-2 / FSDP): the bytes of
     params, grads and optimizer state, summed over the ranks, equal Nd x zero_memory(psi, Nd, stage, 4, 4, 8)
@@ -303,3 +315,6 @@ def check_memory_measured(fn, world_size: int = 4, timeout: float = TIMEOUT) -> 
         total = sum(float(got[p]) for p in PARTS)
         lines.append(f"{STAGES[stage]} {sum(r['bytes'][stage]['total'] for r in res.results) / nd / total:.3f}")
     print(f"zero_memory matches the bytes measured on {nd} ranks (measured / formula: {', '.join(lines)})")
+
+
+protect(__name__)
