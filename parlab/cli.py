@@ -122,8 +122,14 @@ def add_plan(sub) -> None:
     p.add_argument("options", nargs="*", help="see parlab plan --help")
 
 
+def add_calibrate(sub) -> None:
+    p = sub.add_parser("calibrate", add_help=False, help="measure this machine's collectives and matmuls into a "
+                                                         "hardware description (parlab calibrate --help)")
+    p.add_argument("options", nargs="*", help="see parlab calibrate --help")
+
+
 # ---------------------------------------------------------------------- entry point
-COMMANDS = [add_course, add_grid, add_plan]
+COMMANDS = [add_course, add_grid, add_plan, add_calibrate]
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -139,6 +145,9 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["plan"]:  # the planner owns its options (see parlab.planner.main)
         from .planner import main as plan_main
         return plan_main(argv[1:])
+    if argv[:1] == ["calibrate"]:  # the calibration owns its options (see parlab.calibrate.main)
+        from .calibrate import main as calibrate_main
+        return calibrate_main(argv[1:])
     args = make_parser().parse_args(argv)
     if getattr(args, "root", "unset") is None:
         from .course import ROOT
