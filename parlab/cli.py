@@ -130,8 +130,14 @@ def add_grade(sub) -> None:
     p.set_defaults(func=run_from_args)
 
 
+def add_calibrate(sub) -> None:
+    p = sub.add_parser("calibrate", add_help=False, help="measure this machine's collectives and matmuls into a "
+                                                         "hardware description (parlab calibrate --help)")
+    p.add_argument("options", nargs="*", help="see parlab calibrate --help")
+
+
 # ---------------------------------------------------------------------- entry point
-COMMANDS = [add_course, add_grid, add_plan, add_grade]
+COMMANDS = [add_course, add_grid, add_plan, add_grade, add_calibrate]
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -147,6 +153,9 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["plan"]:  # the planner owns its options (see parlab.planner.main)
         from .planner import main as plan_main
         return plan_main(argv[1:])
+    if argv[:1] == ["calibrate"]:  # the calibration owns its options (see parlab.calibrate.main)
+        from .calibrate import main as calibrate_main
+        return calibrate_main(argv[1:])
     args = make_parser().parse_args(argv)
     if getattr(args, "root", "unset") is None:
         from .course import ROOT

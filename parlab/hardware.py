@@ -51,6 +51,8 @@ class Hardware:
     intra_latency: float = NCCL_NVLINK_HOP    # seconds per algorithm step inside a node
     inter_latency: float = NCCL_NET_HOP       # seconds per algorithm step across nodes
     source: str = ""                # where the numbers come from
+    p2p_bw: float | None = None     # point-to-point messages, when they differ from the link (None: the link's)
+    p2p_latency: float | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -66,6 +68,8 @@ class Hardware:
             v = getattr(self, k)
             if not (isinstance(v, (int, float)) and 0 < v <= 1):
                 raise ValueError(f"hardware {self.name!r}: {k} is a fraction in (0, 1], got {v!r}")
+        if self.p2p_bw is not None and not (isinstance(self.p2p_bw, (int, float)) and self.p2p_bw > 0):
+            raise ValueError(f"hardware {self.name!r}: p2p_bw must be a positive rate or None, got {self.p2p_bw!r}")
         for k in ("kernel_overhead", "base_latency", "intra_latency", "inter_latency"):
             v = getattr(self, k)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0:
@@ -127,6 +131,10 @@ class Hardware:
             raise ValueError(f"algorithm must be 'auto', 'ring' or 'tree', got {algorithm!r}")
         bw, hop = self.link(crosses_nodes)
         if op in ("send", "recv"):
+            if self.p2p_bw is not None:
+                bw = min(bw, self.p2p_bw)
+            if self.p2p_latency is not None:
+                hop = max(hop, self.p2p_latency)
             return hop + nbytes / bw
         if n == 1:
             return 0.0

@@ -70,11 +70,12 @@ class Placement:
         return len({self.node_of(r) for r in ranks})
 
 
-def default_costs(hardware: Hardware, placement: Placement, compute_scale: float | None):
-    """The two cost callbacks `replay` uses unless given its own (seconds per event)."""
+def default_costs(hardware: Hardware, placement: Placement, compute_scale: float | None, metered: bool = False):
+    """The two cost callbacks `replay` uses unless given its own (seconds per event). In a `metered` trace (some
+    compute span carries work) a span without work costs nothing; otherwise its measured duration is scaled."""
 
     def compute(e: Event) -> float:
-        if e.flops or e.nbytes or e.kernels:
+        if e.flops or e.nbytes or e.kernels or (metered and compute_scale is None):
             return hardware.compute_time(e.flops, e.nbytes, e.kernels)
         if compute_scale is not None:
             return e.duration * compute_scale
@@ -111,7 +112,8 @@ def replay(trace: Trace, hardware: Hardware, *, grid: ParallelGrid | None = None
         raise ReplayError("the trace is empty: run with parlab.run(fn, n, trace=True) and call parlab.comm / "
                           "parlab.trace.region inside fn")
     placement = Placement(hardware, grid, gpus_per_node)
-    compute, comm = default_costs(hardware, placement, compute_scale)
+    metered = any(e.kind == "compute" and (e.flops or e.nbytes or e.kernels) for e in trace.events)
+    compute, comm = default_costs(hardware, placement, compute_scale, metered)
     try:
         programs = build_programs(trace, compute_time or compute, comm_time or comm)
     except ReplayError:

@@ -273,3 +273,56 @@ def test_metered_spans_carry_flops_bytes_and_kernels_and_replay_by_the_roofline(
     out = replay(Trace(rec.events), preset("dgx-h100"))
     h = preset("dgx-h100")
     assert out.events[0].duration == pytest.approx(h.compute_time(fwd.flops, fwd.nbytes, fwd.kernels), rel=1e-12)
+
+
+# ---------------------------------------------------------------------- calibration fits (pure)
+def test_alpha_beta_and_roofline_fits_recover_the_parameters_of_exact_data():
+    from parlab.calibrate import fit_alpha_beta, fit_roofline
+    alpha, bw, n = 3e-5, 2e9, 4
+    rows = [(x, alpha + 2 * (n - 1) / n * x / bw) for x in (4, 4096, 1 << 20, 1 << 24)]
+    a, b = fit_alpha_beta(rows, n)
+    assert a == pytest.approx(alpha, rel=1e-9) and b == pytest.approx(bw, rel=1e-9)   # exact data: rounding only
+    F, B, c = 1e10, 5e9, 2e-6
+    samples = [(f, by, 1, f / F + by / B + c) for f, by in ((1e6, 0), (1e8, 0), (0, 1e3), (0, 1e7), (0, 12))]
+    got = fit_roofline(samples)
+    assert got == pytest.approx((F, B, c), rel=1e-6)
+    with pytest.raises(ValueError, match="at least 2 ranks"):
+        fit_alpha_beta(rows, 1)
+    with pytest.raises(ValueError, match="does not grow with message size"):
+        fit_alpha_beta([(4, 2.0), (1 << 20, 1.0)], 2)
+
+
+def test_calibrate_refuses_a_single_rank():
+    from parlab.calibrate import calibrate
+    with pytest.raises(ValueError, match="world must be an integer >= 2"):
+        calibrate(1)
+
+
+# ---------------------------------------------------------------------- scale-up
+def _pipeline_pattern(p, m):
+    x = torch.randint(CFG.vocab_size, (m, CFG.seq_len), generator=torch.Generator().manual_seed(0))   # (m, S)
+    PipelineParallel(GPT(CFG, seed=0), sch.one_f_one_b(p, m)).step(x, x)
+
+
+def test_scaleup_recosts_every_action_with_the_big_model_and_keeps_the_schedule():
+    from parlab.costs import preset as model_preset
+    from parlab.scaleup import Layout, layer_forward_flops, scaleup
+    p, m = 2, 4
+    tr = parlab.run(_pipeline_pattern, p, p, m, trace=True, echo=False).trace
+    model = model_preset("llama-7b")
+    hw = preset("dgx-h100").with_(efficiency=1.0)
+    out = scaleup(tr, model, hw, Layout(tp=8, pp=p, dp=4, micro_batch=1))
+    assert "as llama-7b (64 GPUs)" in out.hardware
+    fwd = [e for e in out.events if e.op == "forward" and "stage 0 " in e.label]
+    assert len(fwd) == m
+    t_tp = hw.collective_time("all_reduce", 2 * model.seq * model.hidden, 8)      # (b, s, h) 16-bit, in a node
+    expected = 16 * layer_forward_flops(model, 1, 8) / hw.peak_flops + 2 * 16 * t_tp   # 16 of 32 layers
+    assert fwd[0].duration == pytest.approx(expected, rel=1e-12)
+    dp = [e for e in out.events if e.label == "dp grads (virtual)"]
+    assert len(dp) == p and all(e.duration > 0 for e in dp)                      # dp=4 crosses nodes: 64 GPUs
+    assert bubble(replay(tr, UNIT, compute_time=lambda e: 1.0 if e.op == "forward" else 2.0)) == pytest.approx(
+        sch.bubble_formula("1f1b", p, m), abs=1e-12)
+    with pytest.raises(ValueError, match="has 2 ranks but the layout has pp=4"):
+        scaleup(tr, model, hw, Layout(tp=8, pp=4))
+    with pytest.raises(ValueError, match="recompute must be"):
+        Layout(recompute="some")

@@ -1,0 +1,244 @@
+"""Calibration: measure the machine parlab runs on and write it as a `parlab.hardware.Hardware` description.
+
+``python -m parlab.calibrate --world 4 --out here.json`` (or ``parlab calibrate ...``) measures, on every rank
+at once (so each rank gets the share of the machine it has in a real run):
+
+* compute: single matrix products of several sizes (float32 on a CPU, bf16 on a GPU) and elementwise adds of
+  several sizes, each timed; then a least-squares fit (on relative error) of the replay's compute model
+  t = FLOPs / F + bytes / B + c per kernel gives the sustained FLOP/s F, bytes/s B and per-kernel cost c
+  (on a CPU, c is mostly framework overhead per op);
+* point to point: every rank sends to the next and receives from the previous at once (isend / irecv, as a ring
+  step does), over the same sizes; fitted the same way (t = latency + X / B) into `p2p_latency`, `p2p_bw`;
+* collectives, like nccl-tests: all-reduce over message sizes 4 B .. 16 MiB, median time per size, algorithm
+  bandwidth X / t and bus bandwidth 2 (N-1)/N X / t (nccl-tests PERFORMANCE.md), then a least-squares fit of
+  t = alpha + 2 (N-1)/N X / B: B is the link bandwidth, alpha / (2 (N-1)) the latency per ring step.
+
+On a CPU it runs `world` gloo ranks with `parlab.run`; on GPUs start it with ``torchrun --nproc-per-node 8 -m
+parlab.calibrate`` and it measures NCCL between the node's GPUs (the inter-node link is taken equal to the
+intra-node one unless the job spans nodes: then the all-reduce runs over one rank per node as well).
+`Hardware.efficiency` is 1 here: the measured throughput already is what the products sustain.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+from . import comm
+from .hardware import Hardware
+
+__all__ = ["measure_rank", "fit_alpha_beta", "fit_roofline", "calibrate", "main", "SIZES"]
+
+SIZES = [4 * 4 ** k for k in range(0, 12)]       # 4 B .. 16 MiB
+
+
+def _sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _timeit(fn, device, min_time: float = 0.2, reps: int = 3) -> float:
+    """Median seconds of one call of fn, over `reps` rounds each at least `min_time` long."""
+    fn()
+    _sync(device)
+    out = []
+    for _ in range(reps):
+        n, t0 = 0, time.perf_counter()
+        while True:
+            fn()
+            n += 1
+            _sync(device)
+            t = time.perf_counter() - t0
+            if t >= min_time:
+                break
+        out.append(t / n)
+    return statistics.median(out)
+
+
+def fit_roofline(samples) -> tuple[float, float, float]:
+    """(FLOP/s, bytes/s, seconds per kernel) fitting t = flops / F + bytes / B + kernels x c to (flops, bytes,
+    kernels, t) samples, least squares on relative error, every coefficient >= 0 (the best of the subsets)."""
+    import itertools
+    best = None
+    for keep in itertools.chain.from_iterable(itertools.combinations(range(3), k) for k in (3, 2, 1)):
+        a = torch.tensor([[row[j] / row[3] for j in keep] for row in samples], dtype=torch.float64)
+        coef = torch.linalg.lstsq(a, torch.ones(len(samples), 1, dtype=torch.float64)).solution.flatten()
+        if (coef < 0).any():
+            continue
+        err = float(((a @ coef) - 1).pow(2).sum())
+        if best is None or err < best[0]:
+            best = (err, dict(zip(keep, coef.tolist())))
+    if best is None:
+        raise ValueError("could not fit the compute model to the measurements; rerun on a quieter machine")
+    c = best[1]
+    inv = lambda j: 1 / c[j] if c.get(j, 0) > 0 else 1e30    # noqa: E731  (a term the fit dropped: free)
+    return inv(0), inv(1), c.get(2, 0.0)
+
+
+def _compute_samples(dev, dtype, gpu: bool, min_time: float) -> list[tuple[float, int, int, float]]:
+    """(flops, bytes, kernels, seconds) of single ops of several sizes: products and elementwise adds."""
+    out = []
+    for n in ((1024, 2048, 4096, 8192) if gpu else (32, 64, 128, 256)):
+        a, b = torch.randn(n, n, device=dev, dtype=dtype), torch.randn(n, n, device=dev, dtype=dtype)
+        comm.barrier()
+        out.append((2.0 * n ** 3, 0, 1, _timeit(lambda: a @ b, dev, min_time)))
+    for numel in ((1 << 16, 1 << 20, 1 << 24, 1 << 26) if gpu else (1, 1 << 10, 1 << 14, 1 << 16, 1 << 18, 1 << 20)):
+        x, y = torch.randn(numel, device=dev, dtype=dtype), torch.randn(numel, device=dev, dtype=dtype)
+        comm.barrier()
+        out.append((0.0, 3 * numel * x.element_size(), 1, _timeit(lambda: x + y, dev, min_time)))
+    return out
+
+
+def measure_rank(device: str = "cpu", sizes=SIZES, reps: int = 5, min_time: float = 0.2) -> dict:
+    """Run on every rank (inside an initialised process group): this rank's measurements."""
+    dev = torch.device(device)
+    gpu = dev.type == "cuda"
+    dtype = torch.bfloat16 if gpu else torch.float32
+    samples = _compute_samples(dev, dtype, gpu, min_time)
+    # collectives: all-reduce over message sizes, median of `reps` timed calls each
+    rows = []
+    for size in sizes:
+        buf = torch.ones(max(size // 4, 1), device=dev)
+        dist.all_reduce(buf)                                    # warm-up (connections, buffers)
+        times = []
+        for _ in range(reps):
+            dist.barrier()
+            _sync(dev)
+            t0 = time.perf_counter()
+            dist.all_reduce(buf)
+            _sync(dev)
+            times.append(time.perf_counter() - t0)
+        rows.append((size, statistics.median(times)))
+    # point to point: every rank sends to the next and receives from the previous at once (a ring step)
+    n, r = dist.get_world_size(), dist.get_rank()
+    p2p = []
+    for size in sizes:
+        out, into = torch.ones(max(size // 4, 1), device=dev), torch.empty(max(size // 4, 1), device=dev)
+        times = []
+        for i in range(reps + 1):
+            dist.barrier()
+            _sync(dev)
+            t0 = time.perf_counter()
+            works = [dist.isend(out, (r + 1) % n), dist.irecv(into, (r - 1) % n)]
+            for w in works:
+                w.wait()
+            _sync(dev)
+            if i:                                                  # the first one sets up the connection
+                times.append(time.perf_counter() - t0)
+        p2p.append((size, statistics.median(times)))
+    return {"allreduce": rows, "p2p": p2p, "samples": samples}
+
+
+def fit_alpha_beta(rows, n: int, factor: float | None = None) -> tuple[float, float]:
+    """Least-squares (alpha seconds, bandwidth bytes/s) of t = alpha + factor X / B over (X, t) rows; factor
+    defaults to the ring all-reduce's 2 (n-1)/n."""
+    if n < 2:
+        raise ValueError("fitting a link needs at least 2 ranks: pass --world 2 or more")
+    factor = 2 * (n - 1) / n if factor is None else factor
+    xs = [factor * size for size, _ in rows]
+    ts = [t for _, t in rows]
+    mx, mt = sum(xs) / len(xs), sum(ts) / len(ts)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    slope = sum((x - mx) * (t - mt) for x, t in zip(xs, ts)) / sxx
+    if slope <= 0:
+        raise ValueError("all-reduce time does not grow with message size in these measurements; "
+                         "the machine is too noisy: rerun with larger --sizes or more --reps")
+    alpha = max(mt - slope * mx, 0.0)
+    return alpha, 1.0 / slope
+
+
+def describe(per_rank: list[dict], n: int, name: str) -> tuple[Hardware, str]:
+    """The hardware description (slowest rank's rates) and an nccl-tests-like table."""
+    # each size's median over the ranks (they ran it together; the median resists one rank's stall)
+    rows = [(size, statistics.median(r["allreduce"][i][1] for r in per_rank))
+            for i, (size, _) in enumerate(per_rank[0]["allreduce"])]
+    alpha, bw = fit_alpha_beta(rows, n)
+    hop = alpha / (2 * (n - 1))
+    p2p_rows = [(size, statistics.median(r["p2p"][i][1] for r in per_rank))
+                for i, (size, _) in enumerate(per_rank[0]["p2p"])]
+    p2p_lat, p2p_bw = fit_alpha_beta(p2p_rows, n, factor=1.0)
+    # the compute model is fitted to each sample's median time over the ranks (all ran it at once)
+    pooled = [(*s[:3], statistics.median(r["samples"][i][3] for r in per_rank))
+              for i, s in enumerate(per_rank[0]["samples"])]
+    flops, mem_bw, overhead = fit_roofline(pooled)
+    hw = Hardware(name=name, peak_flops=flops, mem_bw=mem_bw,
+                  intra_bw=bw, inter_bw=bw, gpus_per_node=n, efficiency=1.0, mem_efficiency=1.0,
+                  kernel_overhead=overhead, base_latency=0.0,
+                  intra_latency=hop, inter_latency=hop, p2p_bw=p2p_bw, p2p_latency=p2p_lat,
+                  source=f"parlab.calibrate on {n} ranks, {time.strftime('%Y-%m-%d %H:%M', time.gmtime())} UTC")
+    lines = [f"{'size':>10} {'time us':>10} {'algbw GB/s':>11} {'busbw GB/s':>11} {'fit us':>9}"]
+    for size, t in rows:
+        lines.append(f"{size:>10} {t * 1e6:>10.1f} {size / t / 1e9:>11.4f} {2 * (n - 1) / n * size / t / 1e9:>11.4f} "
+                     f"{(alpha + 2 * (n - 1) / n * size / bw) * 1e6:>9.1f}")
+    lines.append(f"all-reduce fit: alpha {alpha * 1e6:.1f} us ({hop * 1e6:.2f} us per ring step), bandwidth "
+                 f"{bw / 1e9:.3f} GB/s")
+    lines.append("point to point (every rank sends to the next at once): " + ", ".join(
+        f"{size} B {t * 1e6:.0f} us" for size, t in p2p_rows))
+    lines.append(f"p2p fit: latency {p2p_lat * 1e6:.1f} us, bandwidth {p2p_bw / 1e9:.3f} GB/s")
+    lines.append(f"compute fit: {hw.peak_flops / 1e9:.2f} GFLOP/s, {hw.mem_bw / 1e9:.2f} GB/s, "
+                 f"{hw.kernel_overhead * 1e6:.2f} us per kernel (median time of {n} ranks per sample)")
+    for f, b, _, t in pooled:
+        model = f / hw.peak_flops + b / hw.mem_bw + hw.kernel_overhead
+        lines.append(f"  {'matmul' if f else 'add':>6} {f:>12.3g} FLOP {b:>10} B  {t * 1e6:>9.1f} us "
+                     f"measured, {model * 1e6:>9.1f} us fitted")
+    return hw, "\n".join(lines)
+
+
+def _rank_main(sizes, reps, min_time) -> dict:
+    return measure_rank("cpu", sizes=sizes, reps=reps, min_time=min_time)
+
+
+def calibrate(world: int = 4, sizes=SIZES, reps: int = 5, min_time: float = 0.2, name: str | None = None):
+    """On this CPU: `world` gloo ranks measure it together. Returns (Hardware, report text)."""
+    import parlab
+    if isinstance(world, bool) or not isinstance(world, int) or world < 2:
+        raise ValueError(f"world must be an integer >= 2 (ranks measured together), got {world!r}")
+    res = parlab.run(_rank_main, world, list(sizes), reps, min_time, backend="gloo", echo=False, timeout=600)
+    return describe(res.results, world, name or f"this machine ({world} gloo ranks)")
+
+
+def main(argv=None) -> int:
+    """``parlab calibrate``: measure this machine (or, under torchrun, its GPUs) and write a Hardware JSON."""
+    p = argparse.ArgumentParser(prog="parlab calibrate", description="measure collectives and matmul throughput "
+                                "and write a hardware description for parlab.replay")
+    p.add_argument("--world", type=int, default=4, help="gloo ranks on this CPU (ignored under torchrun)")
+    p.add_argument("--out", default="hardware.json", help="where to write the description (JSON)")
+    p.add_argument("--name", default=None, help="name of the description (default: says what was measured)")
+    p.add_argument("--reps", type=int, default=5, help="timed calls per message size")
+    p.add_argument("--max-size", type=int, default=SIZES[-1], help="largest all-reduce in bytes")
+    a = p.parse_args(argv)
+    sizes = [s for s in SIZES if s <= a.max_size]
+    try:
+        if "LOCAL_RANK" in os.environ:                    # under torchrun: NCCL and the GPUs
+            dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+            device = f"cuda:{int(os.environ['LOCAL_RANK'])}" if torch.cuda.is_available() else "cpu"
+            if device != "cpu":
+                torch.cuda.set_device(device)
+            mine = measure_rank(device, sizes=sizes, reps=a.reps)
+            every = [None] * dist.get_world_size()
+            dist.all_gather_object(every, mine)
+            n = dist.get_world_size()
+            if dist.get_rank() == 0:
+                gpu = torch.cuda.get_device_name() if device != "cpu" else "cpu"
+                hw, text = describe(every, n, a.name or f"{n} x {gpu} (measured)")
+                hw.save(a.out)
+                print(text)
+                print(f"wrote {a.out}")
+            dist.destroy_process_group()
+            return 0
+        hw, text = calibrate(a.world, sizes, a.reps, name=a.name)
+    except ValueError as err:
+        print(f"error: {err}")
+        return 2
+    hw.save(a.out)
+    print(text)
+    print(f"wrote {a.out}")
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())

@@ -1,0 +1,175 @@
+"""Scale-up: replay a tiny pipeline run as if it had trained a named model (GPT-3 175B, LLaMA) on a big cluster.
+
+The tiny run supplies the *program*: the schedule every pipeline rank ran (its forwards, backwards, messages
+and waits, in their real order). `scaleup(trace, model, hardware, layout)` keeps that program and re-costs
+every step with the big model's shapes (`parlab.costs.ModelSpec`), then replays it (`parlab.replay`):
+
+    forward of stage s, micro-batch of b sequences   n_s layers x F_layer (+ the LM head on the last stage)
+        F_layer = 2 b s (4 h^2 + k h f) + 4 b s^2 h     (k = 2 for a GELU MLP, 3 for SwiGLU; the s^2 term is
+                                                         q k^T and the weighted sum of v), all / (tp cp)
+        + TP communication, serial (Megatron without overlap): 2 all-reduces of 2 b s h / cp bytes per layer
+          (with sequence parallelism an all-gather + reduce-scatter pair instead: the same bytes per rank)
+    backward = 2 x forward FLOPs, 2 TP all-reduces per layer; recomputation adds one forward ("full": the whole
+        layer, +2 all-reduces) or only the attention core 4 b s^2 h ("selective", Korthikanti et al. 2022)
+    backward_input / backward_weight (zero bubble): the backward split evenly, TP traffic with the input part
+    pipeline messages: 2 b s h / (tp cp) bytes (Megatron's scatter/gather between stages), on the link the pp
+        group crosses; the tied-embedding gradient exchange: 2 V h / tp bytes
+    data parallel: one gradient all-reduce of 2 psi_stage bytes over dp (x cp) ranks after the step, exposed
+        (all replicas are alike, so the tiny run need not have had them: a run with pp ranks stands for pp x dp)
+
+Each traced rank stands for one stage's tp x cp GPUs. Placement is Megatron's order on a grid of
+tp x cp x dp x pp GPUs (`parlab.topology.ParallelGrid`) with the hardware's GPUs per node, so the pp and dp
+groups cross nodes when tp x cp (x dp) fills a node. The compute model is FLOPs only (big matrix products are
+compute-bound), at the hardware's efficiency; the optimizer step is left out.
+
+`compare(...)` puts the replay next to `parlab.planner.estimate` for the same layout (and a published time).
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass
+
+from .costs import BYTES_16BIT, Cluster, ModelSpec
+from .hardware import Hardware
+from .replay import replay, step_time
+from .schedules import split_layers
+from .topology import ParallelGrid
+from .trace import Event, Trace
+
+__all__ = ["Layout", "scaleup", "layer_forward_flops", "compare"]
+
+_LABEL = re.compile(r"stage (\d+) mb (\d+)")
+_ACTIONS = ("forward", "backward", "backward_input", "backward_weight")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How the big model is laid out: tp x cp x dp x pp GPUs, b sequences per micro-batch, recomputation."""
+
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    cp: int = 1
+    micro_batch: int = 1
+    recompute: str = "none"          # "none" | "full" | "selective"
+    sequence_parallel: bool = False
+
+    def __post_init__(self):
+        for k in ("tp", "pp", "dp", "cp", "micro_batch"):
+            v = getattr(self, k)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"layout {k} must be a positive integer, got {v!r}")
+        if self.recompute not in ("none", "full", "selective"):
+            raise ValueError(f"recompute must be 'none', 'full' or 'selective', got {self.recompute!r}")
+
+    @property
+    def gpus(self) -> int:
+        return self.tp * self.pp * self.dp * self.cp
+
+
+def layer_forward_flops(m: ModelSpec, b: int, tp: int = 1, cp: int = 1) -> float:
+    """Forward FLOPs of one layer on one of tp x cp GPUs for b sequences (module docstring)."""
+    s, h, f = m.seq, m.hidden, m.ffn
+    k = 3 if m.swiglu else 2
+    return (2 * b * s * (4 * h * h + k * h * f) + 4 * b * s * s * h) / (tp * cp)
+
+
+def scaleup(trace: Trace, model: ModelSpec, hardware: Hardware, layout: Layout) -> Trace:
+    """Replay the tiny pipeline run `trace` (one rank per stage, `parlab.pipeline_parallel`) as `model` laid out
+    as `layout` on `hardware`. Returns the replayed `Trace`, labelled "<hardware> as <model>"."""
+    if not isinstance(model, ModelSpec):
+        raise ValueError(f"model must be a parlab.costs.ModelSpec (e.g. parlab.costs.preset('gpt3-175b')), "
+                         f"got {type(model).__name__}")
+    ranks = trace.ranks
+    if len(ranks) != layout.pp:
+        raise ValueError(f"the trace has {len(ranks)} ranks but the layout has pp={layout.pp}: scale-up replays a "
+                         f"pipeline run with one rank per stage; trace a run with {layout.pp} pipeline ranks")
+    stages_seen = [int(m[1]) for e in trace.events if e.kind == "compute" and e.op in _ACTIONS
+                   for m in [_LABEL.search(e.label)] if m]
+    if not stages_seen:
+        raise ValueError("the trace has no pipeline actions (compute spans 'forward'/'backward' labelled 'stage s "
+                         "mb i'): trace a step of parlab.pipeline_parallel.PipelineParallel")
+    S = max(stages_seen) + 1
+    if S > model.layers:
+        raise ValueError(f"the traced pipeline has {S} stages but {model.name} has {model.layers} layers")
+    layers = [len(r) for r in split_layers(model.layers, S)]
+    b, tp, cp = layout.micro_batch, layout.tp, layout.cp
+    s, h = model.seq, model.hidden
+    grid = ParallelGrid(layout.gpus, tp=tp, pp=layout.pp, cp=cp, dp=layout.dp,
+                        gpus_per_node=min(hardware.gpus_per_node, layout.gpus))
+    act = BYTES_16BIT * b * s * h / cp                            # one micro-batch's hidden states on a CP rank
+    tp_nodes = grid.num_nodes if grid.crosses_nodes(grid.group_of(0, "tp")) else 1
+    t_tp = hardware.collective_time("all_reduce", act, tp, tp_nodes > 1, tp_nodes) if tp > 1 else 0.0
+    pp_cross = grid.crosses_nodes(grid.group_of(0, "pp"))
+    dp_group = grid.group_of(0, "cp-dp")
+    dp_nodes = len({grid.node_of(r) for r in dp_group})
+    f_layer = layer_forward_flops(model, b, tp, cp)
+    attn_core = 4 * b * s * s * h / (tp * cp)
+
+    def compute_time(e: Event) -> float:
+        hit = _LABEL.search(e.label)
+        if e.op not in _ACTIONS or not hit:
+            return 0.0                                            # anything else the tiny run did: not the model's
+        st = int(hit[1])
+        n = layers[st]
+        fwd = n * f_layer + (2 * b * s * h * model.vocab / tp if st == S - 1 else 0.0)
+        extra = {"none": 0.0, "full": fwd, "selective": n * attn_core}[layout.recompute]
+        calls = {"forward": 2, "backward": 2 + (2 if layout.recompute == "full" else 0)}
+        if e.op == "forward":
+            flops, ar = fwd, 2 * n
+        elif e.op == "backward":
+            flops, ar = 2 * fwd + extra, calls["backward"] * n
+        elif e.op == "backward_input":
+            flops, ar = fwd + extra, calls["backward"] * n
+        else:
+            flops, ar = fwd, 0
+        return hardware.compute_time(flops) + ar * t_tp
+
+    def comm_time(e: Event) -> float:
+        if e.kind == "p2p":
+            nbytes = (BYTES_16BIT * model.vocab * h / tp) if "tied" in e.label else act / tp
+            return hardware.collective_time(e.op, nbytes, 2, pp_cross)
+        if e.op == "all_reduce" and (e.label.startswith("dp grads") or len(e.group) <= 1):
+            st = _stage_of_rank(trace, e.rank)
+            psi = layers[st] * model.layer_params(tp) + (model.embedding_params(tp) if st == 0 else 0.0) \
+                + (model.head_params(tp) if st == S - 1 else 0.0)
+            n = layout.dp * cp
+            return hardware.collective_time("all_reduce", BYTES_16BIT * psi, n, dp_nodes > 1, dp_nodes)
+        return 0.0                                                # other collectives of the tiny run: free
+
+    events = list(trace.events)
+    if layout.dp * cp > 1 and not any(e.op == "all_reduce" for e in events):
+        for r in ranks:                                           # the replicas' gradient all-reduce, once per step
+            last = max(e.end for e in events if e.rank == r)
+            events.append(Event(r, "collective", "all_reduce", last, last, group=(r,), label="dp grads (virtual)"))
+    out = replay(Trace(events), hardware, grid=None, gpus_per_node=1, compute_time=compute_time, comm_time=comm_time)
+    return dataclasses.replace(out, hardware=f"{hardware.name} as {model.name} ({layout.gpus} GPUs)")
+
+
+def _stage_of_rank(trace: Trace, rank: int) -> int:
+    for e in trace.events:
+        if e.rank == rank and e.kind == "compute":
+            hit = _LABEL.search(e.label)
+            if hit:
+                return int(hit[1])
+    return 0
+
+
+def compare(trace: Trace, model: ModelSpec, hardware: Hardware, layout: Layout, global_batch: int,
+            published_s: float | None = None) -> dict:
+    """The replayed step time next to the planner's estimate (`parlab.planner.estimate`) for the same layout,
+    model, batch and hardware (and, when given, a published step time; errors are relative to it)."""
+    from .planner import estimate
+    rep = step_time(scaleup(trace, model, hardware, layout))
+    nodes = max(1, layout.gpus // hardware.gpus_per_node)
+    cluster = Cluster(nodes=nodes, gpus_per_node=min(hardware.gpus_per_node, layout.gpus),
+                      intra_gbps=hardware.intra_bw / 1e9, inter_gbps=hardware.inter_bw / 1e9,
+                      peak_tflops=hardware.peak_flops / 1e12, mfu=hardware.efficiency)
+    est = estimate(model, cluster, global_batch, tp=layout.tp, pp=layout.pp, cp=layout.cp,
+                   micro_batch=layout.micro_batch, zero=1 if layout.dp > 1 else 0,
+                   recompute=layout.recompute == "full")
+    out = {"replay_s": rep, "planner_s": est.step_s}
+    if published_s is not None:
+        out.update(published_s=published_s, replay_error=rep / published_s - 1, planner_error=est.step_s / published_s - 1)
+    return out
