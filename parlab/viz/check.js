@@ -1,0 +1,170 @@
+// parlab.viz.check: what a student would see wrong in a drawn plotly figure, measured from the page.
+// window.parlabCheck(gd) -> list of problem strings for the figure drawn in the div `gd`.
+// window.parlabCheckLabels(list) -> the ipywidgets descriptions that do not fit their label box.
+(function () {
+  const MIN_PX = 10;            // no text smaller than this
+  const SLACK = 1;              // px of rounding allowed at the figure's edges and between boxes
+
+  function box(el) {
+    const r = el.getBoundingClientRect();
+    return { l: r.left, r: r.right, t: r.top, b: r.bottom, w: r.width, h: r.height };
+  }
+  function overlap(a, b) {
+    const w = Math.min(a.r, b.r) - Math.max(a.l, b.l), h = Math.min(a.b, b.b) - Math.max(a.t, b.t);
+    return w > SLACK && h > SLACK;
+  }
+  function words(el) { return (el.textContent || "").replace(/\s+/g, " ").trim(); }
+  function short(s) { return s.length > 50 ? s.slice(0, 47) + "..." : s; }
+
+  // the text boxes a reader must be able to read, each a unit that must not overlap another unit
+  function textBoxes(gd) {
+    const out = [];
+    const add = (el, kind) => {
+      const b = box(el), text = words(el);
+      if (b.w > 0 && b.h > 0 && text) out.push({ kind, text, b, el });
+    };
+    gd.querySelectorAll(".infolayer .g-gtitle text.gtitle").forEach(e => add(e, "title"));
+    gd.querySelectorAll(".infolayer g[class^='g-x'] text, .infolayer g[class^='g-y'] text").forEach(
+      e => add(e, "axis title"));
+    gd.querySelectorAll(".annotation").forEach(e => {
+      const t = e.querySelector("text");
+      if (t) add(t, "annotation");
+    });
+    gd.querySelectorAll(".legend").forEach(e => add(e, "legend"));
+    gd.querySelectorAll(".slider-container").forEach(e => add(e, "slider"));
+    gd.querySelectorAll(".updatemenu-container").forEach(e => add(e, "buttons"));
+    gd.querySelectorAll(".xtick text, .ytick text, [class*='xtick'] > text, [class*='ytick'] > text").forEach(
+      e => add(e, "tick label"));
+    return out;
+  }
+
+  function fontProblems(gd) {
+    const small = new Map();
+    gd.querySelectorAll("svg text, svg tspan").forEach(el => {
+      if (el.closest(".hoverlayer") || el.closest(".modebar")) return;
+      const own = Array.from(el.childNodes).filter(n => n.nodeType === 3).map(n => n.textContent).join("").trim();
+      if (!own) return;
+      const ctm = el.getScreenCTM && (el.ownerSVGElement ? el.getScreenCTM() : null);
+      const scale = ctm ? Math.hypot(ctm.a, ctm.b) : 1;     // plotly shrinks bar labels with transform: scale()
+      const px = parseFloat(getComputedStyle(el).fontSize) * scale;
+      const b = el.getBoundingClientRect();
+      if (b.width === 0 && b.height === 0) return;           // not displayed
+      if (px < MIN_PX - 0.05) small.set(short(own), px);
+    });
+    if (!small.size) return [];
+    const eg = Array.from(small).slice(0, 3).map(([t, px]) => `"${t}" ${px.toFixed(1)} px`).join(", ");
+    return [`${small.size} texts smaller than ${MIN_PX} px, e.g. ${eg}`];
+  }
+
+  function axisExtent(gd, id) {   // [lo, hi] of the data on axis `id` ("x", "y2", ...), in the axis' units
+    const fl = gd._fullLayout, ax = fl[id[0] + "axis" + id.slice(1)];
+    const stacked = ["stack", "relative"].includes(fl.barmode);
+    const vals = [], sums = new Map();
+    const push = v => {
+      if (v === null || v === undefined || v === "") return;
+      let n = typeof v === "number" ? v : Number(v);
+      if (!isFinite(n)) return;
+      if (ax.type === "log") { if (n <= 0) return; n = Math.log10(n); }
+      vals.push(n);
+    };
+    const letter = id[0], other = letter === "x" ? "y" : "x";
+    for (const tr of gd._fullData) {
+      if (tr.visible !== true || tr[letter + "axis"] !== id) continue;
+      const arr = tr[letter];
+      if (!arr) continue;
+      const horizontal = tr.type === "bar" && tr.orientation === "h";
+      const barAxis = tr.type === "bar" && ((letter === "x") === horizontal);
+      for (let i = 0; i < arr.length; i++) {
+        if (!barAxis) { push(arr[i]); continue; }
+        const base = Array.isArray(tr.base) ? Number(tr.base[i] || 0) : Number(tr.base || 0);
+        const v = Number(arr[i]);
+        if (stacked && !tr.base) {             // stacked bars: each position's running sum is the extent
+          const key = tr[other + "axis"] + "|" + (tr[other] ? tr[other][i] : i) + "|" + (v >= 0);
+          const s = (sums.get(key) || 0) + v;
+          sums.set(key, s);
+          push(0); push(s);
+        } else { push(base); push(base + v); }
+      }
+    }
+    for (const s of (fl.shapes || [])) {
+      if (s[letter + "ref"] === id) { push(s[letter + "0"]); push(s[letter + "1"]); }
+    }
+    for (const a of (fl.annotations || [])) if (a[letter + "ref"] === id) push(a[letter]);
+    if (!vals.length) return null;
+    return [Math.min(...vals), Math.max(...vals)];
+  }
+
+  function rangeProblems(gd) {
+    const fl = gd._fullLayout, out = [], extents = new Map(), axes = [];
+    for (const key of Object.keys(fl)) {      // shared axes (matches) draw the union of their data
+      const m = key.match(/^([xy])axis(\d*)$/);
+      if (!m || !fl[key]) continue;
+      const id = m[1] + m[2], group = fl[key].matches || id, ext = axisExtent(gd, id);
+      axes.push([key, id, group]);
+      if (!ext) continue;
+      const prev = extents.get(group);
+      extents.set(group, prev ? [Math.min(prev[0], ext[0]), Math.max(prev[1], ext[1])] : ext);
+    }
+    for (const [key, id, group] of axes) {
+      const ax = fl[key];
+      if (ax.visible === false || !ax.range || !["linear", "log"].includes(ax.type)) continue;
+      const ext = extents.get(group);
+      if (!ext) continue;
+      const [lo, hi] = ext, span = hi - lo;
+      const pad = Math.max(0.5 * span, ax.type === "log" ? 0.5 : (span > 0 ? 0 : Math.max(1, Math.abs(lo))));
+      const [r0, r1] = ax.range[0] <= ax.range[1] ? ax.range : [ax.range[1], ax.range[0]];
+      if (r0 < lo - pad - 1e-9 || r1 > hi + pad + 1e-9) {
+        const f = v => ax.type === "log" ? "1e" + v.toFixed(1) : v.toPrecision(3);
+        out.push(`${key} runs ${f(r0)}..${f(r1)} but its data lie in ${f(lo)}..${f(hi)}`);
+      }
+    }
+    return out;
+  }
+
+  window.parlabCheck = function (gd) {
+    const problems = [];
+    const fig = box(gd.querySelector(".main-svg") || gd);
+    const boxes = textBoxes(gd);
+    for (const t of boxes) {       // cut off: every text box inside the figure
+      if (t.b.l < fig.l - SLACK || t.b.r > fig.r + SLACK || t.b.t < fig.t - SLACK || t.b.b > fig.b + SLACK)
+        problems.push(`${t.kind} cut off at the figure's edge: "${short(t.text)}"`);
+    }
+    for (let i = 0; i < boxes.length; i++) {
+      for (let j = i + 1; j < boxes.length; j++) {
+        const a = boxes[i], c = boxes[j];
+        if (a.kind === "tick label" && c.kind === "tick label") continue;     // plotly spaces its own ticks
+        if (a.el.contains(c.el) || c.el.contains(a.el)) continue;
+        if (overlap(a.b, c.b))
+          problems.push(`${a.kind} "${short(a.text)}" overlaps ${c.kind} "${short(c.text)}"`);
+      }
+    }
+    const names = Array.from(gd.querySelectorAll(".legend .traces .legendtext")).map(words);
+    const seen = new Set();
+    for (const n of names) {
+      if (seen.has(n)) problems.push(`legend lists "${short(n)}" twice`);
+      seen.add(n);
+    }
+    problems.push(...fontProblems(gd), ...rangeProblems(gd));
+    return Array.from(new Set(problems));
+  };
+
+  // ipywidgets draws a description in a label box 80 px wide (13 px UI font) and cuts longer ones with "...";
+  // the UI font differs between systems, so a label must fit in Arial's metrics and in the wider DejaVu Sans
+  window.parlabCheckLabels = function (labels) {
+    const host = document.createElement("div");
+    document.body.appendChild(host);
+    const cut = [];
+    for (const l of labels) {
+      for (const font of ["'Liberation Sans', Arial, Helvetica", "'DejaVu Sans', Verdana"]) {
+        const el = document.createElement("div");
+        el.textContent = l.description;
+        el.style.cssText = `font-family: ${font}, sans-serif; font-size: 13px; white-space: nowrap;` +
+          `overflow: hidden; text-overflow: ellipsis; box-sizing: border-box; width: ${l.width || "80px"}`;
+        host.appendChild(el);
+        if (el.scrollWidth > el.clientWidth + 0.5) { cut.push(l.description); break; }
+      }
+    }
+    host.remove();
+    return cut;
+  };
+})();
