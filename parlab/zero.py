@@ -152,6 +152,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def reduce_gradients(self) -> None:
         """Average the gradients over the group; each rank receives only the mean of the ones it owns.
         ZeRO-2 then drops every other gradient; ZeRO-1 leaves them allocated (with local values)."""
+        if self._reduced and any(p.grad is not g or (g is not None and g._version != v) for p, g, v in self._seen):
+            raise RuntimeError("a backward ran after reduce_gradients() and before step(): the gradients were already "
+                               "averaged and sharded, so the new ones cannot be accumulated into them. Run every "
+                               "backward first, then step() (which reduces once), or zero_grad() before the backward")
         if self._reduced or not self.reduce_grads:
             return
         for k, lay in enumerate(self._layouts):
@@ -169,6 +173,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 if self.owner[i] != self.rank:
                     self.params[i].grad = None
         self._reduced = True
+        self._seen = [(p, p.grad, None if p.grad is None else p.grad._version)   # to notice a later backward
+                      for p in (self.params[i] for i in self.trainable)]
 
     @torch.no_grad()
     def _gather_parameters(self) -> None:
