@@ -5,7 +5,8 @@
     ctx = parlab.init()                               # the same code under torchrun
 """
 from . import comm, trace
-from .launch import Context, RankError, RankKilled, RankTimeout, RunResult, init, run
+from .launch import RankError, RankKilled, RankTimeout, RunResult, run
+from .torchrun import Context, init
 from .trace import Trace, region
 
 __version__ = "0.1.0"

@@ -20,8 +20,27 @@ from pathlib import Path
 
 
 # ---------------------------------------------------------------------- parlab course ...
+def _unreadable(paths) -> str | None:
+    """One line naming the first notebook that cannot be read, or None when all can."""
+    from . import course
+    for p in paths:
+        try:
+            course.read(p)
+        except Exception as e:  # nbformat raises several kinds (NotJSONError, ValidationError, UnicodeError...)
+            return f"{p}: not a readable notebook ({type(e).__name__}: {str(e).splitlines()[0][:150] if str(e) else ''})"
+    return None
+
+
 def _course_build(args) -> int:
     from . import course
+    folder = Path(args.root) / "exercises" / "solutions"
+    if not folder.is_dir():
+        print(f"parlab course build: no such folder: {folder} (is --root the repository root?)", file=sys.stderr)
+        return 2
+    bad = _unreadable(sorted(folder.glob("*.ipynb")))
+    if bad:
+        print(f"parlab course build: {bad}", file=sys.stderr)
+        return 2
     stale = course.build(args.root, check=args.check)
     for p in stale:
         print(f"{'stale' if args.check else 'wrote'}: {p}")
@@ -36,6 +55,14 @@ def _course_build(args) -> int:
 
 def _course_strip(args) -> int:
     from . import course
+    if not any((Path(args.root) / f).is_dir() for f in ("lessons", "exercises")):
+        print(f"parlab course strip: no such folder: {Path(args.root) / 'lessons'} or "
+              f"{Path(args.root) / 'exercises'} (is --root the repository root?)", file=sys.stderr)
+        return 2
+    bad = _unreadable(course.course_notebooks(args.root))
+    if bad:
+        print(f"parlab course strip: {bad}", file=sys.stderr)
+        return 2
     dirty = course.strip(args.root, check=args.check)
     for p in dirty:
         print(f"{'not stripped' if args.check else 'stripped'}: {p}")
@@ -48,8 +75,16 @@ def _course_strip(args) -> int:
 
 
 def _course_scorecard(args) -> int:
+    import xml.etree.ElementTree as ET
     from . import course
-    rows = course.scorecard(args.junit_xml, root=args.root)
+    if not Path(args.junit_xml).is_file():
+        print(f"parlab course scorecard: no such file: {args.junit_xml}", file=sys.stderr)
+        return 2
+    try:
+        rows = course.scorecard(args.junit_xml, root=args.root)
+    except ET.ParseError as e:
+        print(f"parlab course scorecard: {args.junit_xml} is not JUnit XML ({e})", file=sys.stderr)
+        return 2
     for r in rows:
         first = r["message"].splitlines()[0][:100] if r["message"] else ""
         print(f"{'PASS' if r['passed'] else 'FAIL'}  {r['file']}  cell {r['cell']:>2}  {r['check']}"
@@ -94,8 +129,20 @@ def add_course(sub) -> None:
 
 
 # ---------------------------------------------------------------------- parlab grid
+MAX_GRID_RANKS = 65536   # `parlab grid` prints every group: 65536 ranks is ~450 KB of text in ~2 s
+
+
 def _grid(args) -> int:
     from .topology import ParallelGrid
+    for k in ("world", "tp", "pp", "cp", "dp", "gpus_per_node"):
+        if getattr(args, k) is not None and getattr(args, k) < 1:
+            print(f"parlab grid: --{k.replace('_', '-')} must be a positive integer, got {getattr(args, k)}",
+                  file=sys.stderr)
+            return 2
+    if args.world > MAX_GRID_RANKS:
+        print(f"parlab grid: at most {MAX_GRID_RANKS} ranks (every group is printed), got --world {args.world}",
+              file=sys.stderr)
+        return 2
     try:
         grid = ParallelGrid(args.world, tp=args.tp, pp=args.pp, cp=args.cp, dp=args.dp, order=args.order,
                             gpus_per_node=args.gpus_per_node)

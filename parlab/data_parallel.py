@@ -51,6 +51,7 @@ DDP all-reduces each gradient byte exactly once per step.
 from __future__ import annotations
 
 import contextlib
+import math
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
@@ -271,8 +272,10 @@ class DistributedDataParallel(nn.Module):
     def __init__(self, module: nn.Module, group=None, bucket_cap_mb: float = 25.0,
                  find_unused_parameters: bool = False):
         super().__init__()
-        if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) or not bucket_cap_mb > 0:
-            raise ValueError(f"bucket_cap_mb must be a positive number of MiB (2**20 bytes), got {bucket_cap_mb!r}; "
+        if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) or not bucket_cap_mb > 0 \
+                or not math.isfinite(bucket_cap_mb):
+            raise ValueError(f"bucket_cap_mb must be a positive number of MiB (2**20 bytes), and finite; got "
+                             f"{bucket_cap_mb!r}; "
                              f"e.g. 25 (torch's default), or 0.001 for about one bucket per small parameter")
         self.module, self.group, self.find_unused_parameters = module, group, find_unused_parameters
         self.bucket_cap_mb = bucket_cap_mb

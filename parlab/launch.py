@@ -1,4 +1,4 @@
-"""Start ranks: `run` for simulated ranks on one machine, `init` for scripts under torchrun.
+"""Start ranks: `run` for simulated ranks on one machine (`init`, for torchrun/srun, is in parlab.torchrun).
 
 `run(fn, world_size)` is how lessons, exercises and tests execute parallel
 code: it starts `world_size` processes, gives each an initialised default
@@ -6,16 +6,26 @@ process group, calls ``fn(*args, **kwargs)`` on every rank and returns the
 results in rank order, together with each rank's captured output and, with
 ``trace=True``, the merged communication trace.
 
+The backend is gloo on the CPU unless asked: lessons, exercises and tests build
+their models and tensors on the CPU, and a CPU tensor cannot go through NCCL.
+``backend="nccl"`` (one GPU per rank, rank r on ``cuda:r``) or ``backend="auto"``
+(NCCL when there is a GPU per rank) are explicit choices; on NCCL the rank's
+device is set before the function's arguments are unpickled, and every tensor
+in the results comes back on the CPU (so the caller opens no CUDA context).
+
 How it starts ranks (measured on a 2-core CPU machine, torch 2.13, gloo):
 
 * **fork** (the default for CPU/gloo on Linux). Children inherit the parent's
   memory, so a function defined in a notebook cell runs as is, and start-up is
   fast (about 0.1-0.2 s for 8 ranks). Rendezvous goes through a
-  `torch.distributed.FileStore` on a fresh temporary file: no ports, so two
+  `torch.distributed.FileStore` in a fresh temporary folder: no ports, so two
   notebooks can run at once without colliding. Each child calls
   ``torch.set_num_threads(1)`` before touching torch, because a forked child
   can deadlock in its first multi-threaded kernel when the parent already used
   its OpenMP pool (with 8 ranks on 2 cores one thread each is right anyway).
+  A process group the parent already has (after `parlab.init()`, or a `run`
+  inside a rank) is forgotten in the child, never used or torn down there, so
+  both cases work.
 * **spawn** (used for NCCL, or when asked). Once a process has touched CUDA,
   forking it is unsafe, so GPU ranks are fresh interpreters. The function and
   its arguments are shipped by value with cloudpickle, which also handles
@@ -25,21 +35,20 @@ How it starts ranks (measured on a 2-core CPU machine, torch 2.13, gloo):
 Faults never hang the caller: an exception on a rank raises `RankError`
 (naming the rank, carrying its traceback) and stops the others; ranks still
 running after `timeout` seconds raise `RankTimeout` naming them; a rank killed
-by a signal raises `RankKilled`. No child process survives a call: they are
-killed on every exit path, and they die with the parent (PR_SET_PDEATHSIG).
+by a signal, or one that exits without reporting (``os._exit``), raises
+`RankKilled`. Blame goes to the cause, not to the peers that saw the broken
+connection: a rank that died without a report is the culprit (its peers always
+report), else the earliest exception in time. Ctrl-C stops every rank at once
+and still prints what each rank wrote so far. No child process and no
+temporary file survives a call: ranks are killed and the ``parlab-run-*``
+folder removed on every exit path, and ranks die with the parent
+(PR_SET_PDEATHSIG).
 
 After a failed collective a process group may be broken; parlab never reuses
 one: each `run` builds new processes and a new group.
-
-`init()` is the same entry point for scripts started by ``torchrun`` (one node
-or many, e.g. under SLURM): it reads torchrun's environment, picks NCCL and
-``cuda:LOCAL_RANK`` when GPUs are present, else gloo on the CPU, and returns a
-`Context`. Under `run` it simply describes the group that already exists, so
-the same user code runs in both worlds.
 """
 from __future__ import annotations
 
-import atexit
 import ctypes
 import datetime
 import os
@@ -51,16 +60,18 @@ import sys
 import tempfile
 import time
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from multiprocessing import connection, get_context
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
+from .torchrun import Context, _store_barrier, check_timeout, init
 from .trace import Trace, recording
 
-__all__ = ["run", "init", "Context", "RunResult", "RankError", "RankTimeout", "RankKilled", "choose_backend"]
+__all__ = ["run", "RunResult", "RankError", "RankTimeout", "RankKilled", "choose_backend", "to_cpu",
+           "init", "Context"]   # init and Context live in parlab.torchrun; re-exported here for old imports
 
 
 # ---------------------------------------------------------------------- results and errors
@@ -144,13 +155,10 @@ def _child(rank: int, world_size: int, workdir: str, backend: str, threads: int,
     status: tuple
     try:
         torch.set_num_threads(threads)
-        fn, args, kwargs = pickle.loads(payload) if isinstance(payload, bytes) else payload
+        _forget_inherited_groups()
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                           LOCAL_WORLD_SIZE=str(world_size))
-        device_id = None
-        if backend == "nccl":
-            torch.cuda.set_device(rank)
-            device_id = torch.device("cuda", rank)
+        device_id, (fn, args, kwargs) = _prepare(rank, backend, payload)
         store = dist.FileStore(os.path.join(workdir, "store"), world_size)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=timeout), device_id=device_id)
@@ -171,6 +179,8 @@ def _child(rank: int, world_size: int, workdir: str, backend: str, threads: int,
             events = rec.events
         else:
             value, events = fn(*args, **kwargs), None
+        if backend == "nccl":
+            value = to_cpu(value)
         status = ("ok", value, events)
     except BaseException as exc:  # report everything, including SystemExit, to the caller
         status = ("error", time.time(), type(exc).__name__, str(exc), traceback.format_exc())
@@ -193,33 +203,99 @@ def _child(rank: int, world_size: int, workdir: str, backend: str, threads: int,
     os._exit(0 if status[0] == "ok" else 1)
 
 
-def _store_barrier(store, key: str, world_size: int, timeout_s: float | None = None) -> bool:
-    """Wait until all ranks reached this point, through the rendezvous store (no collective involved).
-    With `timeout_s`, give up after that many seconds; returns whether every rank arrived."""
-    deadline = None if timeout_s is None else time.monotonic() + timeout_s
-    arrived = store.add(key, 1)
-    while arrived < world_size:
-        if deadline is not None and time.monotonic() > deadline:
-            return False
-        time.sleep(0.001)
-        arrived = store.add(key, 0)
-    return True
+_INHERITED: list = []   # process groups a forked rank inherited: kept referenced, never used or destroyed
+
+
+def _forget_inherited_groups() -> None:
+    """Make a forked rank forget the process groups of the process that forked it (after `parlab.init()`,
+    or a `run` inside a rank), so that it can start its own default group.
+
+    The inherited groups belong to the parent: their worker threads do not exist in this process and their
+    sockets are the parent's, so shutting them down here could hang or break the parent's group. They are
+    only dropped from torch.distributed's bookkeeping (the same fields `destroy_process_group` clears, minus
+    the shutdown) and kept referenced, so no destructor runs; the rank leaves with os._exit."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    c10d = dist.distributed_c10d
+    try:  # private state of torch.distributed: guarded, with a clear error if a torch version moves it
+        w = c10d._world
+        _INHERITED.extend(w.pg_map)
+        c10d._update_default_pg(None)
+        for d in (w.pg_map, w.pg_names, w.pg_group_ranks, w.pg_backend_config, w.pg_to_tag, w.tags_to_pg,
+                  w.pg_coalesce_state):
+            d.clear()
+        w.group_count = 0
+        c10d._unregister_all_process_groups()
+    except Exception as exc:
+        raise RuntimeError(f"this process already has a torch.distributed process group, and this torch version "
+                           f"does not let a forked rank drop it ({exc}); call parlab.run(..., "
+                           f"start_method='spawn'), or call parlab.run before parlab.init()") from exc
+
+
+def to_cpu(value):
+    """`value` with every tensor inside lists, tuples, dicts and sets moved to the CPU (other objects as is)."""
+    if torch.is_tensor(value):
+        return value.detach().cpu() if value.device.type != "cpu" else value
+    if isinstance(value, dict):
+        items = [(k, to_cpu(v)) for k, v in value.items()]
+        try:
+            return type(value)(items)
+        except TypeError:  # a dict subclass with another constructor
+            return dict(items)
+    if isinstance(value, tuple) and hasattr(value, "_fields"):  # a namedtuple
+        return type(value)(*(to_cpu(v) for v in value))
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return type(value)(to_cpu(v) for v in value)
+    return value
+
+
+def _prepare(rank: int, backend: str, payload):
+    """On NCCL, make ``cuda:rank`` this process's device, *then* unpickle (fn, args, kwargs): CUDA tensors
+    among the arguments are restored onto the current device, so in the other order they would all land
+    on cuda:0. Returns (the device to bind the process group to, or None; the unpickled payload)."""
+    device_id = None
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+        device_id = torch.device("cuda", rank)
+    if isinstance(payload, bytes):
+        import cloudpickle  # noqa: F401  (made by cloudpickle; plain pickle loads it once it is importable)
+        payload = pickle.loads(payload)
+    return device_id, payload
 
 
 def _spawn_entry(rank, world_size, workdir, backend, threads, seed, seed_per_rank, timeout, trace, payload):
-    import cloudpickle  # the payload was made by cloudpickle; plain pickle can load it once cloudpickle is importable
-    _child(rank, world_size, workdir, backend, threads, seed, seed_per_rank, timeout, trace,
-           cloudpickle.loads(payload))
+    # the payload stays bytes here: _child sets the rank's CUDA device before unpickling it
+    _child(rank, world_size, workdir, backend, threads, seed, seed_per_rank, timeout, trace, payload)
 
 
 # ---------------------------------------------------------------------- the parent side
-def run(fn: Callable, world_size: int, *args, backend: str = "auto", timeout: float = 60.0, trace: bool = False,
+def _check_args(fn, world_size, timeout, threads, seed, start_method) -> None:
+    """Every argument checked before any process starts, with what to pass instead."""
+    if not callable(fn):
+        raise TypeError(f"run() needs a function to call on every rank, got {type(fn).__name__}")
+    if isinstance(world_size, bool) or not isinstance(world_size, int):
+        raise TypeError(f"world_size must be a positive integer (the number of ranks), got {world_size!r}")
+    if world_size < 1:
+        raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
+    check_timeout(timeout)
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+        raise ValueError(f"threads must be a positive integer (torch threads per rank) or None, got {threads!r}")
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise TypeError(f"seed must be an integer, got {seed!r}")
+    if start_method not in (None, "fork", "spawn"):
+        raise ValueError(f"start_method must be 'fork' or 'spawn', got {start_method!r}")
+
+
+def run(fn: Callable, world_size: int, *args, backend: str = "gloo", timeout: float = 60.0, trace: bool = False,
         seed: int = 0, seed_per_rank: bool = False, threads: int | None = None, start_method: str | None = None,
         echo: bool = True, **kwargs) -> RunResult:
     """Run ``fn(*args, **kwargs)`` on `world_size` simulated ranks and return their results in rank order.
 
-    backend       'auto' (NCCL if there is a GPU per rank, else gloo), 'gloo' or 'nccl'
-    timeout       seconds before unfinished ranks are stopped and `RankTimeout` is raised
+    backend       'gloo' (the default: ranks on the CPU, where lessons, exercises and tests put their
+                  tensors), 'nccl' (rank r on cuda:r; tensors in the results come back on the CPU) or
+                  'auto' (NCCL if there is a GPU per rank, else gloo; only for code that puts its tensors
+                  on ``parlab.init().device``)
+    timeout       seconds (positive, finite) before unfinished ranks are stopped and `RankTimeout` is raised
     trace         record every parlab.comm call and parlab.trace.region; merged into `RunResult.trace`
     seed          every rank calls torch.manual_seed(seed) (+ rank when `seed_per_rank`)
     threads       torch threads per rank (default: 1 when forking, see below; CPU cores // world_size
@@ -228,15 +304,11 @@ def run(fn: Callable, world_size: int, *args, backend: str = "auto", timeout: fl
     echo          print each rank's captured output, prefixed ``[rank r]``, in rank order
 
     Keyword arguments not listed above go to `fn` (use functools.partial for one that collides).
+    It may be called after `parlab.init()` in the same process and from inside a rank (a nested run).
     """
-    if not callable(fn):
-        raise TypeError(f"run() needs a function to call on every rank, got {type(fn).__name__}")
-    if not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
+    _check_args(fn, world_size, timeout, threads, seed, start_method)
     backend = choose_backend(world_size, backend)
     start_method = start_method or ("spawn" if backend == "nccl" else "fork")
-    if start_method not in ("fork", "spawn"):
-        raise ValueError(f"start_method must be 'fork' or 'spawn', got {start_method!r}")
     if start_method == "fork" and backend == "nccl":
         raise ValueError("forking after CUDA is initialised is unsafe; use start_method='spawn' with NCCL")
     if threads is None:
@@ -244,7 +316,6 @@ def run(fn: Callable, world_size: int, *args, backend: str = "auto", timeout: fl
         # torch's OpenMP pool (seen here with 2 threads per rank), so forked ranks run one thread each.
         threads = 1 if start_method == "fork" else max(1, (os.cpu_count() or 1) // world_size)
 
-    workdir = tempfile.mkdtemp(prefix="parlab-run-")
     if start_method == "fork":
         ctx, target, payload = get_context("fork"), _child, (fn, args, kwargs)
     else:
@@ -252,14 +323,24 @@ def run(fn: Callable, world_size: int, *args, backend: str = "auto", timeout: fl
         ctx, target, payload = get_context("spawn"), _spawn_entry, cloudpickle.dumps((fn, args, kwargs))
     procs = []
     t_start = time.perf_counter()
+    workdir = tempfile.mkdtemp(prefix="parlab-run-")
     try:
-        for rank in range(world_size):
-            p = ctx.Process(target=target, name=f"parlab-rank-{rank}",
-                            args=(rank, world_size, workdir, backend, threads, seed, seed_per_rank, timeout, trace,
-                                  payload))
-            p.start()
-            procs.append(p)
-        failure = _wait(procs, timeout, t_start)
+        try:
+            for rank in range(world_size):
+                p = ctx.Process(target=target, name=f"parlab-rank-{rank}",
+                                args=(rank, world_size, workdir, backend, threads, seed, seed_per_rank, timeout,
+                                      trace, payload))
+                p.start()
+                procs.append(p)
+            failure = _wait(procs, timeout, t_start, workdir)
+        except KeyboardInterrupt:
+            # Ctrl-C: stop every rank now, then show what each had written (the output says where it hung)
+            _stop(procs)
+            outputs = [_read(os.path.join(workdir, f"out.{r}")) for r in range(world_size)]
+            if echo:
+                _echo(outputs)
+            print(f"parlab.run: interrupted; stopped all {world_size} ranks", file=sys.stderr)
+            raise
         outputs = [_read(os.path.join(workdir, f"out.{r}")) for r in range(world_size)]
         if failure is None:
             statuses = [_load(workdir, r) for r in range(world_size)]
@@ -269,19 +350,38 @@ def run(fn: Callable, world_size: int, *args, backend: str = "auto", timeout: fl
             events = [s[2] for s in statuses] if trace else None
             return RunResult(results=[s[1] for s in statuses], outputs=outputs,
                              trace=Trace.merge(events) if trace else None, seconds=seconds, backend=backend)
+        time.sleep(0.05)   # let ranks that failed at the same moment finish writing their reports
+        codes = [p.exitcode for p in procs]   # before stopping the rest: who exited on its own, and how
+        _stop(procs)
+        outputs = [_read(os.path.join(workdir, f"out.{r}")) for r in range(world_size)]
         if echo:
             _echo(outputs)
-        raise _explain(failure, workdir, world_size, timeout, outputs)
+        raise _explain(failure, workdir, world_size, timeout, outputs, codes)
     finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-        for p in procs:
-            p.join(timeout=5)
+        _stop(procs)
         shutil.rmtree(workdir, ignore_errors=True)
 
 
-def _wait(procs, timeout: float, t_start: float):
+def _stop(procs) -> None:
+    """SIGKILL every rank still running and reap them all (a stopped, SIGSTOPped or hung rank included)."""
+    for p in procs:
+        if p.exitcode is None:
+            try:
+                p.kill()
+            except (OSError, ValueError):
+                pass
+    for p in procs:
+        try:
+            p.join(timeout=5)
+        except (OSError, ValueError, AssertionError):
+            pass
+
+
+def _reported(workdir: str, rank: int) -> bool:
+    return os.path.exists(os.path.join(workdir, f"result.{rank}"))
+
+
+def _wait(procs, timeout: float, t_start: float, workdir: str):
     """Wait until every rank exited cleanly (-> None) or something went wrong (-> a description)."""
     pending = {p.sentinel: r for r, p in enumerate(procs)}
     while pending:
@@ -291,37 +391,51 @@ def _wait(procs, timeout: float, t_start: float):
         for s in connection.wait(list(pending), timeout=left):
             r = pending.pop(s)
             procs[r].join()
-            if procs[r].exitcode != 0:
+            if procs[r].exitcode != 0 or not _reported(workdir, r):   # os._exit(0) in fn reports nothing
                 return ("failed", r, procs[r].exitcode)
     return None
 
 
-def _explain(failure, workdir: str, world_size: int, timeout: float, outputs: list[str]) -> Exception:
-    """Turn a failure into the most useful exception: the earliest rank error, else the kill, else the timeout."""
+def _explain(failure, workdir: str, world_size: int, timeout: float, outputs: list[str],
+             codes: list[int | None]) -> Exception:
+    """Turn a failure into the exception that names the cause (`codes`: each rank's exit status, None if
+    it was still running when the failure was seen).
+
+    A rank that reports always reports: an exception in `fn` (or a peer's broken connection) writes an
+    error report before the rank exits. So a rank that exited *without* a report (killed by a signal,
+    ``os._exit``, a crash in C++) is the cause, and its peers' connection errors are its consequences.
+    SIGABRT is the exception: gloo can abort a healthy rank whose peer vanished, so an abort is blamed
+    only when no rank reported an error. Otherwise the earliest reported exception in time is the cause."""
     if failure[0] == "timeout":  # name the ranks still inside fn (finished ones wait at the exit barrier)
-        inside = [r for r in failure[1] if not os.path.exists(os.path.join(workdir, f"result.{r}"))]
+        inside = [r for r in failure[1] if not _reported(workdir, r)]
         return RankTimeout(inside or failure[1], timeout, outputs)
-    _, failed, code = failure
-    if code < 0:  # the first rank to go died from a signal: peers' connection errors are its consequence
+    silent, errors = [], []
+    for r in range(world_size):
+        if not _reported(workdir, r):
+            if codes[r] is not None:
+                silent.append((codes[r] == -signal.SIGABRT, r, codes[r]))   # exited without a report
+            continue
+        st = _load(workdir, r)
+        if st[0] == "error":
+            errors.append((st[1], r, st))
+    silent.sort()   # non-aborts first, then by rank
+    if silent and (not silent[0][0] or not errors):
+        _, r, code = silent[0]
+        return RankKilled(r, _how(code))
+    if errors:  # the first error in time is the cause; the others are usually peers losing their connection
+        _, r, st = min(errors)
+        return RankError(r, st[2], st[3], st[4])
+    return RankKilled(failure[1], _how(failure[2]))
+
+
+def _how(code: int | None) -> str:
+    if code is not None and code < 0:
         try:
             name = signal.Signals(-code).name
         except ValueError:
             name = str(-code)
-        return RankKilled(failed, f"was killed by signal {name}" + (" (often the out-of-memory killer)"
-                                                                    if name == "SIGKILL" else ""))
-    time.sleep(0.05)  # let ranks that failed at the same moment finish writing their reports
-    errors = []
-    for r in range(world_size):
-        try:
-            st = _load(workdir, r)
-        except FileNotFoundError:
-            continue
-        if st[0] == "error":
-            errors.append((st[1], r, st))
-    if errors:  # the first error in time is the cause; the others are usually peers losing their connection
-        _, r, st = min(errors)
-        return RankError(r, st[2], st[3], st[4])
-    return RankKilled(failed, f"exited with code {code} without reporting a result (sys.exit/os._exit in fn?)")
+        return f"was killed by signal {name}" + (" (often the out-of-memory killer)" if name == "SIGKILL" else "")
+    return f"exited with code {code} without reporting a result (os._exit in fn, or a crash inside C++?)"
 
 
 def _load(workdir: str, rank: int):
@@ -341,93 +455,3 @@ def _echo(outputs: list[str]) -> None:
     for r, text in enumerate(outputs):
         for line in text.splitlines():
             print(f"[rank {r}] {line}")
-
-
-# ---------------------------------------------------------------------- torchrun side
-@dataclass
-class Context:
-    """Where this process sits: its rank, the world size, its rank on this node and its device."""
-    rank: int
-    world_size: int
-    local_rank: int
-    device: torch.device
-    backend: str
-    extra: dict = field(default_factory=dict)
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
-
-def init(backend: str = "auto", timeout: float = 600.0) -> Context:
-    """Initialise torch.distributed from torchrun's environment (or describe the group `run` already made).
-
-    Under ``torchrun --nproc_per_node=N script.py`` (one node or many): NCCL on ``cuda:LOCAL_RANK`` when GPUs
-    are present, else gloo on the CPU. Run as a plain ``python script.py`` it becomes a world of one rank.
-    """
-    if dist.is_available() and dist.is_initialized():
-        be = dist.get_backend()
-        local = int(os.environ.get("LOCAL_RANK", dist.get_rank()))
-        device = torch.device("cuda", torch.cuda.current_device()) if be == "nccl" else torch.device("cpu")
-        return Context(dist.get_rank(), dist.get_world_size(), local, device, be)
-    env = os.environ
-    if "RANK" in env and "WORLD_SIZE" in env:
-        if "MASTER_ADDR" not in env or "MASTER_PORT" not in env:
-            raise RuntimeError("parlab.init(): RANK and WORLD_SIZE are set but MASTER_ADDR/MASTER_PORT are not; "
-                               "start the script with torchrun (it sets all four)")
-        rank, world, local = int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", 0))
-        init_method = "env://"
-    else:  # plain `python script.py`: a world of one
-        rank, world, local = 0, 1, 0
-        init_method = None
-    be = "nccl" if (backend == "auto" and torch.cuda.is_available()) else ("gloo" if backend == "auto" else backend)
-    device = torch.device("cpu")
-    if be == "nccl":
-        if local >= torch.cuda.device_count():
-            raise RuntimeError(f"LOCAL_RANK {local} but only {torch.cuda.device_count()} GPUs on this node; "
-                               f"use --nproc_per_node <= {torch.cuda.device_count()}")
-        torch.cuda.set_device(local)
-        device = torch.device("cuda", local)
-    kw = dict(backend=be, timeout=datetime.timedelta(seconds=timeout))
-    if be == "nccl":
-        kw["device_id"] = device
-    if init_method is None:
-        store = dist.FileStore(tempfile.mktemp(prefix="parlab-store-"), 1)
-        dist.init_process_group(store=store, rank=0, world_size=1, **kw)
-    else:
-        dist.init_process_group(init_method=init_method, **kw)
-    # Tear the group down at exit: a process that exits with a live gloo group can abort in C++
-    # ("terminate called without an active exception"; seen here about 1 run in 10).
-    atexit.register(_destroy_at_exit)
-    return Context(rank, world, local, device, be)
-
-
-def _destroy_at_exit(timeout_s: float = 30.0) -> None:
-    """Leave the process group in step with the other ranks, so that no rank exits while a peer still talks to it.
-
-    A rank that tears down (or simply exits with) its gloo connections while a peer is still
-    finishing its last send can make that peer's process abort in C++ ("terminate called without
-    an active exception", about 1 exit in 30 on a loaded machine). So every rank first waits on
-    the rendezvous store until all ranks are done, then destroys the group, then waits once more
-    until all have destroyed it. The waits go through the store (torchrun's agent hosts it), not
-    through the process group, and are bounded: a rank that crashed or hangs costs at most
-    `timeout_s` seconds of exit time, never a hang, and a failure here never masks the exit code.
-    """
-    if not (dist.is_available() and dist.is_initialized()):
-        return
-    world = dist.get_world_size()
-    store = None
-    crashed = getattr(sys, "last_value", None) is not None  # set by Python when an uncaught exception ends the script
-    if world > 1 and not crashed:  # a crashed rank leaves at once: its peers may never reach the rendezvous
-        try:
-            store = dist.distributed_c10d._get_default_store()  # private API: guarded, falls back to a plain destroy
-        except Exception:
-            store = None
-    try:
-        if store is not None:
-            _store_barrier(store, "parlab/exit/done", world, timeout_s)
-        dist.destroy_process_group()
-        if store is not None:
-            _store_barrier(store, "parlab/exit/destroyed", world, timeout_s)
-    except Exception:
-        pass  # exiting anyway: the rank's own exit status is what matters

@@ -310,6 +310,9 @@ def tiny_state_bytes(config, *, tp: int = 1, pp: int = 1, dp: int = 1, zero: int
 
 
 # ---------------------------------------------------------------------- command line
+MAX_GPUS = 16384   # `parlab plan` answers in seconds up to here (1024 nodes x 8: ~6 s at load 27 on 2 cores)
+
+
 def main(argv=None) -> int:
     """``parlab plan``: print the ranked layouts of a model on a cluster."""
     p = argparse.ArgumentParser(prog="parlab plan", description="rank training layouts by estimated step time")
@@ -327,8 +330,13 @@ def main(argv=None) -> int:
     p.add_argument("--global-batch", type=int, default=None, help="sequences per step (default 2 x GPUs)")
     p.add_argument("--top", type=int, default=10)
     a = p.parse_args(argv)
+    for k in ("layers", "hidden", "heads", "vocab", "seq", "global_batch", "top", "nodes", "gpus_per_node"):
+        if getattr(a, k) is not None and getattr(a, k) < 1:
+            p.error(f"--{k.replace('_', '-')} must be a positive integer, got {getattr(a, k)}")
+    if a.nodes * a.gpus_per_node > MAX_GPUS:   # every layout is enumerated: a huge cluster would take minutes
+        p.error(f"at most {MAX_GPUS} GPUs (--nodes x --gpus-per-node), got {a.nodes * a.gpus_per_node}")
     try:
-        custom = {k: getattr(a, k) for k in ("layers", "hidden", "heads", "vocab", "seq") if getattr(a, k)}
+        custom = {k: getattr(a, k) for k in ("layers", "hidden", "heads", "vocab", "seq") if getattr(a, k) is not None}
         if a.model == "custom":
             missing = [k for k in ("layers", "hidden", "heads", "vocab", "seq") if k not in custom]
             if missing:

@@ -142,12 +142,12 @@ def test_sliced_wait_finds_a_message_whose_wake_up_was_lost():
 
     get = course._sliced(lossy_get_msg, poll=0.05)
     msg = asyncio.run(asyncio.wait_for(get(timeout=None), 5))
-    assert msg["msg_type"] == "execute_reply" and time.monotonic() - t0 < 1.0   # ~0.1 s, not 3600 s
+    assert msg["msg_type"] == "execute_reply" and time.monotonic() - t0 < 30   # ~0.1 s, not 3600 s (generous: busy machines)
     t0 = time.monotonic() + 3600                          # a message that never comes: the timeout still holds
     start = time.monotonic()
     with pytest.raises(Empty):
         asyncio.run(get(timeout=0.2))
-    assert 0.2 <= time.monotonic() - start < 1.0
+    assert 0.2 <= time.monotonic() - start < 30
 
 
 def test_html_command_rejects_a_missing_notebook(tmp_path, capsys):
