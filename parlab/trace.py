@@ -204,12 +204,18 @@ def current_recorder() -> Recorder | None:
 
 
 def _default_clock() -> str:
-    """"cuda-events" when this process already uses a GPU, else "wall"."""
+    """"cuda-events" when this process already uses a GPU (and communicates over NCCL, if it communicates),
+    else "wall" (gloo moves CPU tensors: host time is execution time there)."""
     try:
         import torch
-        return "cuda-events" if torch.cuda.is_available() and torch.cuda.is_initialized() else "wall"
+        import torch.distributed as dist
     except ImportError:  # pragma: no cover - torch is a dependency
         return "wall"
+    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+        return "wall"
+    if dist.is_available() and dist.is_initialized() and "nccl" not in str(dist.get_backend()):
+        return "wall"
+    return "cuda-events"
 
 
 @contextlib.contextmanager
