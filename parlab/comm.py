@@ -11,6 +11,10 @@ same meaning, with the same arguments and the same result, plus:
 * one `parlab.trace.Event` per call on the calling rank when a recorder is
   active (``parlab.run(..., trace=True)`` or ``with parlab.trace.recording()``):
   op, group ranks, peer, element count, payload bytes, dtype, start and end.
+  On the "cuda-events" clock (a recording in a process that uses CUDA; see
+  parlab.trace) start and end are CUDA events on the current stream, not host
+  times: a synchronous call ends when the current stream may use its result,
+  an asynchronous one when ``wait()`` has made the current stream wait for it.
   With no recorder the only extra cost is one list lookup.
 
 Ranks (``src``, ``dst``, ``peer``) are *global* ranks, as in torch.distributed.
@@ -149,8 +153,8 @@ def group_ranks(group=None) -> list[int]:
 class TracedWork:
     """Wraps the handle of an asynchronous call; the event's end time is set when the work completes."""
 
-    def __init__(self, work, event: Event):
-        self._work, self.event = work, event
+    def __init__(self, work, event: Event, device_span=None):
+        self._work, self.event, self._device_span = work, event, device_span
         try:  # completion time from the backend's future when it offers one (gloo and NCCL do)
             # The callback holds only the event, never the work: a callback that keeps its own work alive
             # forms a C++/Python cycle that made processes abort at exit ("terminate called without an
@@ -167,6 +171,8 @@ class TracedWork:
         self._finish()
         if self.event.waited is None:   # where the program first needed the result (for parlab.replay)
             self.event.waited = now()
+        if self._device_span is not None:   # cuda-events clock: done when the current stream is past the wait
+            self._device_span.close()
         return out
 
     def is_completed(self) -> bool:
@@ -181,12 +187,12 @@ class TracedWork:
 
 def _finish(event: Event, _future=None) -> None:
     """Stamp the completion time once (from the backend's callback or from wait(), whichever comes first)."""
-    if event.end == event.start and event.asynchronous:
+    if event.end == event.start and event.asynchronous and event.clock == "wall":   # (cuda-events: set at the end)
         event.end = now()
 
 
 def _record(op: str, kind: str, tensor: torch.Tensor | None, nbytes: int, group, peer, label: str,
-            start: float, work=None):
+            start: float, work=None, device_start=None):
     """Add one event to the active recorder; wrap `work` so its completion is timed."""
     rec = current_recorder()
     ev = Event(rank=rec.rank, kind=kind, op=op, start=start, end=now() if work is None else start,
@@ -195,16 +201,18 @@ def _record(op: str, kind: str, tensor: torch.Tensor | None, nbytes: int, group,
                nbytes=nbytes, dtype=str(tensor.dtype).replace("torch.", "") if tensor is not None else "",
                label=label, asynchronous=work is not None)
     rec.add(ev)
-    return TracedWork(work, ev) if work is not None else None
+    span = rec.device_span(ev, device_start, end=work is None)   # None on the wall clock
+    return TracedWork(work, ev, span) if work is not None else None
 
 
 def _run(op: str, kind: str, call, tensor, nbytes, group, peer, label, async_op):
     """Run one torch.distributed call, tracing it when a recorder is active."""
     if current_recorder() is None:
         return call()
-    start = now()
+    start, device_start = now(), current_recorder().device_mark()   # device_start: None on the wall clock
     work = call()
-    traced = _record(op, kind, tensor, nbytes, group, peer, label, start, work if async_op else None)
+    traced = _record(op, kind, tensor, nbytes, group, peer, label, start, work if async_op else None,
+                     device_start)
     return traced if async_op else work
 
 

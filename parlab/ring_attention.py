@@ -32,6 +32,11 @@ recomputes each block's probabilities from the saved log-sum-exp (as FlashAttent
 keeps dQ at home and sends dK/dV around the ring *with* their K/V block, so after P hops the
 accumulated dK/dV arrive back at the rank that owns them.
 
+Mixed precision: with bf16 / fp16 inputs each block's softmax runs in float32, and the output and
+log-sum-exp accumulate in float32 across the P merges (out is cast to the input dtype once, at the
+end; lse is kept in float32 for the backward), as ring-flash-attention does [2]; dQ also sums its P
+blocks in float32. The travelling dK/dV keep the input dtype (so the message sizes below hold).
+
 Communication per rank (K/V block = 2 B nh c hd elements, one message):
     forward   (P - 1) K/V blocks
     backward  (P - 1) K/V blocks + P dK/dV blocks
@@ -156,13 +161,20 @@ def ring_bytes_per_rank(P: int, B: int, nh: int, c: int, hd: int, element_size: 
 # ---------------------------------------------------------------------- one block and the merge
 def attention_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: bool = False):
     """Attention of q (B, nh, cq, hd) over k, v (B, nh, ck, hd) -> (out (B, nh, cq, hd), lse (B, nh, cq)).
-    lse is log sum_j exp(score_j): what a later merge needs to renormalise."""
+    lse is log sum_j exp(score_j): what a later merge needs to renormalise. The softmax runs in at least
+    float32 and lse comes back in it (as flash attention returns its lse), out in the input dtype."""
     s = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])   # (B, nh, cq, ck)
+    s = s.to(_acc_dtype(s.dtype))                           # bf16 / fp16 scores: softmax in float32
     if mask:
         keep = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril()  # (cq, ck), cq == ck
         s = s.masked_fill(~keep, float("-inf"))
     lse = torch.logsumexp(s, dim=-1)                        # (B, nh, cq)
-    return torch.exp(s - lse.unsqueeze(-1)) @ v, lse        # (B, nh, cq, hd), (B, nh, cq)
+    return torch.exp(s - lse.unsqueeze(-1)).to(v.dtype) @ v, lse   # (B, nh, cq, hd), (B, nh, cq)
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Where sums across blocks accumulate: float32 for 16-bit inputs, else the input dtype (float64 stays)."""
+    return torch.promote_types(dtype, torch.float32)
 
 
 def merge_partials(out1: torch.Tensor, lse1: torch.Tensor, out2: torch.Tensor, lse2: torch.Tensor):
@@ -185,6 +197,7 @@ def _block_backward(dout, q, k, v, lse, delta, mask: bool):
     restricted to this block): P = exp(S - lse); dV = P^T dO; dS = P * (dO V^T - delta); dQ = dS K / sqrt(hd);
     dK = dS^T Q / sqrt(hd), with delta = rowsum(dO * O) [4, algorithm 2]."""
     scale = 1.0 / math.sqrt(q.shape[-1])
+    dout, q, k, v = (t.to(lse.dtype) for t in (dout, q, k, v))   # 16-bit inputs: the block's math in float32
     s = q @ k.transpose(-2, -1) * scale                     # (B, nh, cq, ck)
     if mask:
         keep = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril()
@@ -237,6 +250,7 @@ class RingAttention(torch.autograd.Function):
         nxt, prv = ranks[(me + 1) % P], ranks[(me - 1) % P]
         c = q.shape[-2]
         kv = torch.stack([k, v]).contiguous()                # (2, B, nh, c, hd): one message per step
+        acc = _acc_dtype(q.dtype)                            # out and lse accumulate in float32 over P merges
         out = lse = None
         for step in range(P):
             if step < P - 1:                                 # next block in flight while we compute this one
@@ -247,15 +261,16 @@ class RingAttention(torch.autograd.Function):
                 with region("ring attention", label=f"fwd step {step} kv of rank {plan.src} q {plan.q} k {plan.k}"):
                     o, l = attention_block(q[..., qr, :], kv[0][..., kr, :], kv[1][..., kr, :], plan.mask)
                     if out is None:                          # step 0 always computes all rows
-                        out, lse = o, l
+                        out, lse = o.to(acc), l
                     else:                                    # (no autograd inside forward: in place is fine)
-                        out[..., qr, :], lse[..., qr] = merge_partials(out[..., qr, :], lse[..., qr], o, l)
+                        out[..., qr, :], lse[..., qr] = merge_partials(out[..., qr, :], lse[..., qr], o.to(acc), l)
             if stats is not None:                            # 0 for a fully masked block
                 stats.add("forward", step, 0 if plan is None else (qr.stop - qr.start) * (kr.stop - kr.start))
             if step < P - 1:
                 for w in works:
                     w.wait()
                 kv = kv_next
+        out = out.to(q.dtype)                                # (B, nh, c, hd); lse (B, nh, c) stays float32
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.group, ctx.causal, ctx.layout, ctx.stats = group, causal, layout, stats
         return out
@@ -269,8 +284,8 @@ class RingAttention(torch.autograd.Function):
         nxt, prv = ranks[(me + 1) % P], ranks[(me - 1) % P]
         c = q.shape[-2]
         dout = dout.contiguous()
-        delta = (dout * out).sum(-1)                         # (B, nh, c)
-        dq = torch.zeros_like(q)                             # (B, nh, c, hd), stays home
+        delta = (dout.to(lse.dtype) * out.to(lse.dtype)).sum(-1)   # (B, nh, c), float32 for 16-bit inputs
+        dq = torch.zeros_like(q, dtype=lse.dtype)            # (B, nh, c, hd), stays home, sums P blocks in float32
         kv = torch.stack([k, v]).contiguous()                # (2, B, nh, c, hd), travels
         dkv = dkv_works = None                               # the dK/dV of the visiting block, travels with it
         for step in range(P):
@@ -302,7 +317,7 @@ class RingAttention(torch.autograd.Function):
                 kv = kv_next
         for w in dkv_works or ():                            # after P hops our own dK/dV are home
             w.wait()
-        return dq, dkv[0], dkv[1], None, None, None, None
+        return dq.to(q.dtype), dkv[0], dkv[1], None, None, None, None
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None, causal: bool = True,

@@ -10,6 +10,16 @@ Recording is switched on per process with the `recording()` context manager
 (parlab.run does it for you when ``trace=True``). When nothing records, the
 cost of a traced call is one list lookup.
 
+Clocks. On the CPU a call's host time is its execution time. On a GPU it is
+not: NCCL completes a work's future at enqueue, ``wait()`` only orders streams,
+and a kernel launch returns at once, so host times would show launches. A
+recording on the ``"cuda-events"`` clock (the default when this process uses
+CUDA) therefore brackets every traced call and region with a pair of
+``torch.cuda.Event`` records on the current stream and, when the recording
+ends, synchronises once and converts them to wall seconds through an anchor
+event taken at the start. ``Event.clock`` says how each event was timed and
+`Trace.clock` which clock a trace holds ("wall" or "cuda-events").
+
 Bytes. An event stores the *payload* size ``nbytes`` of the call (for
 all-reduce the tensor, for all-gather the gathered output, for reduce-scatter
 the full input, for send/recv the message). How many bytes a rank actually
@@ -35,11 +45,12 @@ from dataclasses import asdict, dataclass, field
 from typing import Iterable, Iterator
 
 __all__ = ["Event", "Recorder", "Trace", "recording", "current_recorder", "region", "mark", "wire_bytes", "now",
-           "count_costs", "format_bytes"]
+           "count_costs", "format_bytes", "CLOCKS"]
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "reduce",
                "gather", "scatter", "barrier")
 P2P = ("send", "recv")
+CLOCKS = ("wall", "cuda-events")
 
 
 def now() -> float:
@@ -55,6 +66,7 @@ class Event:
     op: str                     # e.g. "all_reduce", "send", or the region name for compute
     start: float
     end: float
+    clock: str = "wall"         # how start/end were measured: "wall" (host) or "cuda-events" (GPU, see above)
     group: tuple[int, ...] = ()  # global ranks of the process group (empty for compute)
     peer: int | None = None     # global rank of the other side (p2p) or the root (broadcast/reduce/...)
     numel: int = 0
@@ -113,11 +125,16 @@ def wire_bytes(op: str, nbytes: int, group_size: int, is_root: bool = False, pos
 class Recorder:
     """Collects the events of one rank. Use through `recording()`."""
 
-    def __init__(self, rank: int = 0):
+    def __init__(self, rank: int = 0, clock: str = "wall"):
+        if clock not in CLOCKS:
+            raise ValueError(f"clock must be one of {CLOCKS} (or 'auto' in recording()), got {clock!r}")
         self.rank = rank
         self.events: list[Event] = []
         self.meter = None          # a cost meter while `count_costs()` is active
         self._stamp = (0.0, 0, 0)  # the meter's totals when the last event was added
+        self.clock = clock
+        self._anchor = None                       # (CUDA event, wall seconds) taken when recording starts
+        self._spans: list[_DeviceSpan] = []       # events to retime from CUDA events at the end
 
     def add(self, event: Event) -> Event:
         if self.meter is not None:   # a compute span added by hand gets the work metered since the last event
@@ -127,6 +144,65 @@ class Recorder:
             self._stamp = totals
         self.events.append(event)
         return event
+
+    # ---------------------------------------------------------------- the cuda-events clock
+    def device_mark(self):
+        """A timing CUDA event recorded now on the current stream (None on the wall clock)."""
+        if self.clock != "cuda-events":
+            return None
+        import torch
+        if self._anchor is None:
+            self._start_clock()
+        mark = torch.cuda.Event(enable_timing=True)
+        mark.record()
+        return mark
+
+    def device_span(self, event: Event, start_mark, end: bool = True) -> "_DeviceSpan | None":
+        """Retime `event` from `start_mark` to a CUDA event recorded now (`end`) or later (`_DeviceSpan.close`)
+        when the recording ends. Nothing on the wall clock (`start_mark` None)."""
+        if start_mark is None:
+            return None
+        span = _DeviceSpan(event, start_mark)
+        if end:
+            span.close()
+        self._spans.append(span)
+        return span
+
+    def _start_clock(self) -> None:
+        import torch
+        torch.cuda.synchronize()
+        anchor = torch.cuda.Event(enable_timing=True)
+        anchor.record()
+        anchor.synchronize()
+        self._anchor = (anchor, now())
+
+    def finish(self) -> None:
+        """Convert the CUDA-event spans to wall seconds (one device synchronisation); called when recording ends.
+        A span whose end was never recorded (an asynchronous work nobody waited on) keeps its host duration."""
+        if not self._spans:
+            return
+        import torch
+        torch.cuda.synchronize()
+        anchor, t0 = self._anchor
+        for sp in self._spans:
+            ev, host = sp.event, sp.event.end - sp.event.start
+            ev.start = t0 + anchor.elapsed_time(sp.start) / 1e3          # elapsed_time is in milliseconds
+            ev.end = t0 + anchor.elapsed_time(sp.end) / 1e3 if sp.end is not None else ev.start + host
+            ev.clock = "cuda-events"
+        self._spans = []
+
+
+class _DeviceSpan:
+    """An event being timed by a pair of CUDA events (the end one recorded at completion)."""
+
+    def __init__(self, event: Event, start):
+        self.event, self.start, self.end = event, start, None
+
+    def close(self) -> None:
+        if self.end is None:
+            import torch
+            self.end = torch.cuda.Event(enable_timing=True)
+            self.end.record()
 
 
 # The active recorders of this process, innermost last. A process-wide stack rather than a context
@@ -140,21 +216,40 @@ def current_recorder() -> Recorder | None:
     return _ACTIVE[-1] if _ACTIVE else None
 
 
+def _default_clock() -> str:
+    """"cuda-events" when this process already uses a GPU (and communicates over NCCL, if it communicates),
+    else "wall" (gloo moves CPU tensors: host time is execution time there)."""
+    try:
+        import torch
+        import torch.distributed as dist
+    except ImportError:  # pragma: no cover - torch is a dependency
+        return "wall"
+    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+        return "wall"
+    if dist.is_available() and dist.is_initialized() and "nccl" not in str(dist.get_backend()):
+        return "wall"
+    return "cuda-events"
+
+
 @contextlib.contextmanager
-def recording(rank: int | None = None) -> Iterator[Recorder]:
-    """Record every traced call made inside the block: ``with recording() as rec: ...; rec.events``."""
+def recording(rank: int | None = None, clock: str = "auto") -> Iterator[Recorder]:
+    """Record every traced call made inside the block: ``with recording() as rec: ...; rec.events``.
+    `clock`: "wall", "cuda-events", or "auto" (cuda-events when this process uses CUDA; module docstring)."""
     if rank is None:
         try:
             import torch.distributed as dist
             rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         except ImportError:  # pragma: no cover - torch is a dependency
             rank = 0
-    rec = Recorder(rank)
+    rec = Recorder(rank, _default_clock() if clock == "auto" else clock)
+    if rec.clock == "cuda-events":
+        rec._start_clock()
     _ACTIVE.append(rec)
     try:
         yield rec
     finally:
         _ACTIVE.remove(rec)
+        rec.finish()
 
 
 @contextlib.contextmanager
@@ -167,7 +262,7 @@ def region(name: str, label: str = "", flops: float | None = None, nbytes: int |
     if rec is None:
         yield
         return
-    start = now()
+    start, device_start = now(), rec.device_mark()
     before = rec.meter.totals() if rec.meter is not None else None
     try:
         yield
@@ -180,6 +275,7 @@ def region(name: str, label: str = "", flops: float | None = None, nbytes: int |
         if nbytes is not None:
             ev.nbytes = int(nbytes)
         rec.add(ev)
+        rec.device_span(ev, device_start)
 
 
 @contextlib.contextmanager
@@ -230,6 +326,11 @@ class Trace:
 
     def __iter__(self) -> Iterator[Event]:
         return iter(self.events)
+
+    @property
+    def clock(self) -> str:
+        """"cuda-events" when calls and regions were timed on the GPU (converted to wall seconds), else "wall"."""
+        return "cuda-events" if any(e.clock == "cuda-events" for e in self.events) else "wall"
 
     @property
     def ranks(self) -> list[int]:
@@ -320,7 +421,7 @@ class Trace:
                 args["flops"] = e.flops
             evs.append({"name": e.label or e.op, "cat": e.kind, "ph": "X", "pid": 0, "tid": e.rank,
                         "ts": (e.start - t0) * 1e6, "dur": max(e.duration, 0.0) * 1e6, "args": args})
-        doc = {"traceEvents": evs, "displayTimeUnit": "ms"}
+        doc = {"traceEvents": evs, "displayTimeUnit": "ms", "otherData": {"clock": self.clock}}
         if path is not None:
             with open(path, "w") as f:
                 json.dump(doc, f)
