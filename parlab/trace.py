@@ -34,7 +34,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Iterable, Iterator
 
-__all__ = ["Event", "Recorder", "Trace", "recording", "current_recorder", "region", "mark", "wire_bytes", "now", "format_bytes"]
+__all__ = ["Event", "Recorder", "Trace", "recording", "current_recorder", "region", "mark", "wire_bytes", "now",
+           "format_bytes"]
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "reduce",
                "gather", "scatter", "barrier")
