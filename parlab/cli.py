@@ -4,6 +4,7 @@
     parlab course strip [--check]        strip outputs and execution counts from the course notebooks
     parlab course scorecard results.xml  per-check pass/fail table from pytest --nbval-lax --junitxml
     parlab course html [NB ...] --out DIR  execute notebooks (default: the lessons) and export HTML pages
+    parlab course open [--no-browser]    copy the course to my-course/ and open JupyterLab on its START page
     parlab grid --world 16 --tp 2 --pp 4 --gpus-per-node 8   print the rank groups of a layout
     parlab grade SUBMISSIONS [--out DIR] [--jobs N]   grade a folder of exercise submissions (parlab.grader)
 
@@ -106,6 +107,15 @@ def _course_html(args) -> int:
     return 0
 
 
+def _course_open(args) -> int:
+    from .workspace import open_course
+    try:
+        return open_course(args.root, browser=not args.no_browser)
+    except FileNotFoundError as err:
+        print(f"parlab course open: {err}", file=sys.stderr)
+        return 2
+
+
 def add_course(sub) -> None:
     p = sub.add_parser("course", help="build exercises, strip notebooks, read grading results")
     csub = p.add_subparsers(dest="course_command", required=True)
@@ -120,10 +130,14 @@ def add_course(sub) -> None:
     h.add_argument("--out", type=Path, default=Path("html"), help="folder for the pages (default: ./html)")
     h.add_argument("--timeout", type=float, default=300.0, help="seconds one cell may run (default: 300)")
     h.set_defaults(func=_course_html)
+    o = csub.add_parser("open", help="copy the lessons and exercises to my-course/ (your own, git-ignored copy; "
+                                     "re-run after git pull) and open JupyterLab on my-course/START.ipynb")
+    o.add_argument("--no-browser", action="store_true", help="start JupyterLab without opening a browser")
+    o.set_defaults(func=_course_open)
     c = csub.add_parser("scorecard", help="per-check results from a pytest --junitxml file")
     c.add_argument("junit_xml", type=Path)
     c.set_defaults(func=_course_scorecard)
-    for q in (b, s):
+    for q in (b, s, o):
         q.add_argument("--root", type=Path, default=None, help="repository root (default: this checkout)")
     c.add_argument("--root", type=Path, default=Path("."), help="folder the tests were run from (default: .)")
 

@@ -158,6 +158,8 @@ def test_planner_figures_show_every_layout_fit_or_not_and_the_best():
     assert star.y[0] == ranked[0].step_s and ranked[0].layout in star.name
     assert any(t.name.startswith("tp8 pp4:") for t in fig.data)
     assert fig.layout.xaxis.type == "log" and fig.layout.shapes[0].x0 == pytest.approx(72.0)   # usable memory
+    # its label: an annotation on a log axis takes log10(72), not 72 (which stretched the axis to 10^72)
+    assert [a.x for a in fig.layout.annotations] == [pytest.approx(__import__("math").log10(72.0))]
     bars = breakdown_figure(ranked, top=5)
     assert [t.name for t in bars.data] == [label for _, label, _ in TERMS]
     totals = [sum(t.x[i] for t in bars.data) for i in range(5)]

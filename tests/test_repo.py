@@ -18,7 +18,7 @@ def test_ci_runs_the_readme_test_command():
     commands = _readme_commands()
     assert len(commands) == 2, "the Quickstart has exactly two commands: open the course, run the tests"
     course, tests = commands
-    assert "jupyter lab" in course and "pytest" in tests
+    assert "parlab course open" in course and "pytest" in tests
     ci = (ROOT / ".ci" / "run").read_text().splitlines()
     assert tests in ci, ".ci/run must run the README's test command verbatim"
 

@@ -89,7 +89,10 @@
     for (const s of (fl.shapes || [])) {
       if (s[letter + "ref"] === id) { push(s[letter + "0"]); push(s[letter + "1"]); }
     }
-    for (const a of (fl.annotations || [])) if (a[letter + "ref"] === id) push(a[letter]);
+    for (const a of (fl.annotations || [])) {   // on a log axis an annotation's position is already log10
+      if (a[letter + "ref"] !== id) continue;
+      if (ax.type === "log") { const n = Number(a[letter]); if (isFinite(n)) vals.push(n); } else push(a[letter]);
+    }
     if (!vals.length) return null;
     return [Math.min(...vals), Math.max(...vals)];
   }

@@ -125,9 +125,11 @@ def ring_animation(rows: Sequence[dict], P: int, layout: str = "zigzag", causal:
     head = title or f"ring attention, P={P}, {layout}{', causal' if causal else ''}"
 
     def heading(s: int) -> str:
-        done = sum(1 for r in computes if r["step"] <= s)
+        done = [r for r in computes if r["step"] <= s]
+        cells = {c for r in done for c in block_cells(r, P, layout, causal)}
         return (f"{head}<br><sup>step {s}: each rank computes with the K/V block it holds while sending it on "
-                f"({style.human_bytes(nbytes)} per message); {done} blocks computed so far</sup>")
+                f"({style.human_bytes(nbytes)} per message)<br>so far {len(done)} block computations "
+                f"(one per rank and step), covering the {len(cells)} coloured score cells</sup>")
 
     frames = [go.Frame(name=str(s), data=frame(s), traces=[0, 1, 2, 3], layout=go.Layout(title_text=heading(s)))
               for s in steps]
@@ -135,18 +137,19 @@ def ring_animation(rows: Sequence[dict], P: int, layout: str = "zigzag", causal:
     still = {"mode": "immediate", "frame": {"duration": 0, "redraw": True}, "transition": {"duration": 0}}
     ticks = [f"{u}" for u in range(n)]
     fig.update_layout(
-        title_text=heading(steps[0]), template="plotly_white", showlegend=False, height=520,
+        title_text=heading(steps[0]), template="plotly_white", showlegend=False, height=600,
+        margin=dict(t=120, b=130),
         xaxis=dict(visible=False, range=[-1.5, 1.5]), yaxis=dict(visible=False, range=[-1.5, 1.5]),
         xaxis2=dict(title="key position unit (S/2P positions)", tickvals=list(range(n)), ticktext=ticks,
                     range=[-0.5, n - 0.5], constrain="domain"),
         yaxis2=dict(title="query position unit", tickvals=list(range(n)), ticktext=ticks, autorange="reversed",
                     scaleanchor="x2"),
-        updatemenus=[dict(type="buttons", direction="left", x=0.0, y=-0.05, xanchor="left", yanchor="top",
+        updatemenus=[dict(type="buttons", direction="left", x=0.0, y=-0.14, xanchor="left", yanchor="top",
                           buttons=[dict(label="▶ play", method="animate",
                                         args=[None, {"frame": {"duration": 1100, "redraw": True},
                                                      "transition": {"duration": 0}, "fromcurrent": True}]),
                                    dict(label="❚❚ pause", method="animate", args=[[None], still])])],
-        sliders=[dict(active=0, x=0.2, len=0.8, y=-0.02, yanchor="top", currentvalue=dict(prefix="ring step "),
+        sliders=[dict(active=0, x=0.2, len=0.8, y=-0.12, yanchor="top", currentvalue=dict(prefix="ring step "),
                       steps=[dict(label=str(s), method="animate", args=[[str(s)], still]) for s in steps])])
     return fig
 
@@ -210,8 +213,8 @@ def memory_figure(S_values: Sequence[int], curves: Mapping[str, Sequence[float]]
         fig.add_annotation(x=0.02, xref="paper", y=math.log10(limit / 1e9), yanchor="bottom", showarrow=False,
                            text=f"device memory {limit / 1e9:g} GB")
     fig.update_layout(title=title or "attention memory per rank vs sequence length", template="plotly_white",
-                      xaxis=dict(type="log", title="sequence length S"),
-                      yaxis=dict(type="log", title="GB per rank"), height=430)
+                      xaxis=dict(type="log", title="sequence length S", minorloglabels="none"),
+                      yaxis=dict(type="log", title="GB per rank", minorloglabels="none"), height=430)
     return fig
 
 
@@ -233,6 +236,6 @@ def overlap_figure(c_values: Sequence[float], compute_s: Sequence[float], comm_s
         fig.add_annotation(x=math.log10(mark), y=0, yref="paper", xanchor="left", yanchor="bottom",
                            showarrow=False, text=f"c = {mark:,.0f}", font_color="#d62728")
     fig.update_layout(title=title or "when does ring communication hide behind compute?", template="plotly_white",
-                      xaxis=dict(type="log", title="block length c = S / P (tokens per rank)"),
-                      yaxis=dict(type="log", title="seconds per ring step"), height=430)
+                      xaxis=dict(type="log", title="block length c = S / P (tokens per rank)", minorloglabels="none"),
+                      yaxis=dict(type="log", title="seconds per ring step", minorloglabels="none"), height=430)
     return fig

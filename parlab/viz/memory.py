@@ -100,6 +100,7 @@ def fit_curves(psi: float, gpu_bytes: float = 80e9, nds: Sequence[int] = tuple(2
         top = memory.model_state_bytes(psi, 1, 0, param_bytes, grad_bytes, k)["total"] / 1e9
         fig.add_trace(go.Scatter(x=[mark_nd, mark_nd], y=[lowest, top], mode="lines", name=f"Nd = {mark_nd}",
                                  line=dict(dash="dot", color="#7f7f7f")))
-    fig.update_layout(template="plotly_white", title=title, height=400, xaxis=dict(type="log", title="DP size Nd"),
-                      yaxis=dict(type="log", title="GB of model states per GPU"))
+    fig.update_layout(template="plotly_white", title=title, height=400,
+                      xaxis=dict(type="log", title="DP size Nd", minorloglabels="none"),
+                      yaxis=dict(type="log", title="GB of model states per GPU", minorloglabels="none"))
     return fig

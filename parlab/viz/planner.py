@@ -24,6 +24,8 @@ Plotly graph_objects only; pure (never communicates).
 """
 from __future__ import annotations
 
+import math
+
 import plotly.graph_objects as go
 from plotly.colors import qualitative
 
@@ -77,9 +79,12 @@ def planner_figure(estimates, cluster=None, marks: dict | None = None, title: st
                 hovertext=[_hover(e) for e in group], hovertemplate="%{hovertext}<extra></extra>"))
     fitting = [e for e in estimates if e.fits]
     if cluster is not None:
-        fig.add_vline(x=cluster.mem_bytes / GB, line=dict(color="#333", dash="dash"),
-                      annotation_text=f"usable {cluster.mem_bytes / GB:.0f} GB of {cluster.gpu_mem_gb:g} GB",
-                      annotation_position="top left")
+        # a shape on a log axis takes the data value, an annotation its log10 (plotly), so the two are added
+        # separately: add_vline's own annotation_text would sit at 10^76 and stretch the axis to it
+        fig.add_vline(x=cluster.mem_bytes / GB, line=dict(color="#333", dash="dash"))
+        fig.add_annotation(x=math.log10(cluster.mem_bytes / GB), y=1, yref="paper", xanchor="right",
+                           yanchor="bottom", showarrow=False,
+                           text=f"usable {cluster.mem_bytes / GB:.0f} GB of {cluster.gpu_mem_gb:g} GB")
     if fitting:
         best = min(fitting, key=lambda e: (e.step_s, e.total_bytes))
         fig.add_trace(go.Scatter(x=[best.total_bytes / GB], y=[best.step_s], mode="markers",
@@ -98,8 +103,9 @@ def planner_figure(estimates, cluster=None, marks: dict | None = None, title: st
     n_fit = len(fitting)
     fig.update_layout(
         title=title or f"{len(estimates)} candidate layouts, {n_fit} fit: memory per GPU vs step time",
-        xaxis=dict(title="memory of the fullest GPU (GB, log)", type="log"),
-        yaxis=dict(title="estimated step time (s, log)", type="log"), template="plotly_white", height=520,
+        xaxis=dict(title="memory of the fullest GPU (GB, log)", type="log", minorloglabels="none"),
+        yaxis=dict(title="estimated step time (s, log)", type="log", minorloglabels="none"),
+        template="plotly_white", height=520,
         legend=dict(title="tensor parallel size"), hovermode="closest")
     return fig
 
@@ -115,5 +121,5 @@ def breakdown_figure(ranked, top: int = 8, title: str | None = None) -> go.Figur
                      for attr, label, color in TERMS])
     fig.update_layout(barmode="stack", title=title or f"Where the step time goes: the {len(rows)} fastest layouts",
                       xaxis_title="seconds per step", yaxis=dict(autorange="reversed"), template="plotly_white",
-                      height=140 + 34 * len(rows), legend=dict(orientation="h", y=-0.2))
+                      height=max(300, 140 + 34 * len(rows)), legend=dict(title="term"))
     return fig

@@ -37,9 +37,9 @@ def _outline(fig, row0, row1, col0, col1, color, panel, text=None, dash=None):
     """A rectangle around cells [row0, row1) x [col0, col1) of heatmap panel `panel` (1-based)."""
     fig.add_shape(type="rect", x0=col0 - 0.5, x1=col1 - 0.5, y0=row0 - 0.5, y1=row1 - 0.5,
                   line=dict(color=color, width=4, dash=dash), row=1, col=panel)
-    if text:
-        fig.add_annotation(x=(col0 + col1 - 1) / 2, y=row0 - 0.5, text=text, showarrow=False, yshift=9,
-                           font=dict(color=color, size=11), row=1, col=panel)
+    if text:         # under the panel (its y axis is reversed: row1 - 0.5 is the bottom edge), off the titles
+        fig.add_annotation(x=(col0 + col1 - 1) / 2, y=row1 - 0.5, text=text, showarrow=False, yanchor="top",
+                           yshift=-3, font=dict(color=color, size=12), row=1, col=panel)
 
 
 def split_matmul(x, w, outs: Sequence, y, split: str, title: str | None = None) -> go.Figure:
@@ -53,11 +53,14 @@ def split_matmul(x, w, outs: Sequence, y, split: str, title: str | None = None) 
     x, w, y, outs = _rows(x), _rows(w), _rows(y), [_rows(o) for o in outs]
     tp, s, h, hp = len(outs), len(x), len(w), len(w[0])
     widths = [h, hp] + [len(o[0]) for o in outs] + [hp]
-    names = (["X (every rank)" if split == "column" else "X, split by columns", "W, split by " + split + "s"]
-             + [f"rank {r}: X W_{r}" if split == "column" else f"rank {r}: X_{r} W_{r}" for r in range(tp)]
-             + ["Y = [Y_0 | ... ] (concat)" if split == "column" else "Y = sum of Y_r (all-reduce)"])
+    # two short lines per panel: the panels are narrow (8 of them in a notebook's width at tp=4)
+    names = (["X<br>(every rank)" if split == "column" else "X<br>by columns", "W<br>by " + split + "s"]
+             + [f"rank {r}<br>X W_{r}" if split == "column" else f"rank {r}<br>X_{r} W_{r}" for r in range(tp)]
+             + ["Y = [Y_0|..]<br>(concat)" if split == "column" else "Y = Σ Y_r<br>(all-reduce)"])
     fig = make_subplots(rows=1, cols=len(widths), column_widths=widths, subplot_titles=names,
-                        horizontal_spacing=0.03)
+                        horizontal_spacing=0.035)
+    for a in fig.layout.annotations:
+        a.font = dict(size=13)
     lim = max(abs(v) for m in [x, w, y] + outs for row in m for v in row) or 1.0
     for k, m in enumerate([x, w] + outs + [y], start=1):
         fig.add_trace(go.Heatmap(z=m, zmin=-lim, zmax=lim, colorscale="RdBu", showscale=k == 1,
@@ -74,12 +77,14 @@ def split_matmul(x, w, outs: Sequence, y, split: str, title: str | None = None) 
             b = h // tp
             _outline(fig, 0, s, r * b, (r + 1) * b, c, 1, f"X_{r}")
             _outline(fig, r * b, (r + 1) * b, 0, hp, c, 2)
-            fig.add_annotation(x=-0.5, y=(r + 0.5) * b - 0.5, text=f"W_{r}", showarrow=False, xshift=-14,
-                               font=dict(color=c, size=11), row=1, col=2)
         _outline(fig, 0, s, 0, len(outs[r][0]), c, 3 + r)
     if split == "column":
         _outline(fig, 0, s, 0, h, "#7f7f7f", 1, dash="dot")
-    fig.update_layout(title=title, height=330, template="plotly_white", margin=dict(t=90, l=30, r=20))
+    else:                        # W's row blocks named by tick labels in their rank's colour
+        fig.update_yaxes(showticklabels=True, tickvals=[(k + 0.5) * (h // tp) - 0.5 for k in range(tp)],
+                         ticktext=[f"<span style='color:{rank_color(k)}'>W_{k}</span>" for k in range(tp)],
+                         tickfont=dict(size=12), row=1, col=2)
+    fig.update_layout(title=title, height=360, template="plotly_white", margin=dict(t=110, l=30, r=20, b=40))
     return fig
 
 

@@ -44,6 +44,8 @@ SYNC_WIDTH = 0.8     # bar thickness in lane units (a lane is 1 tall)
 ASYNC_WIDTH = 0.3    # asynchronous calls: a thin strip ...
 ASYNC_SHIFT = 0.25   # ... in the lower part of the lane (rank 0 is at the top; y grows downwards)
 
+_GROUP_TITLES = {"compute": "compute regions", "collective": "collectives", "p2p": "point-to-point",
+                 "mark": "marks"}
 _EVENT_FIELDS = ("rank", "kind", "op", "start", "end", "group", "peer", "numel", "nbytes", "dtype", "label",
                  "asynchronous", "flops", "kernels", "waited")
 
@@ -150,8 +152,9 @@ def timeline(trace: Any, title: str | None = None, ranks: Sequence[int] | None =
     for kind, op in order:
         evs = by_colour[(kind, op)]
         hover = [hover_text(e, t0, scale, time_unit) for e in evs]
-        common = dict(name=op, legendgroup=kind, legendgrouptitle_text=kind, hovertext=hover,
-                      hovertemplate="%{hovertext}<extra></extra>")
+        # group titles in the plural, so a region called "compute" is not listed as "compute" twice
+        common = dict(name=op, legendgroup=kind, legendgrouptitle_text=_GROUP_TITLES.get(kind, kind),
+                      hovertext=hover, hovertemplate="%{hovertext}<extra></extra>")
         if kind == "mark":
             fig.add_trace(go.Scatter(
                 x=[(e.start - t0) * scale for e in evs], y=[lane_of[e.rank] for e in evs],
@@ -169,10 +172,11 @@ def timeline(trace: Any, title: str | None = None, ranks: Sequence[int] | None =
             # a 1-px outline in the bar's own colour keeps microsecond calls visible on a long axis
             marker=dict(color=colour, line=dict(color=colour, width=1)),
             text=[e.label for e in evs] if show_labels else None, textposition="inside",
-            insidetextanchor="middle", textfont=dict(size=10), **common))
+            insidetextanchor="middle", textfont=dict(size=12), **common))
 
     fig.update_layout(
         title=title, barmode="overlay", template="plotly_white", hovermode="closest",
+        uniformtext=dict(minsize=10, mode="hide"),     # a label that would need < 10 px is left to the hover
         # tall enough for the lanes and for the legend (one row per trace, one title per kind)
         height=max(140 + 48 * len(lanes), 200 + 22 * (len(order) + len({k for k, _ in order}))),
         legend=dict(groupclick="toggleitem"),

@@ -1,0 +1,86 @@
+"""Figures as a student sees them: drawn by plotly.js in headless Chromium and checked from the page
+(`parlab.viz.check`). First the checker itself, on figures made to fail each rule; then real lessons.
+
+Needs Debian's `chromium` package (.ci/run installs it) and the playwright Python package (a dependency).
+The lessons checked here are the ones with the most figure kinds and run fastest (about 2 minutes in all);
+`python -m parlab.viz.check` checks every lesson and writes a screenshot of each figure for a person to look at.
+"""
+import json
+from pathlib import Path
+
+import nbformat
+import plotly.graph_objects as go
+import pytest
+from plotly.subplots import make_subplots
+
+from parlab import viz
+from parlab.trace import Event
+from parlab.viz import check
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.skipif(check.chromium_path() is None,
+                                reason="needs Debian's chromium (apt-get install -y chromium); .ci/run installs it")
+
+
+def _problems(tmp_path, *figs, labels=()):
+    shown = [check.Figure("t", i, 0, json.loads(f.to_json())) for i, f in enumerate(figs)]
+    label_problems = check.check_pages(shown, list(labels), tmp_path)
+    return [f.problems for f in shown], label_problems
+
+
+def test_checker_finds_each_kind_of_problem(tmp_path):
+    overlap = make_subplots(rows=1, cols=4, horizontal_spacing=0.01,
+                            subplot_titles=[f"a long subplot title number {i}" for i in range(4)])
+    for c in range(1, 5):
+        overlap.add_trace(go.Scatter(x=[0, 1], y=[0, 1]), row=1, col=c)
+    log_marker = go.Figure(go.Scatter(x=[3, 1000], y=[1, 2]))        # a vline label on a log axis, as lesson 07 had
+    log_marker.add_vline(x=76, annotation_text="usable 76 GB")
+    log_marker.update_xaxes(type="log")
+    twice = go.Figure([go.Bar(x=["a"], y=[1], name="all_reduce"), go.Bar(x=["b"], y=[2], name="all_reduce")])
+    tiny = go.Figure(go.Scatter(x=[0, 1], y=[0, 1], mode="text", text=["tiny", "tiny"], textfont_size=7))
+    cut = go.Figure(go.Scatter(x=[0, 1], y=[0, 1]))
+    cut.update_layout(title="a title far too long for its figure " * 6, width=500)
+    clean = go.Figure(go.Bar(x=["a", "b"], y=[1, 2], name="bytes"))
+    clean.update_layout(title="a short title", yaxis_title="bytes", height=300)
+    labels = [{"notebook": "t", "cell": 0, "description": "microbatches per step", "width": "80px"},
+              {"notebook": "t", "cell": 0, "description": "m", "width": "80px"}]
+    (p_overlap, p_log, p_twice, p_tiny, p_cut, p_clean), p_labels = _problems(
+        tmp_path, overlap, log_marker, twice, tiny, cut, clean, labels=labels)
+    assert any("overlaps" in p and "subplot title" in p for p in p_overlap) or \
+        any("overlaps" in p for p in p_overlap), p_overlap
+    assert any(p.startswith("xaxis runs") for p in p_log), p_log
+    assert any('legend lists "all_reduce" twice' in p for p in p_twice), p_twice
+    assert any("smaller than 10 px" in p and "tiny" in p for p in p_tiny), p_tiny
+    assert any("cut off" in p for p in p_cut), p_cut
+    assert p_clean == []
+    assert len(p_labels) == 1 and "microbatches per step" in p_labels[0]
+    assert len(list(tmp_path.rglob("*.png"))) == 6                   # a screenshot per figure
+
+
+def test_animations_have_a_frame_per_algorithm_step_and_stay_legible(tmp_path):
+    evs = [Event(rank=r, kind="collective", op="all_reduce", start=0.0, end=1.0, group=tuple(range(8)), nbytes=8000)
+           for r in range(8)]
+    fig = viz.comm_animation(evs, title="ring all-reduce on 8 ranks")
+    assert len(fig.frames) == 2 * (8 - 1)
+    (problems,), _ = _problems(tmp_path, fig)
+    assert problems == []
+    spec = json.loads(fig.to_json())
+    spec["frames"] = spec["frames"][:3]                                # an animation that stops early is caught
+    assert check._animation_problems(spec) == ["animation has 3 frames, its algorithm 14 steps"]
+
+
+LESSONS = ["00_why_parallel", "01_collectives", "04_tensor_parallel", "07_hybrid_4d"]
+
+
+def test_lessons_figures_pass_in_chromium(tmp_path):
+    """Execute the lessons, draw every figure (and each widget's initial figure) and check it from the page."""
+    paths = [ROOT / "lessons" / f"{name}.ipynb" for name in LESSONS]
+    problems = check.run(paths, tmp_path, jobs=2)
+    assert problems == [], "\n".join(problems)
+    shown = json.loads((tmp_path / "figures.json").read_text())
+    for name in LESSONS:
+        assert sum(f["name"].startswith(name) for f in shown) >= 3, name      # the lesson's figures were seen
+    assert any(f["in_widget"] for f in shown)                                 # ... including the widgets'
+    assert len(list(tmp_path.rglob("*.png"))) == len(shown)
+    for path in paths:                                                        # the tracked notebooks stay clean
+        assert not any(c.get("outputs") for c in nbformat.read(path, 4).cells if c.cell_type == "code")

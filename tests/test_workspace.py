@@ -1,0 +1,85 @@
+"""parlab course open: the student works in a git-ignored copy; tracked notebooks stay clean; git pull merges in."""
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+import nbformat
+
+from parlab import cli, workspace
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _course(tmp_path) -> Path:
+    """A small course checkout: two lessons, one exercise, one solution."""
+    root = tmp_path / "repo"
+    for rel in ("lessons/00_why_parallel.ipynb", "lessons/01_collectives.ipynb", "exercises/00_ring_allreduce.ipynb",
+                "exercises/solutions/00_ring_allreduce.ipynb"):
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(ROOT / rel, root / rel)
+    return root
+
+
+def _run_cell(path: Path):
+    """What JupyterLab's autosave does after a cell ran: an output and an execution count."""
+    nb = nbformat.read(path, 4)
+    code = next(c for c in nb.cells if c.cell_type == "code")
+    code.execution_count = 1
+    code.outputs = [nbformat.v4.new_output("stream", text="ran\n")]
+    nbformat.write(nb, path)
+
+
+def test_working_copy_has_every_lesson_and_exercise_and_a_start_page(tmp_path):
+    root = _course(tmp_path)
+    report = workspace.working_copy(root)
+    dest = root / workspace.WORKDIR
+    assert sorted(report["added"]) == ["exercises/00_ring_allreduce.ipynb", "lessons/00_why_parallel.ipynb",
+                                       "lessons/01_collectives.ipynb"]
+    assert not (dest / "exercises" / "solutions").exists()
+    start = nbformat.read(dest / "START.ipynb", 4).cells[0].source
+    for rel in report["added"]:
+        assert f"]({rel})" in start and (dest / rel).exists()        # every link resolves inside the copy
+    assert "Lesson 01: Collectives and process groups" in start and "git pull" in start
+
+
+def test_running_in_the_copy_leaves_the_checkout_clean_and_pull_merges(tmp_path):
+    root = _course(tmp_path)
+    dest = root / workspace.WORKDIR
+    workspace.working_copy(root)
+    tracked = (root / "lessons" / "00_why_parallel.ipynb").read_bytes()
+    _run_cell(dest / "lessons" / "00_why_parallel.ipynb")            # the student ran lesson 00 ...
+    edited = dest / "lessons" / "01_collectives.ipynb"               # ... and wrote in lesson 01
+    nb = nbformat.read(edited, 4)
+    nb.cells.append(nbformat.v4.new_markdown_cell("my notes"))
+    nbformat.write(nb, edited)
+    assert (root / "lessons" / "00_why_parallel.ipynb").read_bytes() == tracked
+
+    # git pull: both lessons changed upstream, and a new exercise arrived
+    for name in ("00_why_parallel", "01_collectives"):
+        nb = nbformat.read(root / "lessons" / f"{name}.ipynb", 4)
+        nb.cells.append(nbformat.v4.new_markdown_cell("new this week"))
+        nbformat.write(nb, root / "lessons" / f"{name}.ipynb")
+    shutil.copy(ROOT / "exercises" / "01_process_groups.ipynb", root / "exercises" / "01_process_groups.ipynb")
+    report = workspace.working_copy(root)
+    assert report["added"] == ["exercises/01_process_groups.ipynb"]
+    assert report["updated"] == ["lessons/00_why_parallel.ipynb"]    # only ran: replaced by the new version
+    assert report["conflicts"] == ["lessons/01_collectives.ipynb"]   # edited: kept, the new one beside it
+    assert nbformat.read(dest / "lessons" / "00_why_parallel.ipynb", 4).cells[-1].source == "new this week"
+    assert nbformat.read(edited, 4).cells[-1].source == "my notes"
+    assert nbformat.read(edited.with_name("01_collectives.updated.ipynb"), 4).cells[-1].source == "new this week"
+    assert workspace.working_copy(root)["added"] == []                 # idempotent
+    assert json.loads((dest / ".parlab-origin.json").read_text())
+
+
+def test_the_copy_is_git_ignored_and_the_readme_opens_it():
+    out = subprocess.run(["git", "check-ignore", "-q", f"{workspace.WORKDIR}/lessons/00_why_parallel.ipynb"],
+                         cwd=ROOT, capture_output=True)
+    assert out.returncode == 0, "my-course/ must be git-ignored"
+    quick = (ROOT / "README.md").read_text().split("## Quickstart", 1)[1].split("\n## ", 1)[0]
+    assert "parlab course open" in quick and "git pull" in quick
+
+
+def test_open_outside_a_checkout_says_where_to_run_it(tmp_path, capsys):
+    assert cli.main(["course", "open", "--root", str(tmp_path), "--no-browser"]) == 2
+    assert "repository root" in capsys.readouterr().err
