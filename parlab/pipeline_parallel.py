@@ -336,7 +336,6 @@ class PipelineParallel:
         w.grad = g + buf
 
 
-
 def average_grads(params, group, label: str = "pipeline dp grads") -> None:
     """Average the gradients over data-parallel replicas: one flat all-reduce."""
     prms = [q for q in params if q.grad is not None]

@@ -292,3 +292,11 @@ def test_hybrid_divides_by_the_global_count_of_targets():
             torch.testing.assert_close(loss, want_loss.detach(), **F64, msg=f"rank {rank} {kw}")
             for n, v in state.items():
                 torch.testing.assert_close(v, want[n], **F64, msg=f"rank {rank} {kw} {n}")
+
+
+def test_mismatched_shapes_and_unknown_reduction_are_named_before_any_communication():
+    logits = torch.zeros(2, 3, 4)
+    with pytest.raises(ValueError, match=r"logits \(2, 3, 4\) and targets \(2, 4\) disagree"):
+        vocab_parallel_cross_entropy(logits, torch.zeros(2, 4, dtype=torch.long))
+    with pytest.raises(ValueError, match="reduction must be one of .* got 'batchmean'"):
+        vocab_parallel_cross_entropy(logits, torch.zeros(2, 3, dtype=torch.long), reduction="batchmean")
