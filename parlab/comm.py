@@ -82,7 +82,7 @@ class Strict:
     def expected_device(self, group) -> torch.device:
         if self.device is not None:
             return self.device
-        if dist.get_backend(group) == "nccl":
+        if "nccl" in str(dist.get_backend(group)):
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
 
