@@ -14,7 +14,9 @@ same meaning, with the same arguments and the same result, plus:
   On the "cuda-events" clock (a recording in a process that uses CUDA; see
   parlab.trace) start and end are CUDA events on the current stream, not host
   times: a synchronous call ends when the current stream may use its result,
-  an asynchronous one when ``wait()`` has made the current stream wait for it.
+  an asynchronous one when its kernels finish (an event recorded from the
+  work's future callback, which torch runs on a stream synchronised with them;
+  at ``wait()`` when the backend offers no future).
   With no recorder the only extra cost is one list lookup.
 
 Ranks (``src``, ``dst``, ``peer``) are *global* ranks, as in torch.distributed.
@@ -82,7 +84,7 @@ class Strict:
     def expected_device(self, group) -> torch.device:
         if self.device is not None:
             return self.device
-        if dist.get_backend(group) == "nccl":
+        if "nccl" in str(dist.get_backend(group)):
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
 
@@ -159,7 +161,7 @@ class TracedWork:
             # The callback holds only the event, never the work: a callback that keeps its own work alive
             # forms a C++/Python cycle that made processes abort at exit ("terminate called without an
             # active exception", about 1 run in 8 of a 27-bucket DDP step under torchrun).
-            work.get_future().add_done_callback(functools.partial(_finish, event))
+            work.get_future().add_done_callback(functools.partial(_finish, event, device_span))
         except (RuntimeError, AttributeError):
             pass
 
@@ -171,7 +173,7 @@ class TracedWork:
         self._finish()
         if self.event.waited is None:   # where the program first needed the result (for parlab.replay)
             self.event.waited = now()
-        if self._device_span is not None:   # cuda-events clock: done when the current stream is past the wait
+        if self._device_span is not None:   # cuda-events clock, no callback yet: when the stream is past the wait
             self._device_span.close()
         return out
 
@@ -185,8 +187,12 @@ class TracedWork:
         return getattr(self._work, name)
 
 
-def _finish(event: Event, _future=None) -> None:
-    """Stamp the completion time once (from the backend's callback or from wait(), whichever comes first)."""
+def _finish(event: Event, device_span=None, _future=None) -> None:
+    """Stamp the completion time once (from the backend's callback or from wait(), whichever comes first).
+    On the cuda-events clock the end event is recorded here: torch runs a future's callbacks on streams
+    synchronised with the work's kernels, so the event completes when the collective does."""
+    if device_span is not None:
+        device_span.close()
     if event.end == event.start and event.asynchronous and event.clock == "wall":   # (cuda-events: set at the end)
         event.end = now()
 

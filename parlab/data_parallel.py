@@ -365,6 +365,8 @@ class DistributedDataParallel(nn.Module):
         if self._pending and not self._callback_queued:
             self._callback_queued = True
             self._t = now()
+            rec = current_recorder()
+            self._t_dev = rec.device_mark() if rec is not None else None   # cuda-events clock (else None)
             torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_end)
 
     def _on_grad_ready(self, p: nn.Parameter) -> None:
@@ -390,6 +392,10 @@ class DistributedDataParallel(nn.Module):
         """Record the backward compute since the last boundary as a "backward" span (for timelines)."""
         rec, t = current_recorder(), now()
         if self._t is not None:
+            t_dev = rec.device_mark() if rec is not None else None
             if rec is not None:
-                rec.add(Event(rank=rec.rank, kind="compute", op="backward", start=self._t, end=t, label=label))
-            self._t = t
+                ev = rec.add(Event(rank=rec.rank, kind="compute", op="backward", start=self._t, end=t, label=label))
+                span = rec.device_span(ev, getattr(self, "_t_dev", None), end=False)
+                if span is not None:   # on a GPU: from the last boundary's CUDA event to this one's
+                    span.end = t_dev
+            self._t, self._t_dev = t, t_dev

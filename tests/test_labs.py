@@ -29,7 +29,8 @@ def run_lab(name, ranks, options, tmp_path):
     launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"]
                 if ranks > 1 else [sys.executable])
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.run(launcher + ["-m", f"parlab.labs.{name}", *SMALL, *options, "--trace", str(trace)],
+    guard = os.path.join(os.path.dirname(__file__), "lab_guard.py")   # strict comm + NCCL's p2p rules
+    proc = subprocess.run(launcher + [guard, f"parlab.labs.{name}", *SMALL, *options, "--trace", str(trace)],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, f"{name} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     return proc.stdout, trace

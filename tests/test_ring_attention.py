@@ -296,3 +296,18 @@ def test_ring_attention_bfloat16_accumulates_in_float32():
         # Measured here: 0.0077; with out / lse accumulated in bf16 over the 4 merges it was 0.036.
         # Gradients: dK/dV also travel and add up in bf16 over the P hops; measured <= 0.021, bound 2^-5.
         torch.testing.assert_close(got, want, rtol=0, atol=tol, msg=lambda m: f"{name}: {m}")
+
+
+def _ring_serialised(S):
+    from serialised_p2p import serialised_p2p
+    with serialised_p2p():
+        return _ring(S, True, "zigzag", torch.float64)
+
+
+@pytest.mark.parametrize("P", [2, 3, 4])
+def test_ring_attention_runs_under_nccl_p2p_rules(P):
+    # tests/serialised_p2p.py: a send completes only when its receive is at the head of the peer's one queue
+    # of p2p operations (NCCL with eager communicators); an order that could hang on GPUs hangs here
+    S = 2 * P * 2
+    res = parlab.run(_ring_serialised, P, S, timeout=60)
+    _check_against_full([res[r] for r in range(P)], S, True, "zigzag")

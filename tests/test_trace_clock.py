@@ -86,8 +86,8 @@ def _traced_comm(dev):
         dev.run(5.0)
         comm.all_reduce(t, label="sync")
         w = comm.all_reduce(t, async_op=True, label="async")
-        dev.run(30.0)                           # the collective (and anything else) runs on the device
-        w.wait()                                # end event: when the current stream is past the wait
+        dev.run(30.0)                           # other device work; the collective ended within it
+        w.wait()
         w2 = comm.broadcast(t, src=0, async_op=True, label="never waited")
         dev.run(7.0)
     w2.wait()                                   # after the recording: its span keeps the host duration
@@ -99,7 +99,52 @@ def test_comm_calls_are_timed_by_device_events(fake_cuda):
     for rows in res.results:
         got = {label: (start, dur, clock) for label, start, dur, clock in rows}
         assert got["sync"][:2] == pytest.approx((0.005, 0.0), abs=1e-6)     # no device time passed in the call
-        assert got["async"][:2] == pytest.approx((0.005, 0.030), abs=1e-6)  # 30 ms of device time until wait
+        # the async call ends at its future's callback (gloo: whenever its thread finishes) or at wait()
+        assert got["async"][0] == pytest.approx(0.005, abs=1e-6) and -1e-6 <= got["async"][1] <= 0.030 + 1e-6
         assert got["never waited"][0] == pytest.approx(0.035, abs=1e-6)
         assert got["never waited"][1] >= 0
         assert {c for _, _, c in got.values()} == {"cuda-events"}
+
+
+def _ddp_step(dev):
+    from parlab.data_parallel import DistributedDataParallel
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+    ddp = DistributedDataParallel(model, bucket_cap_mb=0.0001)   # several buckets: several backward spans
+    with recording(clock="cuda-events") as rec:
+        ddp(torch.ones(3, 4)).sum().backward()
+    return [(e.op, e.clock, e.duration) for e in rec.events if e.kind == "compute"]
+
+
+def test_ddp_backward_spans_are_timed_by_device_events(fake_cuda):
+    # the fake device never runs anything here, so device-timed spans last exactly 0 s (host time would not)
+    for spans in parlab.run(_ddp_step, 2, fake_cuda, echo=False).results:
+        backward = [(clock, dur) for op, clock, dur in spans if op == "backward"]
+        assert len(backward) >= 2 and all(c == "cuda-events" and d == 0.0 for c, d in backward)
+
+
+def test_an_async_call_ends_when_its_future_completes_not_at_wait(fake_cuda):
+    # On NCCL, torch runs a work's future callbacks on a stream synchronised with its kernels, so an event
+    # recorded there completes with the collective: DDP's bucket all-reduces end where they really end,
+    # not at the wait after the whole backward. A fake work whose callback the test fires by hand:
+    class Future:
+        def add_done_callback(self, cb):
+            self.cb = cb
+
+    class Work:
+        fut = Future()
+
+        def get_future(self):
+            return self.fut
+
+        def wait(self):
+            return True
+
+    from parlab.trace import Event
+    with recording(clock="cuda-events") as rec:
+        ev = rec.add(Event(rank=0, kind="collective", op="all_reduce", start=0.0, end=0.0, asynchronous=True))
+        work = comm.TracedWork(Work(), ev, rec.device_span(ev, rec.device_mark(), end=False))
+        fake_cuda.run(12.0)                     # the all-reduce's kernels
+        Work.fut.cb(Work.fut)                   # its future completes (NCCL: callback on a synced stream)
+        fake_cuda.run(300.0)                    # the rest of the backward
+        work.wait()
+    assert ev.duration == pytest.approx(0.012, abs=1e-6) and ev.clock == "cuda-events"
