@@ -17,6 +17,16 @@ Pairs compared (ratio = parlab / torch, goal <= 1.25):
     parlab ZeRO-3 (FullyShardedDataParallel, one unit per block)
         vs torch fully_shard on each block and the root (FSDP2, CPU device mesh on gloo)
 parlab ZeRO-2 and torch DDP + AdamW are listed for context.
+
+Size sweep (``--sweep``): ZeRO-1/2 against torch's ZeroRedundancyOptimizer (after DDP's all-reduce) at
+about 1M, 6.3M and 50M parameters, for a 6-layer MLP (widths 408, 1024, 2887) and a GPT (L/H = 4/144,
+6/296, 8/720, seq 32). One run per (model, size): every rank builds all three variants, then times
+alternating blocks of steps (order reversed every other block), so a load change on the shared machine
+hits every variant alike. The batch is small on purpose (MLP: 16 rows per rank; GPT: 2 x 32 tokens per
+rank), so the optimizer and its communication are a large share of the step: the regime where ZeRO's
+implementation matters most.
+
+    python benchmarks/zero.py --sweep [--blocks 4] [--block-steps 3] [--sizes 1M,6.3M,50M] [--models mlp,gpt]
 """
 from __future__ import annotations
 
@@ -98,8 +108,100 @@ def _bench(kind: str, cfg: GPTConfig, batch: int, steps: int, warmup: int):
     return {"times": times, "bytes": held, "loss": loss.item()}
 
 
+SWEEP_VARIANTS = ["parlab-zero1", "parlab-zero2", "torch-zero1"]
+MLP_WIDTH = {"1M": 408, "6.3M": 1024, "50M": 2887}
+GPT_SHAPE = {"1M": (4, 144), "6.3M": (6, 296), "50M": (8, 720)}
+
+
+class MLP(torch.nn.Module):
+    """6 x (Linear(h, h), ReLU): 6 (h^2 + h) parameters; loss = mean square of the output."""
+
+    def __init__(self, h: int, layers: int = 6):
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = torch.nn.Sequential(*[m for _ in range(layers) for m in (torch.nn.Linear(h, h), torch.nn.ReLU())])
+
+    def forward(self, x, y=None):
+        out = self.net(x)                                        # (B, h)
+        return out, out.square().mean()
+
+
+def _sweep_rank(model_kind: str, size: str, blocks: int, steps: int, warmup: int):
+    """One rank: build every variant on its own copy of the model, then alternate timed blocks of steps."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    rank, world = dist.get_rank(), dist.get_world_size()
+    adamw = dict(lr=1e-3, weight_decay=0.1)
+    if model_kind == "mlp":
+        h = MLP_WIDTH[size]
+        make = lambda: MLP(h)
+        g = torch.Generator().manual_seed(rank)
+        batches = [(torch.randn(16, h, generator=g), None) for _ in range(4)]
+    else:
+        L, H = GPT_SHAPE[size]
+        cfg = GPTConfig(n_layer=L, n_embd=H, n_head=4, seq_len=32, vocab_size=64)
+        make = lambda: GPT(cfg, seed=0)
+        sampler = BatchSampler(load_corpus(20000), 2 * world, cfg.seq_len, seed=0)
+        batches = [sampler.shard(t, rank, world) for t in range(4)]
+    runs = {}
+    for v in SWEEP_VARIANTS:
+        model = make()
+        if v == "torch-zero1":
+            fwd = DDP(model)
+            opt = ZeroRedundancyOptimizer(fwd.parameters(), optimizer_class=torch.optim.AdamW, **adamw)
+        else:
+            fwd, opt = model, ShardedOptimizer(model.parameters(), torch.optim.AdamW, stage=int(v[-1]), **adamw)
+        runs[v] = (fwd, opt)
+    n_params = sum(p.numel() for p in runs[SWEEP_VARIANTS[0]][0].parameters())
+    times = {v: [] for v in SWEEP_VARIANTS}
+
+    def one(v, t):
+        fwd, opt = runs[v]
+        x, y = batches[t % len(batches)]
+        dist.barrier()                                   # start every step together (not timed)
+        t0 = time.perf_counter()
+        fwd(x, y)[1].backward()
+        opt.step()
+        t1 = time.perf_counter()
+        opt.zero_grad()
+        return t1 - t0
+
+    for v in SWEEP_VARIANTS:
+        for t in range(warmup):
+            one(v, t)
+    for b in range(blocks):
+        for v in (SWEEP_VARIANTS if b % 2 == 0 else SWEEP_VARIANTS[::-1]):
+            times[v] += [one(v, b * steps + t) for t in range(steps)]
+    return {"times": times, "params": n_params}
+
+
+def sweep(args) -> None:
+    """Print one markdown table: per (model, size) the median step time of each variant and the ratios."""
+    import os
+    print(f"ZeRO size sweep: AdamW fp32, world {args.world}, gloo/CPU, torch {torch.__version__}; "
+          f"{args.blocks} alternating blocks x {args.block_steps} steps per variant, {args.warmup} warm-up; "
+          f"load average before: {os.getloadavg()[0]:.1f}")
+    print("| model | params | parlab ZeRO-1 ms | parlab ZeRO-2 ms | torch ZeRO-1 ms | ZeRO-1 / torch | "
+          "ZeRO-2 / torch | load after |")
+    print("|---|---|---|---|---|---|---|---|")
+    for model_kind in args.models.split(","):
+        for size in args.sizes.split(","):
+            res = parlab.run(_sweep_rank, args.world, model_kind, size, args.blocks, args.block_steps, args.warmup,
+                             backend="gloo", timeout=3600, echo=False)
+            med = {v: statistics.median(s for r in res.results for s in r["times"][v]) for v in SWEEP_VARIANTS}
+            ref = med["torch-zero1"]
+            print(f"| {model_kind} | {res[0]['params'] / 1e6:.2f}M | {med['parlab-zero1'] * 1e3:.1f} | "
+                  f"{med['parlab-zero2'] * 1e3:.1f} | {ref * 1e3:.1f} | {med['parlab-zero1'] / ref:.2f} | "
+                  f"{med['parlab-zero2'] / ref:.2f} | {os.getloadavg()[0]:.1f} |", flush=True)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--sweep", action="store_true", help="ZeRO-1/2 vs ZeroRedundancyOptimizer at 1M-50M params")
+    ap.add_argument("--models", default="mlp,gpt", help="sweep: mlp, gpt or both")
+    ap.add_argument("--sizes", default="1M,6.3M,50M", help="sweep: any of 1M, 6.3M, 50M")
+    ap.add_argument("--blocks", type=int, default=4, help="sweep: alternating blocks per variant")
+    ap.add_argument("--block-steps", type=int, default=3, help="sweep: timed steps per block")
     ap.add_argument("--world", type=int, default=2)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--hidden", type=int, default=128)
@@ -110,6 +212,8 @@ def main(argv=None):
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--variants", default=",".join(VARIANTS))
     args = ap.parse_args(argv)
+    if args.sweep:
+        return sweep(args)
     cfg = GPTConfig(n_layer=args.layers, n_embd=args.hidden, n_head=4, seq_len=args.seq, vocab_size=64)
     variants = args.variants.split(",")
     times: dict[str, list[float]] = {v: [] for v in variants}

@@ -19,7 +19,7 @@ One step of `ShardedOptimizer` on rank r of Nd (psi parameters, owner-major flat
         | inner optimizer step            torch.optim.<Any> on the owned parameters only
         v
     [ p_own(r) ]
-        | all-gather                      every rank gets every owner's updated parameters
+        | all-gather (in place)           every rank gets every owner's updated parameters
         v
     full parameters on every rank
 
@@ -31,7 +31,18 @@ that owns the fewest elements so far (as torch's ZeroRedundancyOptimizer does), 
 optimizer works, including ones whose update is not element-wise. Per dtype, the
 gradients and parameters travel in one flat buffer laid out owner by owner, each
 owner's segment padded to the longest one, so a single reduce-scatter / all-gather of
-equal chunks moves them (gloo cannot gather unequal sizes).
+equal chunks moves them (gloo cannot gather unequal sizes); see `parlab.zero_flat`.
+
+Hot path. The parameters are views into that flat buffer, so the all-gather runs in place
+(each rank's segment is its input) and lands in the model with no copy; the gradients
+are concatenated with one ``torch.cat`` and reduce-scattered into a fresh (seg,) shard
+whose slices become the owned ``.grad``. For element-wise optimizers (SGD, Adam, AdamW, ...)
+the inner optimizer steps each parameter group's owned run of the segment as one tensor,
+so the step is a handful of kernels over a contiguous vector, not a Python loop.
+
+Checkpoints. `state_dict()` gathers the full state in the format of the inner optimizer class;
+`save_sharded` / `load_sharded` write one verified file per rank (`parlab.checkpoint`) and
+reload at any DP size (several nodes need a shared file system).
 
 Simplifications, said plainly: the reduction runs at `step()` (or `reduce_gradients()`),
 not overlapped with backward in buckets as in DeepSpeed; a trainable parameter without a
@@ -54,6 +65,7 @@ from typing import Any, Iterable
 import torch
 
 from . import checkpoint, comm
+from .zero_flat import ELEMENTWISE, cat_plan, make_layouts, owned_runs, merge_state, split_state
 from .trace import region
 
 __all__ = ["ShardedOptimizer", "partition_parameters", "iter_owned"]
@@ -86,11 +98,17 @@ class ShardedOptimizer(torch.optim.Optimizer):
     averaged over `group` inside `step()` (pass ``reduce_grads=False`` if something else, e.g.
     DDP, already averaged them). `state_dict()` returns the full, unsharded state in the format
     of ``optimizer_cls`` itself, so a checkpoint loads into a plain optimizer or into a
-    ShardedOptimizer of any DP size.
+    ShardedOptimizer of any DP size; `save_sharded` / `load_sharded` write and read per-rank files.
+
+    The trainable parameters become views into flat per-dtype buffers (`parlab.zero_flat`): move or
+    cast the model *before* building the optimizer, and change weights in place (``p.copy_``), not by
+    assigning ``p.data``. `flat_step` (default: on for element-wise optimizers such as SGD and AdamW)
+    steps each group's owned parameters as one flat tensor; `opt.state` then holds one flat state per
+    run of owned parameters (per-parameter state: `state_dict()`).
     """
 
     def __init__(self, params, optimizer_cls: type[torch.optim.Optimizer], *, stage: int = 1, group=None,
-                 reduce_grads: bool = True, **optimizer_kwargs: Any):
+                 reduce_grads: bool = True, flat_step: bool | None = None, **optimizer_kwargs: Any):
         if stage not in (1, 2):
             raise ValueError(f"ShardedOptimizer implements ZeRO stages 1 and 2, got stage={stage}; "
                              f"for stage 3 wrap the model in parlab.fsdp.FullyShardedDataParallel")
@@ -105,16 +123,35 @@ class ShardedOptimizer(torch.optim.Optimizer):
         owners = partition_parameters([self.params[i].numel() for i in self.trainable], self.world_size)
         self.owner = {i: r for i, r in zip(self.trainable, owners)}   # global index -> owning rank
         self.owned = [i for i in self.trainable if self.owner[i] == self.rank]
-        # The inner optimizer sees only this rank's parameters, group by group (a group may be empty here).
-        owned = {id(self.params[i]) for i in self.owned}
-        local_groups = [{**_hyper(g), "params": [p for p in g["params"] if id(p) in owned]} for g in self.param_groups]
-        self.optim = optimizer_cls(local_groups, **optimizer_kwargs)
-        for mine, local in zip(self.param_groups, self.optim.param_groups):  # the class's defaults, as shown
-            for k, v in _hyper(local).items():                                # by optimizer_cls itself
-                mine.setdefault(k, v)
-        self.state = self.optim.state        # opt.state[p] works for owned p: the only state this rank holds
+        self._not_owned = [self.params[i] for i in self.trainable if self.owner[i] != self.rank]
         self._device = self.params[self.trainable[0]].device
-        self._layouts = self._make_layouts()
+        self._index = {id(p): i for i, p in enumerate(self.params)}
+        self.layouts = make_layouts([p.numel() for p in self.params], [p.dtype for p in self.params],
+                                    self.owner, self.world_size)
+        self._flats = [self._bind(lay) for lay in self.layouts]            # the parameters' new storage
+        self._plans = [cat_plan(lay, self._device) for lay in self.layouts]
+        self.flat_step = optimizer_cls in ELEMENTWISE if flat_step is None else flat_step
+        group_of = dict(enumerate(g for g, grp in enumerate(self.param_groups) for _ in grp["params"]))
+        # The inner optimizer sees only this rank's parameters, group by group (a group may be empty here):
+        # the owned parameters themselves, or (flat_step) one view of the flat buffer per run of them.
+        self._runs = []                                  # (layout index, start, end in segment, members, tensor)
+        local = [[] for _ in self.param_groups]
+        for k, lay in enumerate(self.layouts):
+            for g, a, b, ids in owned_runs(lay, self.rank, group_of):
+                if self.flat_step:
+                    seg = self._flats[k][self.rank * lay.seg:(self.rank + 1) * lay.seg]
+                    members = [(i, lay.offset[i] - self.rank * lay.seg - a, self.params[i].shape) for i in ids]
+                    run = seg[a:b]                                           # (b - a,) a view: steps in place
+                    self._runs.append((k, a, b, members, run))
+                    local[g].append(run)
+                else:
+                    local[g] += [self.params[i] for i in ids]
+        self.optim = optimizer_cls([{**_hyper(g), "params": ps} for g, ps in zip(self.param_groups, local)],
+                                   **optimizer_kwargs)
+        for mine, inner in zip(self.param_groups, self.optim.param_groups):  # the class's defaults, as shown
+            for k, v in _hyper(inner).items():                                # by optimizer_cls itself
+                mine.setdefault(k, v)
+        self.state = self.optim.state        # only the state of what this rank owns
         self._reduced = False
         self._ready = True
 
@@ -124,78 +161,64 @@ class ShardedOptimizer(torch.optim.Optimizer):
                                       "pass every group to the constructor")
         super().add_param_group(param_group)
 
-    # ------------------------------------------------------------------ flat owner-major layout
-    def _make_layouts(self) -> list[dict]:
-        """Per dtype: each rank's owned parameter indices and the padded segment length."""
-        layouts = []
-        for dtype in dict.fromkeys(self.params[i].dtype for i in self.trainable):
-            segs = [[i for i in self.trainable if self.owner[i] == r and self.params[i].dtype == dtype]
-                    for r in range(self.world_size)]
-            seg = max(sum(self.params[i].numel() for i in s) for s in segs)
-            layouts.append(dict(dtype=dtype, segs=segs, seg=seg))
-        return layouts
-
-    def _flat_grads(self, lay: dict) -> torch.Tensor:
-        """(Nd * seg,) every rank's owned gradients in owner order; missing gradients count as zeros."""
-        device = self.params[self.trainable[0]].device
-        flat = torch.zeros(self.world_size * lay["seg"], dtype=lay["dtype"], device=device)  # (Nd*seg,)
-        for r, seg_ids in enumerate(lay["segs"]):
-            off = r * lay["seg"]
-            for i in seg_ids:
-                p, n = self.params[i], self.params[i].numel()
-                if p.grad is not None:
-                    flat[off:off + n].copy_(p.grad.reshape(-1))
-                off += n
+    # ------------------------------------------------------------------ flat owner-major buffers
+    @torch.no_grad()
+    def _bind(self, lay) -> torch.Tensor:
+        """Copy the layout's parameters into a new flat buffer and make each parameter a view of it."""
+        flat = torch.zeros(self.world_size * lay.seg, dtype=lay.dtype, device=self._device)  # (Nd*seg,)
+        for i, off in lay.offset.items():
+            p = self.params[i]
+            flat[off:off + p.numel()].copy_(p.reshape(-1))
+            p.data = flat[off:off + p.numel()].view_as(p)
         return flat
+
+    def _grad_piece(self, x) -> torch.Tensor:
+        if torch.is_tensor(x):                                     # padding
+            return x
+        p = self.params[x]
+        return p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel(), dtype=p.dtype, device=p.device)
 
     @torch.no_grad()
     def reduce_gradients(self) -> None:
         """Average the gradients over the group; each rank receives only the mean of the ones it owns.
-        ZeRO-2 then drops every other gradient; ZeRO-1 leaves them allocated (with local values)."""
+        ZeRO-2 then drops every other gradient; ZeRO-1 leaves them allocated (with local values).
+        With ``reduce_grads=False`` the owned gradients are taken as they are (already averaged)."""
         if self._reduced and any(p.grad is not g or (g is not None and g._version != v) for p, g, v in self._seen):
             raise RuntimeError("a backward ran after reduce_gradients() and before step(): the gradients were already "
                                "averaged and sharded, so the new ones cannot be accumulated into them. Run every "
                                "backward first, then step() (which reduces once), or zero_grad() before the backward")
-        if self._reduced or not self.reduce_grads:
+        if self._reduced:
             return
-        for k, lay in enumerate(self._layouts):
-            flat = self._flat_grads(lay)                                          # (Nd*seg,)
-            mine = torch.empty(lay["seg"], dtype=lay["dtype"], device=flat.device)  # (seg,)
-            comm.reduce_scatter(mine, flat, op=comm.ReduceOp.AVG, group=self.group, label=f"zero grads {k}")
-            del flat
-            off = 0
-            for i in lay["segs"][self.rank]:
-                p, n = self.params[i], self.params[i].numel()
-                p.grad = mine[off:off + n].view_as(p).clone()
-                off += n
-        if self.stage == 2:
-            for i in self.trainable:
-                if self.owner[i] != self.rank:
-                    self.params[i].grad = None
+        shards = []
+        for k, lay in enumerate(self.layouts):
+            base = self.rank * lay.seg
+            if self.reduce_grads:
+                flat = torch.cat([self._grad_piece(x) for x in self._plans[k]])      # (Nd*seg,)
+                mine = torch.empty(lay.seg, dtype=lay.dtype, device=self._device)    # (seg,)
+                comm.reduce_scatter(mine, flat, op=comm.ReduceOp.AVG, group=self.group, label=f"zero grads {k}")
+                del flat
+                for i in lay.segs[self.rank]:                     # owned gradients: views of the shard
+                    self.params[i].grad = mine[lay.offset[i] - base:lay.offset[i] - base + lay.numel[i]].view_as(
+                        self.params[i])
+            else:
+                pieces = [self._grad_piece(i) for i in lay.segs[self.rank]]
+                mine = torch.cat(pieces) if pieces else torch.empty(0, dtype=lay.dtype, device=self._device)
+            shards.append(mine)
+        for k, a, b, _, t in self._runs:
+            t.grad = shards[k][a:b]                                # (b - a,)
+        if self.stage == 2 and self.reduce_grads:
+            for p in self._not_owned:
+                p.grad = None
         self._reduced = True
         self._seen = [(p, p.grad, None if p.grad is None else p.grad._version)   # to notice a later backward
                       for p in (self.params[i] for i in self.trainable)]
 
     @torch.no_grad()
     def _gather_parameters(self) -> None:
-        """All-gather every owner's updated parameters into every rank's full model."""
-        for k, lay in enumerate(self._layouts):
-            device = self.params[self.trainable[0]].device
-            mine = torch.zeros(lay["seg"], dtype=lay["dtype"], device=device)  # (seg,)
-            off = 0
-            for i in lay["segs"][self.rank]:
-                n = self.params[i].numel()
-                mine[off:off + n].copy_(self.params[i].reshape(-1))
-                off += n
-            flat = torch.empty(self.world_size * lay["seg"], dtype=lay["dtype"], device=device)  # (Nd*seg,)
-            comm.all_gather(flat, mine, group=self.group, label=f"zero params {k}")
-            for r, seg_ids in enumerate(lay["segs"]):
-                off = r * lay["seg"]
-                for i in seg_ids:
-                    p, n = self.params[i], self.params[i].numel()
-                    if r != self.rank:
-                        p.copy_(flat[off:off + n].view_as(p))
-                    off += n
+        """All-gather every owner's updated segment in place: the parameters are views of the buffer."""
+        for k, (lay, flat) in enumerate(zip(self.layouts, self._flats)):
+            comm.all_gather(flat, flat[self.rank * lay.seg:(self.rank + 1) * lay.seg], group=self.group,
+                            label=f"zero params {k}")
 
     def step(self, closure=None):
         """Reduce gradients (if not done yet), step the owned shard, all-gather the parameters."""
@@ -215,16 +238,19 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none=set_to_none)
+        for *_, t in self._runs:
+            if set_to_none:
+                t.grad = None
+            elif t.grad is not None:
+                t.grad.zero_()
         self._reduced = False
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict:
         """The full optimizer state, as ``optimizer_cls`` on one process would return it (collective).
         Per-element state lands on its parameter's device; scalars (e.g. AdamW's step) as torch keeps them."""
-        local = self.optim.state_dict()["state"]                 # keyed by local index
-        mine = {self.owned[j]: s for j, s in local.items()}     # keyed by global index
         buf = io.BytesIO()
-        torch.save(mine, buf)
+        torch.save(self._local_state(), buf)
         blob = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8).to(self._device)  # (bytes,)
         state: dict[int, Any] = {}
         for part in comm.all_gather_uneven(blob, group=self.group, label="zero state_dict"):
@@ -252,18 +278,33 @@ class ShardedOptimizer(torch.optim.Optimizer):
                              "build the optimizer from the same parameters (and groups) that were saved")
         self._load_owned(state_dict["state"], [_hyper(g) for g in groups])
 
+    def _local_state(self) -> dict[int, dict]:
+        """The state of the parameters this rank owns, per parameter, keyed by global index."""
+        if not self.flat_step:
+            inner = [p for g in self.optim.param_groups for p in g["params"]]
+            return {self._index[id(p)]: {
+                k: v.clone() if torch.is_tensor(v) else v for k, v in self.optim.state[p].items()}
+                for p in inner if self.optim.state.get(p)}
+        out = {}
+        for *_, members, t in self._runs:
+            if self.optim.state.get(t):
+                out.update(split_state(self.optim.state[t], members, t.numel()))
+        return dict(sorted(out.items()))
+
     def _load_owned(self, state: dict, hypers: list[dict]) -> None:
         """Take the hyper-parameters of every group and the state of the parameters this rank owns."""
         for mine, saved in zip(self.param_groups, hypers):
             mine.update(saved)
-        local_index = {gi: j for j, gi in enumerate(self.owned)}
-        local_state = {local_index[gi]: s for gi, s in state.items() if gi in local_index}
-        owned_ids = {id(self.params[i]) for i in self.owned}
+        inner = [p for g in self.optim.param_groups for p in g["params"]]
+        if self.flat_step:
+            by_run = {id(t): merge_state(state, members, t.numel()) for *_, members, t in self._runs}
+            local_state = {j: by_run[id(p)] for j, p in enumerate(inner) if by_run[id(p)]}
+        else:
+            local_state = {j: state[self._index[id(p)]] for j, p in enumerate(inner) if self._index[id(p)] in state}
         local_groups, j = [], 0
-        for g in self.param_groups:
-            n = sum(id(p) in owned_ids for p in g["params"])
-            local_groups.append({**_hyper(g), "params": list(range(j, j + n))})
-            j += n
+        for g, inner_g in zip(self.param_groups, self.optim.param_groups):
+            local_groups.append({**_hyper(g), "params": list(range(j, j + len(inner_g["params"])))})
+            j += len(inner_g["params"])
         self.optim.load_state_dict({"state": local_state, "param_groups": local_groups})
         self.state = self.optim.state
 
@@ -278,9 +319,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """Each rank writes the parameters it owns and their optimizer state to ``path/zero_<r>_of_<Nd>.pt``;
         rank 0 then writes ``path/manifest.json`` (collective; see `parlab.checkpoint`). Frozen parameters
         are not saved (they never change). With several nodes, `path` must be on a shared file system."""
-        local = self.optim.state_dict()["state"]
         payload = {"params": {gi: self.params[gi].detach().clone() for gi in self.owned},
-                   "state": {self.owned[j]: s for j, s in local.items()},
+                   "state": self._local_state(),
                    "param_groups": [_hyper(g) for g in self.param_groups]}
         checkpoint.save(path, "zero", payload, self._layout_doc(), group=self.group, device=self._device)
 

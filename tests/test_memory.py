@@ -84,7 +84,8 @@ def _measure_all_stages():
         opt.step()
         held = {0: list(model.parameters()), 3: list(model.parameters())}.get(stage) or list(iter_owned(opt))
         out[stage] = {"measured": measure(model.parameters(), opt), "numel": sum(p.numel() for p in held),
-                      "tensors": len(held), "unsharded": model.unsharded_bytes() if stage == 3 else 0}
+                      "tensors": len(opt.state) if stage in (1, 2) else len(held),   # ZeRO: a step per flat run
+                      "unsharded": model.unsharded_bytes() if stage == 3 else 0}
     return out
 
 

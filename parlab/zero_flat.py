@@ -1,0 +1,129 @@
+"""Flat buffers for ZeRO-1/2 (`parlab.zero.ShardedOptimizer`): the owner-major layout and its bookkeeping.
+
+Pure functions on integers and tensors (no torch.distributed), so the layout is tested in milliseconds.
+
+Per dtype, every trainable parameter gets a slot in one flat vector laid out owner by owner; each owner's
+segment is padded to the longest one (`seg`), so a single reduce-scatter / all-gather of equal chunks moves
+the whole vector (gloo cannot gather unequal sizes):
+
+    flat (Nd * seg,)   [ p3 p0 . | p1 p4 p2 | p5 . . ]     owner 0 | owner 1 | owner 2   ('.' = padding)
+                        ^ rank 0's segment: [0, seg)
+
+The parameters themselves become views into this vector, so the all-gather writes every rank's updated
+weights straight into the model (no copy in, no copy out). Inside a segment parameters keep their global
+order, and global order runs parameter group by parameter group, so the parameters a rank owns in one group
+are one contiguous *run* of its segment: an element-wise optimizer (AdamW, SGD, ...) can step each run as
+one tensor, with one kernel per operation instead of a Python loop over parameters.
+
+References
+    [1] S. Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models",
+        arXiv:1910.02054 (partitioned optimizer state and gradients).
+    [2] DeepSpeed, deepspeed/runtime/zero/stage_1_and_2.py (flat, contiguous fp32 partitions stepped as one
+        tensor per parameter group).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = ["FlatLayout", "make_layouts", "owned_runs", "cat_plan", "split_state", "merge_state", "ELEMENTWISE"]
+
+# Optimizers whose update of an element depends only on that element's gradient and state: stepping a
+# concatenation of parameters is the same as stepping each (for the same hyper-parameters).
+ELEMENTWISE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax, torch.optim.NAdam,
+               torch.optim.RAdam, torch.optim.Adagrad, torch.optim.RMSprop)
+
+
+@dataclass
+class FlatLayout:
+    """One dtype's owner-major flat vector: `segs[r]` are rank r's global parameter indices in order,
+    `offset[i]` where parameter i starts in the (Nd * seg,) vector, `seg` the padded segment length."""
+    dtype: torch.dtype
+    seg: int
+    segs: list[list[int]]
+    offset: dict[int, int] = field(default_factory=dict)
+    numel: dict[int, int] = field(default_factory=dict)
+
+
+def make_layouts(numels: list[int], dtypes: list[torch.dtype], owner: dict[int, int], world: int) -> list[FlatLayout]:
+    """Per dtype (in order of first appearance among `owner`'s keys), the owner-major layout.
+
+    >>> [(l.seg, l.segs, l.offset) for l in make_layouts([4, 3, 2, 1], [torch.float32] * 4, {0: 0, 1: 1, 2: 1, 3: 0}, 2)]
+    [(5, [[0, 3], [1, 2]], {0: 0, 3: 4, 1: 5, 2: 8})]
+    """
+    out = []
+    for dtype in dict.fromkeys(dtypes[i] for i in owner):
+        segs = [[i for i in owner if owner[i] == r and dtypes[i] == dtype] for r in range(world)]
+        seg = max(sum(numels[i] for i in s) for s in segs)
+        lay = FlatLayout(dtype, seg, segs)
+        for r, ids in enumerate(segs):
+            off = r * seg
+            for i in ids:
+                lay.offset[i], lay.numel[i] = off, numels[i]
+                off += numels[i]
+        out.append(lay)
+    return out
+
+
+def owned_runs(lay: FlatLayout, rank: int, group_of: dict[int, int]) -> list[tuple[int, int, int, list[int]]]:
+    """(group, start, end, indices): maximal runs of rank's segment whose parameters share a group;
+    start/end are offsets into the segment (0 .. seg).
+
+    >>> lay = make_layouts([4, 3, 2, 1], [torch.float32] * 4, {0: 0, 1: 1, 2: 1, 3: 0}, 2)[0]
+    >>> owned_runs(lay, 1, {0: 0, 1: 0, 2: 1, 3: 1})
+    [(0, 0, 3, [1]), (1, 3, 5, [2])]
+    """
+    runs: list[tuple[int, int, int, list[int]]] = []
+    base = rank * lay.seg
+    for i in lay.segs[rank]:
+        a, b = lay.offset[i] - base, lay.offset[i] - base + lay.numel[i]
+        if runs and runs[-1][0] == group_of[i] and runs[-1][2] == a:
+            g, s, _, ids = runs[-1]
+            runs[-1] = (g, s, b, ids + [i])
+        else:
+            runs.append((group_of[i], a, b, [i]))
+    return runs
+
+
+def cat_plan(lay: FlatLayout, device) -> list:
+    """What `torch.cat` needs to build the flat vector: per rank its parameter indices, then a zero pad
+    tensor (on `device`) if the segment is shorter than `seg`."""
+    plan: list = []
+    for ids in lay.segs:
+        plan += ids
+        pad = lay.seg - sum(lay.numel[i] for i in ids)
+        if pad:
+            plan.append(torch.zeros(pad, dtype=lay.dtype, device=device))    # (pad,)
+    return plan
+
+
+def split_state(state: dict, members: list[tuple[int, int, torch.Size]], numel: int) -> dict[int, dict]:
+    """A run's optimizer state -> per-parameter states {index: state}: per-element tensors (as long as
+    the run) are sliced and reshaped (and cloned, so saving one does not save the whole run); the rest
+    (e.g. AdamW's scalar ``step``) is copied to every parameter."""
+    out = {}
+    for i, off, shape in members:
+        n = shape.numel()
+        out[i] = {k: (v[off:off + n].view(shape).clone() if v.dim() == 1 and v.numel() == numel else v.clone())
+                  if torch.is_tensor(v) else v for k, v in state.items()}
+    return out
+
+
+def merge_state(states: dict[int, dict], members: list[tuple[int, int, torch.Size]], numel: int) -> dict:
+    """Per-parameter states -> one run's state: per-element tensors (shaped like their parameter) are
+    concatenated, a parameter without state contributing zeros; other entries come from the first
+    parameter that has them (a run steps as one tensor, so it has one step count)."""
+    have = [(i, s) for i, s in ((i, states.get(i)) for i, _, _ in members) if s]
+    if not have:
+        return {}
+    out = {}
+    for k, v in have[0][1].items():
+        if torch.is_tensor(v) and v.shape == members[[m[0] for m in members].index(have[0][0])][2] and v.dim() > 0:
+            parts = [states[i][k].reshape(-1) if states.get(i) and k in states[i]
+                     else torch.zeros(shape.numel(), dtype=v.dtype, device=v.device) for i, _, shape in members]
+            out[k] = torch.cat(parts)                                        # (numel,)
+            assert out[k].numel() == numel
+        else:
+            out[k] = v
+    return out
