@@ -407,3 +407,54 @@ def test_a_broken_solution_notebook_gives_one_line(tmp_path, capsys):
     assert cli.main(["course", "build", "--check", "--root", str(tmp_path)]) != 0
     err = capsys.readouterr().err
     assert "01_broken.ipynb" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+# ---------------------------------------------------------------------- a torchrun lab whose worker stops
+def _worker_pid(launcher_pid, rank):
+    """The pid of the lab worker of `rank` started by the torchrun process `launcher_pid` (None if not yet)."""
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                ppid = int(f.read().split(")")[-1].split()[1])
+            with open(f"/proc/{d}/environ", "rb") as f:
+                env = f.read().split(b"\0")
+        except (FileNotFoundError, ProcessLookupError, PermissionError):
+            continue
+        if ppid == launcher_pid and f"RANK={rank}".encode() in env:
+            return int(d)
+    return None
+
+
+@pytest.mark.parametrize("stopped", [0, 1])
+def test_a_stopped_lab_worker_is_named_by_the_survivors(stopped, tmp_path):
+    log = tmp_path / "lab.log"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           "-m", "parlab.labs.data_parallel", "--steps", "1000000", "--layers", "1", "--hidden", "16", "--heads", "2",
+           "--seq-len", "8", "--batch", "4", "--quiet", "--no-trace", "--timeout", "5"]
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=ENV, cwd=tmp_path)
+    victim = None
+    try:
+        for _ in range(1800):   # until rank 0 said it is set up, and the victim is known (3 min at most)
+            if "rows per rank" in log.read_text() and victim is None:
+                victim = _worker_pid(proc.pid, stopped)
+            if victim is not None or proc.poll() is not None:
+                break
+            time.sleep(0.1)
+        assert victim is not None, log.read_text()[-3000:]
+        os.kill(victim, signal.SIGSTOP)
+        survivor = 1 - stopped
+        for _ in range(1800):   # the survivor's collective times out after 5 s, then it reports
+            if f"[rank {survivor}] where each rank was" in log.read_text() or proc.poll() is not None:
+                break
+            time.sleep(0.1)
+        text = log.read_text()
+        assert f"[rank {survivor}] rank {stopped} stopped answering" in text, text[-3000:]
+        assert f"[rank {survivor}] a collective failed" in text
+    finally:
+        if victim is not None:
+            os.kill(victim, signal.SIGKILL)     # torchrun's SIGTERM cannot reach a stopped process
+        proc.wait(timeout=300)
+    assert proc.returncode != 0
