@@ -31,6 +31,21 @@ def _ddp(**kw):
     return DistributedDataParallel(torch.nn.Linear(2, 2), **kw)
 
 
+def _column_zero():
+    from parlab.tensor_parallel import ColumnParallelLinear
+    return ColumnParallelLinear(0, 4)
+
+
+def _row_zero():
+    from parlab.tensor_parallel import RowParallelLinear
+    return RowParallelLinear(4, 0)
+
+
+def _embedding_negative():
+    from parlab.tensor_parallel import VocabParallelEmbedding
+    return VocabParallelEmbedding(8, -1)
+
+
 def _in_one_rank(make):
     """Build something that needs a process group, in a world of one (the error is raised before any comm)."""
     return parlab.run(make, 1, echo=False)
@@ -69,6 +84,13 @@ BAD_ARGS = [  # (case, call, exception, message)
     ("GPTConfig n_layer=0", lambda: parlab.models.GPTConfig(n_layer=0), ValueError, "n_layer must be a positive"),
     ("BatchSampler batch_size=0", lambda: parlab.data.BatchSampler(torch.arange(100), 0, 8), ValueError,
      "must be positive"),
+    ("ParallelGrid tp=0", lambda: parlab.topology.ParallelGrid(4, tp=0), ValueError, "tp must be a positive int"),
+    ("ColumnParallelLinear in_features=0", lambda: _in_one_rank(_column_zero), RankError,
+     "in_features must be a positive integer, got 0"),
+    ("RowParallelLinear out_features=0", lambda: _in_one_rank(_row_zero), RankError,
+     "out_features must be a positive integer, got 0"),
+    ("VocabParallelEmbedding embedding_dim=-1", lambda: _in_one_rank(_embedding_negative), RankError,
+     "embedding_dim must be a positive integer, got -1"),
 ]
 
 
@@ -76,6 +98,7 @@ BAD_ARGS = [  # (case, call, exception, message)
 def test_bad_argument_is_refused_up_front(case, call, exc, message):
     import parlab.data  # noqa: F401  (the cases reach these modules through the parlab package)
     import parlab.models  # noqa: F401
+    import parlab.topology  # noqa: F401
     with pytest.raises(exc, match=message):
         call()
 
