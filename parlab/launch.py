@@ -300,7 +300,8 @@ def run(fn: Callable, world_size: int, *args, backend: str = "gloo", timeout: fl
     seed          every rank calls torch.manual_seed(seed) (+ rank when `seed_per_rank`)
     threads       torch threads per rank (default: 1 when forking, see below; CPU cores // world_size
                   when spawning)
-    start_method  'fork' (default for gloo) or 'spawn' (default for NCCL; ships `fn` with cloudpickle)
+    start_method  'fork' (default for gloo) or 'spawn' (default for NCCL, or once this process has
+                  initialised CUDA; ships `fn` with cloudpickle)
     echo          print each rank's captured output, prefixed ``[rank r]``, in rank order
 
     Keyword arguments not listed above go to `fn` (use functools.partial for one that collides).
@@ -308,9 +309,13 @@ def run(fn: Callable, world_size: int, *args, backend: str = "gloo", timeout: fl
     """
     _check_args(fn, world_size, timeout, threads, seed, start_method)
     backend = choose_backend(world_size, backend)
-    start_method = start_method or ("spawn" if backend == "nccl" else "fork")
+    cuda_used = torch.cuda.is_initialized()   # e.g. after parlab.init() on NCCL: a forked child cannot use CUDA
+    start_method = start_method or ("spawn" if backend == "nccl" or cuda_used else "fork")
     if start_method == "fork" and backend == "nccl":
         raise ValueError("forking after CUDA is initialised is unsafe; use start_method='spawn' with NCCL")
+    if start_method == "fork" and cuda_used:
+        raise ValueError("this process has initialised CUDA, and a forked rank cannot use it; "
+                         "use start_method='spawn' (the default in this case)")
     if threads is None:
         # A forked rank can deadlock in its first multi-threaded kernel once the parent has used
         # torch's OpenMP pool (seen here with 2 threads per rank), so forked ranks run one thread each.

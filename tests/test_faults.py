@@ -455,7 +455,7 @@ def test_a_stopped_lab_worker_is_named_by_the_survivors(stopped, tmp_path):
     log = tmp_path / "lab.log"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            "-m", "parlab.labs.data_parallel", "--steps", "1000000", "--layers", "1", "--hidden", "16", "--heads", "2",
-           "--seq-len", "8", "--batch", "4", "--quiet", "--no-trace", "--timeout", "5"]
+           "--seq-len", "8", "--batch", "4", "--quiet", "--no-trace", "--timeout", "10"]
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=ENV, cwd=tmp_path)
     victim = None
@@ -469,7 +469,7 @@ def test_a_stopped_lab_worker_is_named_by_the_survivors(stopped, tmp_path):
         assert victim is not None, log.read_text()[-3000:]
         os.kill(victim, signal.SIGSTOP)
         survivor = 1 - stopped
-        for _ in range(1800):   # the survivor's collective times out after 5 s, then it reports
+        for _ in range(1800):   # the survivor's collective times out after 10 s, then it reports
             if f"[rank {survivor}] where each rank was" in log.read_text() or proc.poll() is not None:
                 break
             time.sleep(0.1)
@@ -481,3 +481,9 @@ def test_a_stopped_lab_worker_is_named_by_the_survivors(stopped, tmp_path):
             os.kill(victim, signal.SIGKILL)     # torchrun's SIGTERM cannot reach a stopped process
         proc.wait(timeout=300)
     assert proc.returncode != 0
+
+
+def test_a_process_that_initialised_cuda_does_not_fork(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    with pytest.raises(ValueError, match="has initialised CUDA.*start_method='spawn'"):
+        parlab.run(_noop, 2, start_method="fork")
