@@ -80,7 +80,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--torchrun-repeats", type=int, default=3)
     args = ap.parse_args()
-    script = os.path.join(tempfile.mkdtemp(), "allreduce.py")
+    tmp = tempfile.TemporaryDirectory(prefix="parlab-bench-")   # removed at exit, whatever happens
+    script = os.path.join(tmp.name, "allreduce.py")
     with open(script, "w") as f:
         f.write(SCRIPT)
     print(f"# torch {torch.__version__}, {os.cpu_count()} CPU cores, gloo; seconds per launch (median / max)")

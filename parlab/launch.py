@@ -1,4 +1,5 @@
-"""Start ranks: `run` for simulated ranks on one machine (`init`, for torchrun/srun, is in parlab.torchrun).
+"""Start ranks: `run` for simulated ranks on one machine (each rank's side is parlab.rank_process; `init`, for
+torchrun/srun, is parlab.torchrun).
 
 `run(fn, world_size)` is how lessons, exercises and tests execute parallel
 code: it starts `world_size` processes, gives each an initialised default
@@ -49,26 +50,22 @@ one: each `run` builds new processes and a new group.
 """
 from __future__ import annotations
 
-import ctypes
-import datetime
 import os
 import pickle
-import random
 import shutil
 import signal
 import sys
 import tempfile
 import time
-import traceback
 from dataclasses import dataclass
 from multiprocessing import connection, get_context
 from typing import Any, Callable
 
 import torch
-import torch.distributed as dist
 
-from .torchrun import Context, _store_barrier, check_timeout, init
-from .trace import Trace, recording
+from .rank_process import _child, _prepare, _spawn_entry, to_cpu  # noqa: F401  (_prepare: for tests)
+from .torchrun import Context, check_timeout, init  # noqa: F401  (re-exported)
+from .trace import Trace
 
 __all__ = ["run", "RunResult", "RankError", "RankTimeout", "RankKilled", "choose_backend", "to_cpu",
            "init", "Context"]   # init and Context live in parlab.torchrun; re-exported here for old imports
@@ -133,141 +130,6 @@ def choose_backend(world_size: int, backend: str = "auto") -> str:
     return "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= world_size else "gloo"
 
 
-# ---------------------------------------------------------------------- the child side
-def _die_with_parent() -> None:
-    """Ask Linux to SIGKILL this process when its parent dies, so no rank outlives a crashed notebook."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG = 1
-    except (OSError, AttributeError):  # not Linux: the parent's finally-block still kills us
-        pass
-
-
-def _child(rank: int, world_size: int, workdir: str, backend: str, threads: int, seed: int, seed_per_rank: bool,
-           timeout: float, trace: bool, payload) -> None:
-    _die_with_parent()
-    # Capture this rank's output at the file-descriptor level (catches C++ messages too), and give Python
-    # fresh stream objects: an inherited Jupyter stream would try to talk to the kernel from this process.
-    out = os.open(os.path.join(workdir, f"out.{rank}"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    os.dup2(out, 1)
-    os.dup2(out, 2)
-    sys.stdout = open(1, "w", buffering=1, closefd=False)
-    sys.stderr = open(2, "w", buffering=1, closefd=False)
-    status: tuple
-    try:
-        torch.set_num_threads(threads)
-        _forget_inherited_groups()
-        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                          LOCAL_WORLD_SIZE=str(world_size))
-        device_id, (fn, args, kwargs) = _prepare(rank, backend, payload)
-        store = dist.FileStore(os.path.join(workdir, "store"), world_size)
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
-                                timeout=datetime.timedelta(seconds=timeout), device_id=device_id)
-        # init can return on one rank before its peers finished connecting; a rank that then exits
-        # at once would break their connection set-up. One barrier makes "initialised" mean "on all ranks".
-        dist.barrier()
-        s = seed + (rank if seed_per_rank else 0)
-        random.seed(s)
-        torch.manual_seed(s)
-        try:
-            import numpy as np
-            np.random.seed(s % 2**32)
-        except ImportError:
-            pass
-        if trace:
-            with recording(rank) as rec:
-                value = fn(*args, **kwargs)
-            events = rec.events
-        else:
-            value, events = fn(*args, **kwargs), None
-        if backend == "nccl":
-            value = to_cpu(value)
-        status = ("ok", value, events)
-    except BaseException as exc:  # report everything, including SystemExit, to the caller
-        status = ("error", time.time(), type(exc).__name__, str(exc), traceback.format_exc())
-    try:
-        blob = pickle.dumps(status)
-    except Exception as exc:
-        status = ("error",)
-        blob = pickle.dumps(("error", time.time(), "PicklingError",
-                             f"the return value of rank {rank} cannot be sent back ({exc}); return tensors, "
-                             f"numbers, strings, lists or dicts", traceback.format_exc()))
-    with open(os.path.join(workdir, f"result.{rank}.tmp"), "wb") as f:
-        f.write(blob)
-    os.replace(os.path.join(workdir, f"result.{rank}.tmp"), os.path.join(workdir, f"result.{rank}"))
-    sys.stdout.flush()
-    sys.stderr.flush()
-    if status[0] == "ok":
-        # Leave together: a rank that exits early closes sockets its peers may still be reading from.
-        _store_barrier(store, "parlab/exit", world_size)
-    # Leave without tearing the process group down collectively: peers may already be gone.
-    os._exit(0 if status[0] == "ok" else 1)
-
-
-_INHERITED: list = []   # process groups a forked rank inherited: kept referenced, never used or destroyed
-
-
-def _forget_inherited_groups() -> None:
-    """Make a forked rank forget the process groups of the process that forked it (after `parlab.init()`,
-    or a `run` inside a rank), so that it can start its own default group.
-
-    The inherited groups belong to the parent: their worker threads do not exist in this process and their
-    sockets are the parent's, so shutting them down here could hang or break the parent's group. They are
-    only dropped from torch.distributed's bookkeeping (the same fields `destroy_process_group` clears, minus
-    the shutdown) and kept referenced, so no destructor runs; the rank leaves with os._exit."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return
-    c10d = dist.distributed_c10d
-    try:  # private state of torch.distributed: guarded, with a clear error if a torch version moves it
-        w = c10d._world
-        _INHERITED.extend(w.pg_map)
-        c10d._update_default_pg(None)
-        for d in (w.pg_map, w.pg_names, w.pg_group_ranks, w.pg_backend_config, w.pg_to_tag, w.tags_to_pg,
-                  w.pg_coalesce_state):
-            d.clear()
-        w.group_count = 0
-        c10d._unregister_all_process_groups()
-    except Exception as exc:
-        raise RuntimeError(f"this process already has a torch.distributed process group, and this torch version "
-                           f"does not let a forked rank drop it ({exc}); call parlab.run(..., "
-                           f"start_method='spawn'), or call parlab.run before parlab.init()") from exc
-
-
-def to_cpu(value):
-    """`value` with every tensor inside lists, tuples, dicts and sets moved to the CPU (other objects as is)."""
-    if torch.is_tensor(value):
-        return value.detach().cpu() if value.device.type != "cpu" else value
-    if isinstance(value, dict):
-        items = [(k, to_cpu(v)) for k, v in value.items()]
-        try:
-            return type(value)(items)
-        except TypeError:  # a dict subclass with another constructor
-            return dict(items)
-    if isinstance(value, tuple) and hasattr(value, "_fields"):  # a namedtuple
-        return type(value)(*(to_cpu(v) for v in value))
-    if isinstance(value, (list, tuple, set, frozenset)):
-        return type(value)(to_cpu(v) for v in value)
-    return value
-
-
-def _prepare(rank: int, backend: str, payload):
-    """On NCCL, make ``cuda:rank`` this process's device, *then* unpickle (fn, args, kwargs): CUDA tensors
-    among the arguments are restored onto the current device, so in the other order they would all land
-    on cuda:0. Returns (the device to bind the process group to, or None; the unpickled payload)."""
-    device_id = None
-    if backend == "nccl":
-        torch.cuda.set_device(rank)
-        device_id = torch.device("cuda", rank)
-    if isinstance(payload, bytes):
-        import cloudpickle  # noqa: F401  (made by cloudpickle; plain pickle loads it once it is importable)
-        payload = pickle.loads(payload)
-    return device_id, payload
-
-
-def _spawn_entry(rank, world_size, workdir, backend, threads, seed, seed_per_rank, timeout, trace, payload):
-    # the payload stays bytes here: _child sets the rank's CUDA device before unpickling it
-    _child(rank, world_size, workdir, backend, threads, seed, seed_per_rank, timeout, trace, payload)
-
-
 # ---------------------------------------------------------------------- the parent side
 def _check_args(fn, world_size, timeout, threads, seed, start_method) -> None:
     """Every argument checked before any process starts, with what to pass instead."""
@@ -300,7 +162,8 @@ def run(fn: Callable, world_size: int, *args, backend: str = "gloo", timeout: fl
     seed          every rank calls torch.manual_seed(seed) (+ rank when `seed_per_rank`)
     threads       torch threads per rank (default: 1 when forking, see below; CPU cores // world_size
                   when spawning)
-    start_method  'fork' (default for gloo) or 'spawn' (default for NCCL; ships `fn` with cloudpickle)
+    start_method  'fork' (default for gloo) or 'spawn' (default for NCCL, or once this process has
+                  initialised CUDA; ships `fn` with cloudpickle)
     echo          print each rank's captured output, prefixed ``[rank r]``, in rank order
 
     Keyword arguments not listed above go to `fn` (use functools.partial for one that collides).
@@ -308,9 +171,13 @@ def run(fn: Callable, world_size: int, *args, backend: str = "gloo", timeout: fl
     """
     _check_args(fn, world_size, timeout, threads, seed, start_method)
     backend = choose_backend(world_size, backend)
-    start_method = start_method or ("spawn" if backend == "nccl" else "fork")
+    cuda_used = torch.cuda.is_initialized()   # e.g. after parlab.init() on NCCL: a forked child cannot use CUDA
+    start_method = start_method or ("spawn" if backend == "nccl" or cuda_used else "fork")
     if start_method == "fork" and backend == "nccl":
         raise ValueError("forking after CUDA is initialised is unsafe; use start_method='spawn' with NCCL")
+    if start_method == "fork" and cuda_used:
+        raise ValueError("this process has initialised CUDA, and a forked rank cannot use it; "
+                         "use start_method='spawn' (the default in this case)")
     if threads is None:
         # A forked rank can deadlock in its first multi-threaded kernel once the parent has used
         # torch's OpenMP pool (seen here with 2 threads per rank), so forked ranks run one thread each.

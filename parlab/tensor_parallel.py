@@ -77,6 +77,13 @@ def check_divisible(what: str, value: int, tp: int) -> None:
         raise ValueError(f"{what} {value} is not divisible by tp {tp}; choose tp in {{{', '.join(map(str, ok))}}}")
 
 
+def _check_sizes(owner: str, **sizes) -> None:
+    """ValueError for a size that is not a positive integer, before any tensor is made."""
+    for name, value in sizes.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{owner} {name} must be a positive integer, got {value!r}")
+
+
 def _shard(full: torch.Tensor, dim: int | None, group) -> nn.Parameter:
     """This rank's slice of a dense parameter along `dim` (all of it when dim is None), as a new Parameter
     tagged with ``tp_dim`` so `dense_state_dict` knows how to put it back together."""
@@ -114,6 +121,7 @@ class ColumnParallelLinear(nn.Module):
         self.gather_output, self.input_in_region = gather_output, input_in_region
         self.sequence_parallel = sequence_parallel
         tp = comm.get_world_size(group)
+        _check_sizes("ColumnParallelLinear", in_features=in_features, out_features=out_features)
         check_divisible("ColumnParallelLinear out_features", out_features, tp)
         bound = 1 / math.sqrt(in_features)  # nn.Linear's default init, drawn for this rank's rows only
         self.weight = _local_param((out_features // tp, in_features), bound, 0, dtype, device)
@@ -157,6 +165,7 @@ class RowParallelLinear(nn.Module):
         self.in_features, self.out_features, self.group, self.label = in_features, out_features, group, label
         self.input_is_parallel, self.sequence_parallel = input_is_parallel, sequence_parallel
         tp = comm.get_world_size(group)
+        _check_sizes("RowParallelLinear", in_features=in_features, out_features=out_features)
         check_divisible("RowParallelLinear in_features", in_features, tp)
         bound = 1 / math.sqrt(in_features)  # the fan-in of the whole layer, not of the slice
         self.weight = _local_param((out_features, in_features // tp), bound, 1, dtype, device)
@@ -204,6 +213,7 @@ class VocabParallelEmbedding(nn.Module):
                  label: str = "", dtype=None, device=None):
         super().__init__()
         self.tp = comm.get_world_size(group)
+        _check_sizes("VocabParallelEmbedding", num_embeddings=num_embeddings, embedding_dim=embedding_dim)
         check_divisible("vocab_size", num_embeddings, self.tp)
         self.num_embeddings, self.embedding_dim, self.group = num_embeddings, embedding_dim, group
         self.sequence_parallel, self.label = sequence_parallel, label

@@ -31,6 +31,21 @@ def _ddp(**kw):
     return DistributedDataParallel(torch.nn.Linear(2, 2), **kw)
 
 
+def _column_zero():
+    from parlab.tensor_parallel import ColumnParallelLinear
+    return ColumnParallelLinear(0, 4)
+
+
+def _row_zero():
+    from parlab.tensor_parallel import RowParallelLinear
+    return RowParallelLinear(4, 0)
+
+
+def _embedding_negative():
+    from parlab.tensor_parallel import VocabParallelEmbedding
+    return VocabParallelEmbedding(8, -1)
+
+
 def _in_one_rank(make):
     """Build something that needs a process group, in a world of one (the error is raised before any comm)."""
     return parlab.run(make, 1, echo=False)
@@ -69,6 +84,13 @@ BAD_ARGS = [  # (case, call, exception, message)
     ("GPTConfig n_layer=0", lambda: parlab.models.GPTConfig(n_layer=0), ValueError, "n_layer must be a positive"),
     ("BatchSampler batch_size=0", lambda: parlab.data.BatchSampler(torch.arange(100), 0, 8), ValueError,
      "must be positive"),
+    ("ParallelGrid tp=0", lambda: parlab.topology.ParallelGrid(4, tp=0), ValueError, "tp must be a positive int"),
+    ("ColumnParallelLinear in_features=0", lambda: _in_one_rank(_column_zero), RankError,
+     "in_features must be a positive integer, got 0"),
+    ("RowParallelLinear out_features=0", lambda: _in_one_rank(_row_zero), RankError,
+     "out_features must be a positive integer, got 0"),
+    ("VocabParallelEmbedding embedding_dim=-1", lambda: _in_one_rank(_embedding_negative), RankError,
+     "embedding_dim must be a positive integer, got -1"),
 ]
 
 
@@ -76,6 +98,7 @@ BAD_ARGS = [  # (case, call, exception, message)
 def test_bad_argument_is_refused_up_front(case, call, exc, message):
     import parlab.data  # noqa: F401  (the cases reach these modules through the parlab package)
     import parlab.models  # noqa: F401
+    import parlab.topology  # noqa: F401
     with pytest.raises(exc, match=message):
         call()
 
@@ -407,3 +430,60 @@ def test_a_broken_solution_notebook_gives_one_line(tmp_path, capsys):
     assert cli.main(["course", "build", "--check", "--root", str(tmp_path)]) != 0
     err = capsys.readouterr().err
     assert "01_broken.ipynb" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+# ---------------------------------------------------------------------- a torchrun lab whose worker stops
+def _worker_pid(launcher_pid, rank):
+    """The pid of the lab worker of `rank` started by the torchrun process `launcher_pid` (None if not yet)."""
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                ppid = int(f.read().split(")")[-1].split()[1])
+            with open(f"/proc/{d}/environ", "rb") as f:
+                env = f.read().split(b"\0")
+        except (FileNotFoundError, ProcessLookupError, PermissionError):
+            continue
+        if ppid == launcher_pid and f"RANK={rank}".encode() in env:
+            return int(d)
+    return None
+
+
+@pytest.mark.parametrize("stopped", [0, 1])
+def test_a_stopped_lab_worker_is_named_by_the_survivors(stopped, tmp_path):
+    log = tmp_path / "lab.log"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           "-m", "parlab.labs.data_parallel", "--steps", "1000000", "--layers", "1", "--hidden", "16", "--heads", "2",
+           "--seq-len", "8", "--batch", "4", "--quiet", "--no-trace", "--timeout", "10"]
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=ENV, cwd=tmp_path)
+    victim = None
+    try:
+        for _ in range(1800):   # until rank 0 said it is set up, and the victim is known (3 min at most)
+            if "rows per rank" in log.read_text() and victim is None:
+                victim = _worker_pid(proc.pid, stopped)
+            if victim is not None or proc.poll() is not None:
+                break
+            time.sleep(0.1)
+        assert victim is not None, log.read_text()[-3000:]
+        os.kill(victim, signal.SIGSTOP)
+        survivor = 1 - stopped
+        for _ in range(1800):   # the survivor's collective times out after 10 s, then it reports
+            if f"[rank {survivor}] where each rank was" in log.read_text() or proc.poll() is not None:
+                break
+            time.sleep(0.1)
+        text = log.read_text()
+        assert f"[rank {survivor}] rank {stopped} stopped answering" in text, text[-3000:]
+        assert f"[rank {survivor}] a collective failed" in text
+    finally:
+        if victim is not None:
+            os.kill(victim, signal.SIGKILL)     # torchrun's SIGTERM cannot reach a stopped process
+        proc.wait(timeout=300)
+    assert proc.returncode != 0
+
+
+def test_a_process_that_initialised_cuda_does_not_fork(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    with pytest.raises(ValueError, match="has initialised CUDA.*start_method='spawn'"):
+        parlab.run(_noop, 2, start_method="fork")

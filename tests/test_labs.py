@@ -31,7 +31,7 @@ def run_lab(name, ranks, options, tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1")
     guard = os.path.join(os.path.dirname(__file__), "lab_guard.py")   # strict comm + NCCL's p2p rules
     proc = subprocess.run(launcher + [guard, f"parlab.labs.{name}", *SMALL, *options, "--trace", str(trace)],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, f"{name} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     return proc.stdout, trace
 

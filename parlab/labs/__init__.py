@@ -14,6 +14,11 @@ Every lab is short because the common scaffolding lives here:
   memory per rank (``torch.cuda.max_memory_allocated`` on GPUs; on CPUs the parameter, gradient and
   optimizer bytes from `parlab.memory.measure`) and the merged Chrome trace, gathered to rank 0 with
   ``torch.distributed.gather_object`` (reporting is not training traffic, so it is not traced).
+* `--timeout` (default 300 s) is the process group's timeout: a collective that waits longer for a rank
+  that stopped answering (SIGSTOP, a hang, a dead node) fails instead of waiting torch's 600-s default.
+  Every rank keeps a heartbeat counter and its current step in the rendezvous store (`Watch`, a daemon
+  thread); a rank whose collective fails looks twice, a few heartbeats apart, and prints which rank
+  stopped answering (its counter did not move) and the step each rank had reached.
 
 Only rank 0 prints. The last line is the summary, e.g.
 ``summary: lab=pipeline world=4 backend=gloo steps=10 loss=3.1021 tokens/s=8123 max_mem/rank=1.2 MB trace=...``.
@@ -22,8 +27,12 @@ Open the trace at https://ui.perfetto.dev or chrome://tracing: one row per rank.
 from __future__ import annotations
 
 import argparse
+import atexit
+import datetime
+import math
 import os
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from typing import Callable, Iterable
@@ -32,12 +41,12 @@ import torch
 import torch.distributed as dist
 
 from ..data import BatchSampler, CharTokenizer, load_corpus
-from ..launch import Context, init
+from ..torchrun import Context, init
 from ..memory import measure
 from ..models import GPT, GPTConfig
 from ..trace import Trace, recording
 
-__all__ = ["Lab", "start", "parser", "LABS"]
+__all__ = ["Lab", "start", "parser", "LABS", "Watch"]
 
 LABS = ("data_parallel", "zero", "tensor_parallel", "pipeline", "context_parallel", "hybrid")
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
@@ -60,6 +69,9 @@ def parser(name: str, description: str) -> argparse.ArgumentParser:
     t.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="parameter and compute dtype")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto")
+    t.add_argument("--timeout", type=float, default=300.0,
+                   help="seconds a collective waits for the other ranks; then the lab stops and names the "
+                        "rank that stopped answering")
     o = p.add_argument_group("output")
     o.add_argument("--trace", default=f"trace_{name}.json", help="merged Chrome trace file written by rank 0")
     o.add_argument("--no-trace", action="store_true", help="record and write no trace")
@@ -76,6 +88,7 @@ class Lab:
     config: GPTConfig
     sampler: BatchSampler
     trace: Trace | None = None   # after `train`, on rank 0: the merged trace of all ranks
+    watch: "Watch | None" = None  # heartbeats and steps of every rank, to name one that stops answering
 
     @property
     def rank(self) -> int:
@@ -125,6 +138,8 @@ class Lab:
         with recording(self.rank) as rec:
             t_start = time.perf_counter()
             for step in range(a.steps):
+                if self.watch is not None:
+                    self.watch.at_step(step)
                 loss = step_fn(step)
                 if cuda:
                     torch.cuda.synchronize(self.device)   # GPU work is asynchronous: time what finished
@@ -169,6 +184,91 @@ class Lab:
         return summary
 
 
+class Watch:
+    """Who stopped answering: every rank bumps a heartbeat counter in the rendezvous store from a daemon
+    thread and records the step it is in; when a collective fails (typically after --timeout), `report`
+    reads the counters twice, a few beats apart: a rank whose counter did not move is stopped (SIGSTOP,
+    a node that froze) or dead. The store is torchrun's (its agent hosts it), not the process group, so it
+    still answers when a rank does not. The counters, not clocks, are compared: nodes' clocks may differ."""
+
+    def __init__(self, store, rank: int, world: int, interval: float = 0.5):
+        self.store, self.rank, self.world, self.interval = store, rank, world, interval
+        self._stop = threading.Event()
+        self.store.set(self._key("step", rank), "-1")
+        self._thread = threading.Thread(target=self._beat, name="parlab-lab-heartbeat", daemon=True)
+        self._thread.start()
+        atexit.register(self.stop)   # runs before init's exit rendezvous (atexit is last-in, first-out)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    @staticmethod
+    def _key(what: str, rank: int) -> str:
+        return f"parlab/lab/{what}/{rank}"
+
+    def _beat(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.store.add(self._key("alive", self.rank), 1)
+            except Exception:   # the store is gone (the job is ending): stop beating
+                return
+            self._stop.wait(self.interval)
+
+    def at_step(self, step: int) -> None:
+        self.store.set(self._key("step", self.rank), str(step))
+
+    def _read(self, what: str) -> dict[int, int | None]:
+        out = {}
+        for r in range(self.world):
+            try:
+                out[r] = int(self.store.add(self._key(what, r), 0) if what == "alive"
+                             else self.store.get(self._key(what, r)))
+            except Exception:
+                out[r] = None
+        return out
+
+    def report(self, error: BaseException, wait_beats: int = 6) -> str:
+        """Lines saying which ranks stopped answering and where every rank was, for this rank's stderr."""
+        try:
+            self.store.set_timeout(datetime.timedelta(seconds=10))   # a store that does not answer: give up
+        except Exception:
+            pass
+        first = self._read("alive")
+        time.sleep(wait_beats * self.interval)
+        second, steps = self._read("alive"), self._read("step")
+        silent = [r for r in range(self.world) if r != self.rank and (second[r] is None or second[r] == first[r])]
+        head = str(error).strip().splitlines()[-1][:300] if str(error).strip() else type(error).__name__
+        where = ", ".join(f"rank {r}: {'?' if steps[r] is None else 'setting up' if steps[r] < 0 else f'step {steps[r]}'}"
+                          for r in range(self.world))
+        lines = [f"[rank {self.rank}] a collective failed: {head}"]
+        if silent:
+            who = ", ".join(map(str, silent))
+            lines.append(f"[rank {self.rank}] rank{'s' if len(silent) > 1 else ''} {who} stopped answering: no "
+                         f"heartbeat in {wait_beats * self.interval:g} s (stopped, e.g. by SIGSTOP, frozen, or "
+                         f"dead); the other ranks are alive")
+        else:
+            lines.append(f"[rank {self.rank}] every rank still answers: a rank is stuck in the program (waiting "
+                         f"in a collective that its peers never enter?)")
+        lines.append(f"[rank {self.rank}] where each rank was: {where}")
+        return "\n".join(lines)
+
+
+def _report_failures(watch: Watch) -> None:
+    """Make an uncaught communication error (a RuntimeError from the backend) print `Watch.report` first."""
+    previous = sys.excepthook
+
+    def hook(kind, value, tb):
+        if isinstance(value, RuntimeError):
+            try:
+                print(watch.report(value), file=sys.stderr, flush=True)
+            except Exception:
+                pass
+        previous(kind, value, tb)
+
+    sys.excepthook = hook
+
+
 def _mb(n: float) -> str:
     return f"{n / 1e6:.2f} MB"
 
@@ -199,10 +299,21 @@ def start(name: str, description: str, add_args: Callable[[argparse.ArgumentPars
                            n_embd=args.hidden)
     except ValueError as e:
         p.error(str(e))
-    ctx = init(args.backend)
+    if not (math.isfinite(args.timeout) and args.timeout > 0):
+        p.error(f"--timeout must be a positive number of seconds, got {args.timeout}")
+    ctx = init(args.backend, timeout=args.timeout)
+    watch = None
+    if ctx.world_size > 1:
+        try:
+            store = dist.distributed_c10d._get_default_store()   # private API: guarded, the lab runs without it
+        except Exception:
+            store = None
+        if store is not None:
+            watch = Watch(store, ctx.rank, ctx.world_size)
+            _report_failures(watch)
     torch.manual_seed(args.seed)
     tokens = load_corpus(n_chars=max(20_000, 4 * args.batch * args.seq_len), seed=args.seed)
-    lab = Lab(name, args, ctx, config, BatchSampler(tokens, args.batch, args.seq_len, seed=args.seed))
+    lab = Lab(name, args, ctx, config, BatchSampler(tokens, args.batch, args.seq_len, seed=args.seed), watch=watch)
     lab.log(f"[{name}] world {ctx.world_size} ({ctx.backend}, {ctx.device.type}); model: {args.layers} layers, "
             f"hidden {args.hidden}, {args.heads} heads, seq {args.seq_len}, vocab {args.vocab}, "
             f"{config.param_count() / 1e6:.2f}M params, {args.dtype}; global batch {args.batch} x {args.seq_len}")
