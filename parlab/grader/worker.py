@@ -5,8 +5,8 @@
 
 1. a hidden first cell configures `parlab.grading.guard` in the kernel: where to append the checks' records
    (a file in this run's folder) and the CPU-time limit of the student's code;
-2. every cell runs with nbclient, errors allowed, each cell bounded by `cell_timeout` seconds (the kernel is
-   interrupted and the notebook goes on);
+2. every cell up to the last graded one runs with nbclient (the demonstrations after it score nothing), errors
+   allowed, each cell bounded by `cell_timeout` seconds (the kernel is interrupted and the notebook goes on);
 3. after each graded cell a hidden cell asks the guard whether grading or parlab was rebound;
 4. a graded cell passes when it raised nothing **and** the check it calls left a passing record (a check
    rebound to a no-op leaves none), and nothing was found rebound.
@@ -106,7 +106,8 @@ def grade_notebook(nb: nbformat.NotebookNode, workdir: Path, cell_timeout: float
             if _error_of(pre):
                 raise RuntimeError("the grader's set-up cell failed: " + _error_of(pre).get("evalue", ""))
             new_records()
-            for index, cell in enumerate(nb.cells):
+            last = max((i for i, c in enumerate(nb.cells) if c.metadata.get("nbgrader", {}).get("grade")), default=-1)
+            for index, cell in enumerate(nb.cells[:last + 1]):     # cells after the last graded one score nothing
                 if cell.cell_type != "code":
                     continue
                 meta = cell.metadata.get("nbgrader", {})
@@ -115,6 +116,8 @@ def grade_notebook(nb: nbformat.NotebookNode, workdir: Path, cell_timeout: float
                 err = _error_of(cell)
                 if err and err.get("ename") in ("CellTimeout", "KeyboardInterrupt"):
                     status = "timeout" if status == "ok" else status
+                if err and err.get("ename") == "MemoryError" and status in ("ok", "timeout"):
+                    status, crash = "crashed", f"cell {index} hit the grader's memory limit (MemoryError)"
                 if not meta.get("grade"):
                     new_records()
                     continue

@@ -206,15 +206,19 @@ def _stub(original, name: str, usage: _Usage, is_init: bool = False):
 
 
 @contextlib.contextmanager
-def references(targets, namespaces=()):
+def references(targets, namespaces=(), cells=()):
     """While inside, each target ('module:name' or 'module:Class.method'; a class means its constructor)
-    is unavailable to code outside the parlab package. Yields the usage record (`.names()`)."""
+    is unavailable to code outside the parlab package: replaced in every parlab module, in `namespaces`
+    (dicts) and in `cells` (closure cells of the student's functions). Yields the usage record (`.names()`,
+    `.originals`)."""
     usage = _Usage()
+    usage.originals = {}
     undo = []
     try:
         for target in targets:
             owner, attr, original = _resolve(target)
             short = target.split(":")[1]
+            usage.originals[id(original)] = short
             if isinstance(original, type):                       # a class: guard its constructor
                 cls = original
                 had = "__init__" in vars(cls)
@@ -234,11 +238,39 @@ def references(targets, namespaces=()):
                     if value is original:
                         ns[key] = stub
                         undo.append(lambda ns=ns, key=key, original=original: ns.__setitem__(key, original))
+            for cell in cells:
+                if _cell_value(cell) is original:
+                    cell.cell_contents = stub
+                    undo.append(lambda cell=cell, original=original: setattr(cell, "cell_contents", original))
         yield usage
     finally:
         for u in reversed(undo):
             u()
         usage.close()
+
+
+def _cell_value(cell):
+    try:
+        return cell.cell_contents
+    except ValueError:                                          # an empty cell
+        return None
+
+
+def _functions(obj) -> list:
+    """`obj` and, for a class, the functions defined in it (static and class methods unwrapped)."""
+    if not isinstance(obj, type):
+        return [obj]
+    out = []
+    for v in vars(obj).values():
+        v = getattr(v, "__func__", v)
+        if callable(v) and hasattr(v, "__code__"):
+            out.append(v)
+    return out
+
+
+def student_cells(*objs) -> list:
+    """The closure cells of a student's function or of the methods of a student's class."""
+    return [c for obj in objs for f in _functions(obj) for c in (getattr(f, "__closure__", None) or ())]
 
 
 def student_namespaces(*objs) -> list[dict]:
@@ -290,8 +322,11 @@ def graded(*targets: str):
                                       f"or parlab was rebound in this notebook. Restart the kernel, remove the "
                                       f"code that rebinds it, and run the notebook from the top.", "tampered")
                 out, err = None, None
-                with references(targets, student_namespaces(*args[:1])) as usage:
+                with references(targets, student_namespaces(*args[:1]), student_cells(*args[:1])) as usage:
                     try:
+                        if args and id(args[0]) in usage.originals:   # parlab's own function handed in
+                            usage.add(usage.originals[id(args[0])])
+                            raise ReferenceUsed()
                         out = check(*args, **kwargs)
                     except (AssertionError, ReferenceUsed, CpuTimeExceeded) as e:
                         err = e
