@@ -326,3 +326,14 @@ def test_scaleup_recosts_every_action_with_the_big_model_and_keeps_the_schedule(
         scaleup(tr, model, hw, Layout(tp=8, pp=4))
     with pytest.raises(ValueError, match="recompute must be"):
         Layout(recompute="some")
+
+
+def test_a_wait_for_a_send_not_yet_received_does_not_hold_the_sender():
+    # rank 0 polls its isend at once (as the pipeline's _reap does) and computes; rank 1 receives only at 5 s
+    tr = Trace([p2p(0, 0.0, "send", 1, asynchronous=True, waited=0.1), comp(0, 0.2, 3.0),
+                comp(1, 0.0, 5.0), p2p(1, 1.5, "recv", 0)])
+    out = replay(tr, UNIT)
+    assert by_rank(out, 0, "compute")[0].start == 0.0          # not held: the send is buffered
+    send, recv = by_rank(out, 0, "send")[0], by_rank(out, 1, "recv")[0]
+    assert send.end == recv.end == 5.0                           # the message moves when the receiver posts
+    assert send.waited is None
