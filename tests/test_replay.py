@@ -337,3 +337,24 @@ def test_a_wait_for_a_send_not_yet_received_does_not_hold_the_sender():
     send, recv = by_rank(out, 0, "send")[0], by_rank(out, 1, "recv")[0]
     assert send.end == recv.end == 5.0                           # the message moves when the receiver posts
     assert send.waited is None
+
+
+def test_scale_work_multiplies_work_and_bytes_and_refuses_unmetered_traces():
+    from parlab.scaleup import scale_work
+    tr = Trace([Event(0, "compute", "f", 0.0, 1.0, flops=10.0, nbytes=4, kernels=3), coll(0, 1.0, (0,), 100)])
+    big = scale_work(tr, flops=3.0, comm_bytes=2.0)
+    assert (big.events[0].flops, big.events[0].nbytes, big.events[0].kernels, big.events[1].nbytes) == (30.0, 12, 3, 200)
+    with pytest.raises(ValueError, match="carry no metered work"):
+        scale_work(Trace([Event(0, "compute", "f", 0.0, 1.0)]), flops=2.0)
+    with pytest.raises(ValueError, match="flops must be a positive factor"):
+        scale_work(tr, flops=0)
+
+
+def test_toggle_figure_switches_between_the_measured_and_the_replayed_timeline():
+    from parlab.viz.replay import replay_toggle
+    tr = Trace([comp(0, 0.0, 2e12), comp(1, 0.0, 1e12)])
+    fig = replay_toggle(tr, preset("dgx-h100"), title="t")
+    buttons = fig.layout.updatemenus[0].buttons
+    assert [b.label for b in buttons] == ["this machine", "replayed on DGX H100"]
+    assert [t.visible for t in fig.data] == [False, True]               # the replayed view first
+    assert buttons[0].args[0]["visible"] == [True, False] and "replayed on DGX H100" in fig.layout.title.text
