@@ -42,7 +42,7 @@ from .replay_program import Step, build_programs
 from .topology import ParallelGrid
 from .trace import Event, Trace
 
-__all__ = ["replay", "ReplayError", "step_time", "bubble", "Placement"]
+__all__ = ["replay", "ReplayError", "step_time", "bubble", "Placement", "timed"]
 
 
 class ReplayError(ValueError):

@@ -358,3 +358,11 @@ def test_toggle_figure_switches_between_the_measured_and_the_replayed_timeline()
     assert [b.label for b in buttons] == ["this machine", "replayed on DGX H100"]
     assert [t.visible for t in fig.data] == [False, True]               # the replayed view first
     assert buttons[0].args[0]["visible"] == [True, False] and "replayed on DGX H100" in fig.layout.title.text
+
+
+def test_cost_metering_is_a_no_op_without_a_recorder_and_the_cli_refuses_one_rank(capsys):
+    with count_costs():                              # nothing records: nothing to meter, nothing raised
+        torch.ones(3) + 1
+    from parlab.cli import main
+    assert main(["calibrate", "--world", "1", "--out", "/dev/null"]) == 2
+    assert "world must be an integer >= 2" in capsys.readouterr().out
