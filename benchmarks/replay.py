@@ -9,6 +9,15 @@
    end over all ranks), then trace one more step inside `count_costs()` and replay it on the calibrated
    description. Report the median measured step, the replayed step and their ratio.
 3. Replay a 16-rank trace (1F1B, pp = 4, dp = 4) on DGX H100 and report how long the replay itself takes.
+4. Published configurations (`--only published`): trace a tiny 1F1B run with the published pipeline shape
+   (pp ranks, m micro-batches), scale it up to GPT-3 175B on the published layout (`parlab.scaleup`) on the
+   DGX A100 preset, and compare with the published step time and with the planner's estimate:
+     Korthikanti et al. 2022 (arXiv:2205.05198) table 4, Selene: tp 8, pp 8, 64 GPUs, global batch 64, b = 1:
+       18.13 s per step with full recomputation, 13.75 s with sequence parallelism + selective recomputation;
+     Narayanan et al. SC'21 (arXiv:2104.04473) table 2, PTD-P: GPT-3 175B, tp 8, pp 12 (model-parallel size 96),
+       384 GPUs (dp 4), batch 1536, b = 1, 153 TFLOP/s per GPU; the step time follows from their FLOP count
+       (appendix: 96 B s l h^2 (1 + s / 6h + V / 16 l h), with full recomputation) / (384 x 153e12).
+   Also: the efficiency (fraction of peak the products sustain) at which the replay would match.
 """
 from __future__ import annotations
 
@@ -163,14 +172,65 @@ def replay16():
     return len(tr), times
 
 
+def _pattern(p, m):
+    """A tiny 1F1B step on p ranks with m micro-batches: the program the big model's replay keeps."""
+    cfg = GPTConfig(vocab_size=32, seq_len=8, n_layer=p, n_head=2, n_embd=16)
+    x = torch.randint(32, (m, 8), generator=torch.Generator().manual_seed(0))     # (m, S)
+    PipelineParallel(GPT(cfg, seed=0), sch.one_f_one_b(p, m)).step(x, x)
+
+
+def megatron_flops(B, s, l, h, V):
+    """Narayanan et al. 2021, appendix: FLOPs of one step with full recomputation."""
+    return 96 * B * s * l * h * h * (1 + s / (6 * h) + V / (16 * l * h))
+
+
+def published():
+    from parlab.costs import preset as model_preset
+    from parlab.scaleup import Layout, compare, scaleup
+    gpt3, a100 = model_preset("gpt3-175b"), preset("dgx-a100")
+    t_meg = megatron_flops(1536, 2048, 96, 12288, 51200) / (384 * 153e12)
+    cases = [
+        ("Selene, full recomputation (Korthikanti t.4)", Layout(tp=8, pp=8, dp=1, recompute="full"), 64, 18.13),
+        ("Selene, SP + selective recomputation (Korthikanti t.4)",
+         Layout(tp=8, pp=8, dp=1, recompute="selective", sequence_parallel=True), 64, 13.75),
+        ("Megatron PTD-P, 384 GPUs (Narayanan t.2)", Layout(tp=8, pp=12, dp=4, recompute="full"), 1536, t_meg),
+    ]
+    traces = {}
+    rows = []
+    for name, lay, batch, pub in cases:
+        m = batch // lay.dp
+        if (lay.pp, m) not in traces:
+            t0 = time.perf_counter()
+            traces[(lay.pp, m)] = parlab.run(_pattern, lay.pp, lay.pp, m, backend="gloo", trace=True, echo=False,
+                                             timeout=1200).trace
+            print(f"traced tiny 1F1B p={lay.pp} m={m}: {len(traces[(lay.pp, m)])} events in "
+                  f"{time.perf_counter() - t0:.1f} s", flush=True)
+        tr = traces[(lay.pp, m)]
+        (res, secs) = timed(compare, tr, gpt3, a100, lay, batch, pub)
+        lo, hi = 0.05, 1.0                                   # efficiency at which the replay matches (bisection)
+        for _ in range(40):
+            mid = (lo + hi) / 2
+            t = step_time(scaleup(tr, gpt3, a100.with_(efficiency=mid), lay))
+            lo, hi = (lo, mid) if t < pub else (mid, hi)
+        rows.append((name, pub, res, (lo + hi) / 2))
+        print(f"{name}: published {pub:.2f} s; replay {res['replay_s']:.2f} s ({res['replay_error']:+.1%}); "
+              f"planner {res['planner_s']:.2f} s ({res['planner_error']:+.1%}); replay matches at efficiency "
+              f"{(lo + hi) / 2:.3f}; replay took {secs:.2f} s", flush=True)
+    return rows
+
+
 def main(argv=None):
     p = argparse.ArgumentParser()
     p.add_argument("--world", type=int, default=4)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--hardware", default=None, help="a Hardware JSON (default: calibrate now)")
-    p.add_argument("--only", default=None, choices=["consistency", "replay16"])
+    p.add_argument("--only", default=None, choices=["consistency", "replay16", "published"])
     a = p.parse_args(argv)
     print(f"load: {os.getloadavg()}", flush=True)
+    if a.only == "published":
+        published()
+        print(f"load: {os.getloadavg()}", flush=True)
+        return
     if a.only != "replay16":
         if a.hardware:
             hw = load(a.hardware)

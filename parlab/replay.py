@@ -18,7 +18,9 @@ A discrete-event loop then runs every rank's program against the others, with th
                        call holds its rank until it ends, an asynchronous one does not
     send / recv        a message moves once both sides have posted it (rendezvous); blocking sides wait for it
     wait               holds the rank until that asynchronous call has finished
-                       (so compute issued after the wait waits for it; compute before it overlaps)
+                       (so compute issued after the wait waits for it; compute before it overlaps); a wait for
+                       a send whose receiver has not posted yet does not hold it (the send is buffered), so a
+                       program that polled its sends for completion cannot deadlock in the replay
 
 The result is an ordinary `parlab.Trace` (times from 0, in seconds; `trace.hardware` names the hardware), so
 `parlab.viz.timeline`, the animations and `Trace.to_chrome` draw it unchanged. Every rank starts at 0; time a
@@ -40,7 +42,7 @@ from .replay_program import Step, build_programs
 from .topology import ParallelGrid
 from .trace import Event, Trace
 
-__all__ = ["replay", "ReplayError", "step_time", "bubble", "Placement"]
+__all__ = ["replay", "ReplayError", "step_time", "bubble", "Placement", "timed"]
 
 
 class ReplayError(ValueError):
@@ -184,6 +186,10 @@ def _run(programs: dict[int, list[Step]]) -> list[Event]:
                     return moved                                    # blocked until the others arrive
             elif st.kind == "wait":
                 if st.key not in done:
+                    if st.event.op == "send" and "recv" not in posts[st.key]:
+                        pos[r] += 1                # a buffered send: its receiver has not posted yet, go on
+                        moved = True
+                        continue
                     return moved
                 clock[r] = max(t, done[st.key][1])
                 if (r, st.key) in issued:

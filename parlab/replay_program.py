@@ -22,6 +22,7 @@ Pure Python: no torch.
 """
 from __future__ import annotations
 
+import bisect
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Callable
@@ -102,8 +103,9 @@ def _program(rank: int, evs: list[Event], compute_cost, comm_cost) -> list[Step]
     points.sort(key=lambda p: (p[0], p[1]))
     # blocking communication occupies an interval; compute spans are cut at every point inside them
     steps: list[tuple[float, int, Step]] = list(points)
-    for j, c in enumerate(outer):
-        inside = [p for p in points if c.start < p[0] < c.end]
+    times = [p[0] for p in points]
+    for c in outer:
+        inside = points[bisect.bisect_right(times, c.start):bisect.bisect_left(times, c.end)]
         cost = compute_cost(c)
         if not inside:
             steps.append((c.start, _LAST, Step("compute", c, cost)))

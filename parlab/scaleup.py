@@ -22,6 +22,10 @@ tp x cp x dp x pp GPUs (`parlab.topology.ParallelGrid`) with the hardware's GPUs
 groups cross nodes when tp x cp (x dp) fills a node. The compute model is FLOPs only (big matrix products are
 compute-bound), at the hardware's efficiency; the optimizer step is left out.
 
+`scale_work(trace, flops=k, comm_bytes=j)` is the blunt tool for any other run (DDP, ring attention): every
+compute span's metered work times k (its memory-bound bytes too, or `mem_bytes`), every message and collective
+times j, e.g. k = (c_big / c)^2 and j = c_big / c to give a ring-attention run c_big tokens per rank.
+
 `compare(...)` puts the replay next to `parlab.planner.estimate` for the same layout (and a published time).
 """
 from __future__ import annotations
@@ -37,7 +41,7 @@ from .schedules import split_layers
 from .topology import ParallelGrid
 from .trace import Event, Trace
 
-__all__ = ["Layout", "scaleup", "layer_forward_flops", "compare"]
+__all__ = ["Layout", "scaleup", "layer_forward_flops", "compare", "scale_work"]
 
 _LABEL = re.compile(r"stage (\d+) mb (\d+)")
 _ACTIONS = ("forward", "backward", "backward_input", "backward_weight")
@@ -173,3 +177,25 @@ def compare(trace: Trace, model: ModelSpec, hardware: Hardware, layout: Layout, 
     if published_s is not None:
         out.update(published_s=published_s, replay_error=rep / published_s - 1, planner_error=est.step_s / published_s - 1)
     return out
+
+
+def scale_work(trace: Trace, flops: float = 1.0, comm_bytes: float = 1.0, mem_bytes: float | None = None) -> Trace:
+    """A copy of `trace` whose compute spans do `flops` times the work (memory-bound bytes times `mem_bytes`,
+    default the same factor; kernels unchanged) and whose communication moves `comm_bytes` times the bytes.
+    For replaying a small run as a bigger one of the same program (`parlab.replay.replay` the result)."""
+    for name, k in (("flops", flops), ("comm_bytes", comm_bytes), ("mem_bytes", mem_bytes)):
+        if k is not None and not (isinstance(k, (int, float)) and k > 0):
+            raise ValueError(f"{name} must be a positive factor, got {k!r}")
+    if not any(e.kind == "compute" and (e.flops or e.nbytes) for e in trace.events):
+        raise ValueError("the trace's compute spans carry no metered work: record it inside "
+                         "parlab.trace.count_costs() (or give regions flops=...)")
+    mem = flops if mem_bytes is None else mem_bytes
+    out = []
+    for e in trace.events:
+        if e.kind == "compute":
+            out.append(dataclasses.replace(e, flops=e.flops * flops, nbytes=round(e.nbytes * mem)))
+        elif e.kind in ("collective", "p2p"):
+            out.append(dataclasses.replace(e, nbytes=round(e.nbytes * comm_bytes), numel=round(e.numel * comm_bytes)))
+        else:
+            out.append(e)
+    return Trace(out, trace.hardware)

@@ -326,3 +326,43 @@ def test_scaleup_recosts_every_action_with_the_big_model_and_keeps_the_schedule(
         scaleup(tr, model, hw, Layout(tp=8, pp=4))
     with pytest.raises(ValueError, match="recompute must be"):
         Layout(recompute="some")
+
+
+def test_a_wait_for_a_send_not_yet_received_does_not_hold_the_sender():
+    # rank 0 polls its isend at once (as the pipeline's _reap does) and computes; rank 1 receives only at 5 s
+    tr = Trace([p2p(0, 0.0, "send", 1, asynchronous=True, waited=0.1), comp(0, 0.2, 3.0),
+                comp(1, 0.0, 5.0), p2p(1, 1.5, "recv", 0)])
+    out = replay(tr, UNIT)
+    assert by_rank(out, 0, "compute")[0].start == 0.0          # not held: the send is buffered
+    send, recv = by_rank(out, 0, "send")[0], by_rank(out, 1, "recv")[0]
+    assert send.end == recv.end == 5.0                           # the message moves when the receiver posts
+    assert send.waited is None
+
+
+def test_scale_work_multiplies_work_and_bytes_and_refuses_unmetered_traces():
+    from parlab.scaleup import scale_work
+    tr = Trace([Event(0, "compute", "f", 0.0, 1.0, flops=10.0, nbytes=4, kernels=3), coll(0, 1.0, (0,), 100)])
+    big = scale_work(tr, flops=3.0, comm_bytes=2.0)
+    assert (big.events[0].flops, big.events[0].nbytes, big.events[0].kernels, big.events[1].nbytes) == (30.0, 12, 3, 200)
+    with pytest.raises(ValueError, match="carry no metered work"):
+        scale_work(Trace([Event(0, "compute", "f", 0.0, 1.0)]), flops=2.0)
+    with pytest.raises(ValueError, match="flops must be a positive factor"):
+        scale_work(tr, flops=0)
+
+
+def test_toggle_figure_switches_between_the_measured_and_the_replayed_timeline():
+    from parlab.viz.replay import replay_toggle
+    tr = Trace([comp(0, 0.0, 2e12), comp(1, 0.0, 1e12)])
+    fig = replay_toggle(tr, preset("dgx-h100"), title="t")
+    buttons = fig.layout.updatemenus[0].buttons
+    assert [b.label for b in buttons] == ["this machine", "replayed on DGX H100"]
+    assert [t.visible for t in fig.data] == [False, True]               # the replayed view first
+    assert buttons[0].args[0]["visible"] == [True, False] and "replayed on DGX H100" in fig.layout.title.text
+
+
+def test_cost_metering_is_a_no_op_without_a_recorder_and_the_cli_refuses_one_rank(capsys):
+    with count_costs():                              # nothing records: nothing to meter, nothing raised
+        torch.ones(3) + 1
+    from parlab.cli import main
+    assert main(["calibrate", "--world", "1", "--out", "/dev/null"]) == 2
+    assert "world must be an integer >= 2" in capsys.readouterr().out

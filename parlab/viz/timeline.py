@@ -134,6 +134,8 @@ def timeline(trace: Any, title: str | None = None, ranks: Sequence[int] | None =
     if time_unit not in TIME_UNITS:
         raise ValueError(f"unknown time_unit {time_unit!r}; choose one of {sorted(TIME_UNITS)}")
     tr = as_trace(trace)
+    if tr.hardware:   # a replayed trace (parlab.replay) says what it was replayed on
+        title = f"{title} (replayed on {tr.hardware})" if title else f"replayed on {tr.hardware}"
     if not tr.events:
         return empty_figure("empty trace: nothing was recorded (run with parlab.run(..., trace=True) "
                             "and call parlab.comm / parlab.trace.region inside fn)", title)
