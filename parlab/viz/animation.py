@@ -308,7 +308,8 @@ def _frames_of(step: Step, per_call: bool) -> list[tuple[str, list[tuple[int, in
     for what, moves in algorithm_steps(step):
         arrows = []
         for m in moves:
-            label = "" if m.chunk is None or init is None and step.op != "all_to_all" else f"chunk {m.chunk}"
+            chunked = step.op == "all_to_all" or (init is not None and init[0] > 1)   # broadcast/reduce: one piece
+            label = f"chunk {m.chunk}" if m.chunk is not None and chunked else ""
             arrows.append((m.src, m.dst, m.nbytes, label))
         if held is not None:
             before = {r: [set(w) for w in row] for r, row in held.items()}   # a step's moves are simultaneous

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import shutil
 import sys
 import tempfile
@@ -224,7 +225,8 @@ def _executed(path: str, timeout: float):
         try:
             course.execute(nb, Path(path).resolve().parent, timeout=timeout)
         except Exception as err:                      # CellExecutionError, CellTimeoutError, a dead kernel
-            last = [ln for ln in str(err).splitlines() if ln.strip()][-1:] or [type(err).__name__]
+            text = re.sub(r"\x1b\[[0-9;]*m", "", str(err))          # the traceback's colour codes
+            last = [ln for ln in text.splitlines() if ln.strip()][-1:] or [type(err).__name__]
             return nb, f"the notebook stopped with an error: {last[0][:200]}"
     return nb, None
 
