@@ -288,18 +288,23 @@ def _sliced(get_msg, poll: float):
 
 def export_html(paths, out: str | Path, timeout: float = 300.0) -> list[Path]:
     """Execute each notebook (in its own folder) and write NAME.html into `out`; returns the pages written.
-    Plotly figures carry their own plotly.js, so they draw offline; formulas are typeset by MathJax, which
-    nbconvert's page loads from its CDN (raw TeX without a network). Widget cells keep no output."""
+    The pages read fully offline (`parlab.handout`): plotly figures carry their own plotly.js, formulas are
+    typeset by the MathJax copied into ``out/mathjax/``, and each widget shows its controls' initial values and
+    the figure it drew for them."""
     from nbconvert import HTMLExporter
+
+    from .handout import drop_remote_scripts, offline_mathjax, static_widgets
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
+    mathjax = offline_mathjax(out)
     pages = []
     for path in map(Path, paths):
         nb = execute(read(path), path.resolve().parent, timeout=timeout)
-        html, _ = HTMLExporter().from_notebook_node(nb)
+        static_widgets(nb)
+        html, _ = HTMLExporter(mathjax_url=mathjax).from_notebook_node(nb)
         page = out / (path.stem + ".html")
-        page.write_text(html, encoding="utf-8")
+        page.write_text(drop_remote_scripts(html), encoding="utf-8")
         pages.append(page)
     return pages
 

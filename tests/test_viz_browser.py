@@ -84,3 +84,37 @@ def test_lessons_figures_pass_in_chromium(tmp_path):
     assert len(list(tmp_path.rglob("*.png"))) == len(shown)
     for path in paths:                                                        # the tracked notebooks stay clean
         assert not any(c.get("outputs") for c in nbformat.read(path, 4).cells if c.cell_type == "code")
+
+
+def test_handout_reads_offline_math_figures_and_widgets(tmp_path):
+    """`parlab course html` pages with the network cut off: formulas typeset (not raw TeX), every figure drawn,
+    and each "Try it" widget shown at its initial setting with the figure it drew."""
+    from playwright.sync_api import sync_playwright
+
+    from parlab import cli
+    lesson = ROOT / "lessons" / "00_why_parallel.ipynb"
+    assert cli.main(["course", "html", str(lesson), "--out", str(tmp_path), "--timeout", "300"]) == 0
+    page = tmp_path / "00_why_parallel.html"
+    text = page.read_text(encoding="utf-8")
+    assert "https://cdn" not in "".join(l for l in text.splitlines() if "<script src=" in l)
+    remote = []
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=check.chromium_path(), args=check.CHROMIUM_ARGS)
+        tab = browser.new_page(viewport={"width": 1200, "height": 900})
+        tab.route("http*://**", lambda route: (remote.append(route.request.url), route.abort()))   # offline
+        tab.goto(page.as_uri())
+        tab.wait_for_function("() => window.MathJax && MathJax.Hub && MathJax.Hub.queue.pending === 0 && "
+                              "document.querySelectorAll('.MathJax, .MathJax_Display').length > 0", timeout=120_000)
+        seen = tab.evaluate("""() => ({
+            math: document.querySelectorAll('.MathJax, .MathJax_Display').length,
+            error: document.body.innerText.includes('Math Processing Error'),
+            raw: (document.body.innerText.match(/\\$[^$\\n]{1,60}\\$/g) || []).length,
+            divs: document.querySelectorAll('.plotly-graph-div').length,
+            drawn: document.querySelectorAll('.plotly-graph-div .main-svg').length,
+            tryit: Array.from(document.querySelectorAll('.parlab-try-it')).map(e => e.innerText)})""")
+        tab.screenshot(path=str(tmp_path / "handout.png"))
+        browser.close()
+    assert remote == [], f"the handout asked the network for {remote[:3]}"
+    assert seen["math"] >= 10 and not seen["error"] and seen["raw"] == 0, seen
+    assert seen["divs"] >= 5 and seen["drawn"] >= seen["divs"], seen               # widget figures included
+    assert len(seen["tryit"]) == 2 and "params (B) = 5.0" in seen["tryit"][0], seen["tryit"]

@@ -169,7 +169,8 @@ def algorithm_steps(step: Step) -> list[tuple[str, list[Move]]]:
     if step.op == "all_gather":
         return ag
     if step.op == "all_to_all":
-        return [(f"all-to-all {s}/{n - 1}: every rank sends the chunk meant for the rank {s} to its right",
+        return [(f"all-to-all {s}/{n - 1}: every rank sends its chunk for the rank {s} place{'s' * (s > 1)} further "
+                 f"round straight to it",
                  [Move(g[i], g[(i + s) % n], x / n, (i + s) % n) for i in range(n)]) for s in range(1, n)]
     if step.root not in g:
         return [("root outside the group: not drawn", [])]
@@ -259,7 +260,8 @@ def _frame_data(step: Step, moves: list[tuple[int, int, float, str]], pos: dict[
         ay += [sy, ey, None]
         sizes += [0, 13, 0]                                 # an arrowhead at the receiving end only
         angles += [0, math.degrees(math.atan2(ux, uy)), 0]  # plotly: degrees clockwise from "up"
-        along, side = (0.5, 4 * LANE_OFF) if what else (0.4, 2 * LANE_OFF)   # 40%: crossing arrows keep apart
+        along, side = (0.5, 0.26) if what else (0.4, 2 * LANE_OFF)   # two-line labels clear the arrow; 40%: crossing
+                                                                     # arrows keep their labels apart
         lx.append(sx + along * (ex - sx) + side * nx)
         ly.append(sy + along * (ey - sy) + side * ny)
         ltext.append(f"{what}<br>{style.human_bytes(nbytes)}" if what else style.human_bytes(nbytes))
@@ -306,7 +308,8 @@ def _frames_of(step: Step, per_call: bool) -> list[tuple[str, list[tuple[int, in
     for what, moves in algorithm_steps(step):
         arrows = []
         for m in moves:
-            label = "" if m.chunk is None or init is None and step.op != "all_to_all" else f"chunk {m.chunk}"
+            chunked = step.op == "all_to_all" or (init is not None and init[0] > 1)   # broadcast/reduce: one piece
+            label = f"chunk {m.chunk}" if m.chunk is not None and chunked else ""
             arrows.append((m.src, m.dst, m.nbytes, label))
         if held is not None:
             before = {r: [set(w) for w in row] for r, row in held.items()}   # a step's moves are simultaneous

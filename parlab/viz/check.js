@@ -89,10 +89,8 @@
     for (const s of (fl.shapes || [])) {
       if (s[letter + "ref"] === id) { push(s[letter + "0"]); push(s[letter + "1"]); }
     }
-    for (const a of (fl.annotations || [])) {   // on a log axis an annotation's position is already log10
-      if (a[letter + "ref"] !== id) continue;
-      if (ax.type === "log") { const n = Number(a[letter]); if (isFinite(n)) vals.push(n); } else push(a[letter]);
-    }
+    // annotations are labels, not data: an axis stretched to reach one (e.g. a label given a data value on a
+    // log axis, where plotly reads it as log10) is exactly what this check is for
     if (!vals.length) return null;
     return [Math.min(...vals), Math.max(...vals)];
   }
@@ -124,6 +122,31 @@
     return out;
   }
 
+  // text drawn with the data (marker labels, bar labels) is clipped to its plot area: a label outside it is cut
+  function clippedProblems(gd) {
+    const out = new Set();
+    gd.querySelectorAll(".scatterlayer .textpoint text, .barlayer text.bartext").forEach(el => {
+      const text = words(el);
+      if (!text) return;
+      const holder = el.closest("[clip-path]");
+      if (!holder || !gd.contains(holder)) return;
+      const id = (holder.getAttribute("clip-path").match(/#([^)'"]+)/) || [])[1];
+      const clip = id && document.getElementById(id);
+      const rect = clip && clip.querySelector("rect");
+      if (!rect) return;
+      // the clip rectangle is in the user space of the element it clips: map its corners through that CTM
+      const m = holder.getScreenCTM(), pt = (x, y) => new DOMPoint(x, y).matrixTransform(m);
+      const x = rect.x.baseVal.value, y = rect.y.baseVal.value;
+      const p0 = pt(x, y), p1 = pt(x + rect.width.baseVal.value, y + rect.height.baseVal.value);
+      const c = { l: Math.min(p0.x, p1.x), r: Math.max(p0.x, p1.x), t: Math.min(p0.y, p1.y), b: Math.max(p0.y, p1.y) };
+      const t = box(el);
+      if (t.w === 0 || t.h === 0) return;
+      if (t.l < c.l - SLACK || t.r > c.r + SLACK || t.t < c.t - SLACK || t.b > c.b + SLACK)
+        out.add(`data label cut off by the plot area: "${short(text)}"`);
+    });
+    return Array.from(out);
+  }
+
   window.parlabCheck = function (gd) {
     const problems = [];
     const fig = box(gd.querySelector(".main-svg") || gd);
@@ -147,7 +170,7 @@
       if (seen.has(n)) problems.push(`legend lists "${short(n)}" twice`);
       seen.add(n);
     }
-    problems.push(...fontProblems(gd), ...rangeProblems(gd));
+    problems.push(...fontProblems(gd), ...rangeProblems(gd), ...clippedProblems(gd));
     return Array.from(new Set(problems));
   };
 

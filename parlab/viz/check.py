@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import shutil
 import sys
 import tempfile
@@ -215,27 +216,35 @@ def check_pages(figs: list[Figure], labels: list[dict], out: Path, width: int = 
 
 # ---------------------------------------------------------------------- command line
 def _executed(path: str, timeout: float):
-    """The notebook with outputs: as it is when it has any, else executed in its own folder."""
+    """(notebook with outputs, error or None): as it is when it has outputs, else executed in its own folder.
+    A cell that fails leaves the outputs up to it (still checked) and the error's last line."""
     from .. import course
 
     nb = course.read(path)
     if not any(c.get("outputs") for c in nb.cells if c.cell_type == "code"):
-        nb = course.execute(nb, Path(path).resolve().parent, timeout=timeout)
-    return nb
+        try:
+            course.execute(nb, Path(path).resolve().parent, timeout=timeout)
+        except Exception as err:                      # CellExecutionError, CellTimeoutError, a dead kernel
+            text = re.sub(r"\x1b\[[0-9;]*m", "", str(err))          # the traceback's colour codes
+            last = [ln for ln in text.splitlines() if ln.strip()][-1:] or [type(err).__name__]
+            return nb, f"the notebook stopped with an error: {last[0][:200]}"
+    return nb, None
 
 
 def run(paths: list[Path], out: Path, jobs: int = 1, width: int = WIDTH, timeout: float = 300.0) -> list[str]:
     """Execute, collect, draw and check; returns every problem as 'notebook/cellNN_k: what'."""
     out.mkdir(parents=True, exist_ok=True)
     with ProcessPoolExecutor(max_workers=max(1, jobs)) as pool:
-        nbs = list(pool.map(_executed, map(str, paths), [timeout] * len(paths)))
-    figs, labels = [], []
-    for path, nb in zip(paths, nbs):
+        done = list(pool.map(_executed, map(str, paths), [timeout] * len(paths)))
+    figs, labels, failed = [], [], []
+    for path, (nb, error) in zip(paths, done):
         f, lb = collect(nb, Path(path).stem)
         figs += f
         labels += lb
+        if error:
+            failed.append(f"{Path(path).stem}: {error}")
     label_problems = check_pages(figs, labels, out, width=width)
-    problems = [f"{fig.name}: {p}" for fig in figs for p in fig.problems] + label_problems
+    problems = failed + [f"{fig.name}: {p}" for fig in figs for p in fig.problems] + label_problems
     (out / "report.txt").write_text(
         f"{len(figs)} figures from {len(paths)} notebooks, {len(labels)} widget labels; "
         f"{len(problems)} problems\n" + "".join(p + "\n" for p in problems), encoding="utf-8")

@@ -137,8 +137,8 @@ def ring_animation(rows: Sequence[dict], P: int, layout: str = "zigzag", causal:
     still = {"mode": "immediate", "frame": {"duration": 0, "redraw": True}, "transition": {"duration": 0}}
     ticks = [f"{u}" for u in range(n)]
     fig.update_layout(
-        title_text=heading(steps[0]), template="plotly_white", showlegend=False, height=600,
-        margin=dict(t=120, b=130),
+        title_text=heading(steps[0]), template="plotly_white", showlegend=False, height=630,
+        margin=dict(t=150, b=130),
         xaxis=dict(visible=False, range=[-1.5, 1.5]), yaxis=dict(visible=False, range=[-1.5, 1.5]),
         xaxis2=dict(title="key position unit (S/2P positions)", tickvals=list(range(n)), ticktext=ticks,
                     range=[-0.5, n - 0.5], constrain="domain"),

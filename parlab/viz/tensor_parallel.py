@@ -67,15 +67,15 @@ def split_matmul(x, w, outs: Sequence, y, split: str, title: str | None = None) 
                                  hovertemplate="row %{y}, col %{x}: %{z:.3f}<extra></extra>"), row=1, col=k)
         fig.update_yaxes(autorange="reversed", showticklabels=False, row=1, col=k)
         fig.update_xaxes(showticklabels=False, row=1, col=k)
-    for r in range(tp):
+    for r in range(tp):            # blocks of 2 columns or fewer are too narrow for "X_3": only the rank's number
         c = rank_color(r)
         if split == "column":
             b = hp // tp
-            _outline(fig, 0, h, r * b, (r + 1) * b, c, 2, f"W_{r}")
-            _outline(fig, 0, s, r * b, (r + 1) * b, c, len(widths), f"Y_{r}")
+            _outline(fig, 0, h, r * b, (r + 1) * b, c, 2, f"W_{r}" if b > 2 else str(r))
+            _outline(fig, 0, s, r * b, (r + 1) * b, c, len(widths), f"Y_{r}" if b > 2 else str(r))
         else:
             b = h // tp
-            _outline(fig, 0, s, r * b, (r + 1) * b, c, 1, f"X_{r}")
+            _outline(fig, 0, s, r * b, (r + 1) * b, c, 1, f"X_{r}" if b > 2 else str(r))
             _outline(fig, r * b, (r + 1) * b, 0, hp, c, 2)
         _outline(fig, 0, s, 0, len(outs[r][0]), c, 3 + r)
     if split == "column":

@@ -45,7 +45,7 @@ ASYNC_WIDTH = 0.3    # asynchronous calls: a thin strip ...
 ASYNC_SHIFT = 0.25   # ... in the lower part of the lane (rank 0 is at the top; y grows downwards)
 
 _GROUP_TITLES = {"compute": "compute regions", "collective": "collectives", "p2p": "point-to-point",
-                 "mark": "marks"}
+                 "mark": "instants"}
 _EVENT_FIELDS = ("rank", "kind", "op", "start", "end", "group", "peer", "numel", "nbytes", "dtype", "label",
                  "asynchronous", "flops", "kernels", "waited")
 
