@@ -6,6 +6,10 @@ compute span, and `parlab.run` brings every rank's events home and merges them
 into one `Trace`. Lessons draw their figures from a `Trace`, so every picture
 shows what the code really did.
 
+For replaying a run on other hardware (`parlab.replay`), compute events may carry their work (`flops`,
+`nbytes`, `kernels`: given to `region`, or metered by `count_costs()`) and asynchronous calls the time the
+program first waited for them (`waited`).
+
 Recording is switched on per process with the `recording()` context manager
 (parlab.run does it for you when ``trace=True``). When nothing records, the
 cost of a traced call is one list lookup.
