@@ -21,6 +21,8 @@ FACTORIES = {"zeros", "ones", "empty", "full", "arange", "range", "linspace", "l
              "tril_indices", "triu_indices"}
 
 CPU_INPUTS = "grader inputs are built on the CPU from a seeded generator; graders run their ranks on gloo"
+# folders under parlab/ whose code runs only on the CPU by design -> why
+CPU_ONLY_DIRS = {"grading/": CPU_INPUTS + " (parlab.run's default backend): the checks never touch a GPU"}
 # (file under parlab/, rule, source of the call) -> why it is benign
 ALLOWED: dict[tuple[str, str, str], str] = {
     ("data.py", "factory", "torch.tensor(CharTokenizer().encode(make_text(n_chars, seed)), dtype=torch.long)"):
@@ -43,22 +45,6 @@ ALLOWED: dict[tuple[str, str, str], str] = {
         "a least-squares fit of a few timing samples (host numbers, never communicated)",
     ("zero.py", "factory", "torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)"):
         "the pickled state's bytes; moved to the rank's device by the .to(self._device) that follows",
-    ("grading/__init__.py", "factory", "torch.randint(-50, 50, (numel,), generator=g)"): CPU_INPUTS,
-    ("grading/__init__.py", "factory", "torch.tensor([float(2 ** comm.get_rank())])"): CPU_INPUTS,
-    ("grading/context_parallel.py", "factory", "torch.randn(B, NH, S, HD, generator=g, dtype=dtype)"): CPU_INPUTS,
-    ("grading/context_parallel.py", "factory", "torch.arange(s * C, (s + 1) * C)"):
-        "indexes CPU reference tensors inside the grader",
-    ("grading/context_parallel.py", "factory", "torch.as_tensor(got)"):
-        "turns a student's list of positions into a CPU tensor to compare with shard_positions (CPU)",
-    ("grading/pipeline.py", "factory", "torch.randint(0, CFG.vocab_size, (BATCH, CFG.seq_len), generator=g)"):
-        CPU_INPUTS,
-    ("grading/tensor_parallel.py", "factory", "torch.randint(-3, 4, shape, generator=g)"): CPU_INPUTS,
-    ("grading/tensor_parallel.py", "factory", "torch.randn(B, S, V, generator=g, dtype=torch.float64)"): CPU_INPUTS,
-    ("grading/tensor_parallel.py", "factory", "torch.randint(0, V, (B, S), generator=g)"): CPU_INPUTS,
-    ("grading/tensor_parallel.py", "factory", "torch.rand(B, S, generator=g, dtype=torch.float64)"): CPU_INPUTS,
-    ("grading/zero.py", "factory", "torch.zeros(world_size * s, dtype=flat.dtype)"):
-        "the grader's reference partition of a CPU tensor it made itself",
-    ("grading/zero.py", "factory", "torch.arange(1, numel + 1, dtype=torch.float64)"): CPU_INPUTS,
 }
 
 
@@ -108,6 +94,8 @@ def test_parlab_has_no_unexplained_cpu_only_code():
     seen, bad = set(), []
     for path in sorted(ROOT.rglob("*.py")):
         rel = path.relative_to(ROOT).as_posix()
+        if any(rel.startswith(d) for d in CPU_ONLY_DIRS):
+            continue
         for rule, line, seg in lint(path.read_text()):
             key = (rel, rule, seg)
             if key in ALLOWED:
