@@ -43,7 +43,8 @@ report), else the earliest exception in time. Ctrl-C stops every rank at once
 and still prints what each rank wrote so far. No child process and no
 temporary file survives a call: ranks are killed and the ``parlab-run-*``
 folder removed on every exit path, and ranks die with the parent
-(PR_SET_PDEATHSIG).
+(PR_SET_PDEATHSIG); the folder of a parent that was itself killed (SIGKILL) is
+removed by the next `run` of the same user.
 
 After a failed collective a process group may be broken; parlab never reuses
 one: each `run` builds new processes and a new group.
@@ -190,7 +191,8 @@ def run(fn: Callable, world_size: int, *args, backend: str = "gloo", timeout: fl
         ctx, target, payload = get_context("spawn"), _spawn_entry, cloudpickle.dumps((fn, args, kwargs))
     procs = []
     t_start = time.perf_counter()
-    workdir = tempfile.mkdtemp(prefix="parlab-run-")
+    _sweep_orphans()
+    workdir = tempfile.mkdtemp(prefix=f"parlab-run-{os.getpid()}-")
     try:
         try:
             for rank in range(world_size):
@@ -227,6 +229,26 @@ def run(fn: Callable, world_size: int, *args, backend: str = "gloo", timeout: fl
     finally:
         _stop(procs)
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _sweep_orphans() -> None:
+    """Remove ``parlab-run-<pid>-*`` folders of this user whose process is gone: the one exit path `run`
+    cannot clean up after itself is its own process being killed (a notebook kernel killed with SIGKILL)."""
+    tmp = tempfile.gettempdir()
+    try:
+        names = [n for n in os.listdir(tmp) if n.startswith("parlab-run-")]
+    except OSError:
+        return
+    for name in names:
+        pid = name[len("parlab-run-"):].split("-", 1)[0]
+        path = os.path.join(tmp, name)
+        try:
+            if not pid.isdigit() or os.stat(path).st_uid != os.getuid() or os.path.exists(f"/proc/{pid}"):
+                continue
+        except OSError:
+            continue
+        if os.path.isdir("/proc/self"):   # only where /proc tells whether a process is alive (Linux)
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def _stop(procs) -> None:

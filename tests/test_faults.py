@@ -487,3 +487,15 @@ def test_a_process_that_initialised_cuda_does_not_fork(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     with pytest.raises(ValueError, match="has initialised CUDA.*start_method='spawn'"):
         parlab.run(_noop, 2, start_method="fork")
+
+
+def test_the_folder_of_a_killed_notebook_is_swept_by_the_next_run(tmp_path, monkeypatch):
+    import tempfile
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True).stdout.strip()                       # a pid that has exited
+    (tmp_path / f"parlab-run-{dead}-abc").mkdir()                        # left by a process killed with SIGKILL
+    (tmp_path / f"parlab-run-{os.getpid()}-live").mkdir()                # a live process's folder stays
+    (tmp_path / "parlab-run-other").mkdir()                              # not ours by name: untouched
+    assert parlab.run(_noop, 2, echo=False).results == [0, 1]
+    assert sorted(os.listdir(tmp_path)) == sorted([f"parlab-run-{os.getpid()}-live", "parlab-run-other"])
