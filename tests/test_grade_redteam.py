@@ -233,3 +233,18 @@ def test_calling_the_reference_fails_in_every_exercise(k):
     ex, run_check, name = _cheats()[k]
     with pytest.raises(AssertionError, match=f"you called parlab's {name}; write your own"):
         run_check()
+
+
+def test_rebinding_parlab_internals_is_reported_as_tampered():
+    import parlab.grading as g0
+    from parlab import comm as parlab_comm
+    original = torch.equal, parlab_comm.isend
+    for target, name in ((torch, "equal"), (parlab_comm, "isend")):
+        setattr(target, name, lambda *a, **k: True)
+        try:
+            with pytest.raises(AssertionError, match=f"tampered: .*{name}") as err:
+                g0.check_groups(lambda w, tp, pp: [[0]], "tp")
+            assert err.value.kind == "tampered"
+        finally:
+            torch.equal, parlab_comm.isend = original
+    g0.check_groups(lambda w, tp, pp: [list(range(s, s + tp)) for s in range(0, w, tp)], "tp")   # clean again
