@@ -323,7 +323,7 @@ def scorecard(junit_xml: str | Path, root: str | Path = ".") -> list[dict]:
 
     The labels come from the graded notebook itself when it is found under `root` (so a student who added
     cells is still scored right), else from exercises/NAME.ipynb of the course."""
-    rows, labels = [], {}
+    rows, labels, paths = [], {}, {}
     for case in ET.parse(str(junit_xml)).getroot().iter("testcase"):
         m = re.fullmatch(r"Cell (\d+)", case.get("name", ""))
         classname = case.get("classname", "")          # "submissions.alice.00_ring_allreduce.ipynb"
@@ -331,16 +331,33 @@ def scorecard(junit_xml: str | Path, root: str | Path = ".") -> list[dict]:
             continue
         if classname not in labels:
             stem = classname[: -len(".ipynb")]
-            candidates = [Path(root) / (stem.replace(".", "/") + ".ipynb"),
-                          ROOT / "exercises" / (stem.rsplit(".", 1)[-1] + ".ipynb")]
-            found = next((p for p in candidates if p.exists()), None)
+            paths[classname] = _junit_path(stem, Path(root))
+            candidates = [paths[classname], ROOT / "exercises" / (stem.rsplit(".", 1)[-1] + ".ipynb")]
+            found = next((p for p in candidates if p is not None and p.exists()), None)
             labels[classname] = graded_cells(read(found)) if found else {}
         cell = int(m.group(1))
         if labels[classname] and cell not in labels[classname]:
             continue
         failure = next((f for f in (case.find("failure"), case.find("error")) if f is not None), None)
         message = "" if failure is None else _error_line(failure.text or failure.get("message") or "")
-        rows.append({"file": classname.replace(".", "/").removesuffix("/ipynb") + ".ipynb", "cell": cell,
+        where = paths[classname]
+        file = (str(where.relative_to(root)) if where is not None else
+                classname.replace(".", "/").removesuffix("/ipynb") + ".ipynb")
+        rows.append({"file": file, "cell": cell,
                      "check": labels[classname].get(cell, f"Cell {cell}"),
                      "passed": failure is None and case.find("skipped") is None, "message": message})
     return rows
+
+
+def _junit_path(stem: str, root: Path) -> Path | None:
+    """The notebook a junit classname stem names: pytest joins the path's parts with dots, so
+    'submissions.dave.smith.00_ring_allreduce' is found by comparing with every notebook's dotted path
+    (a folder or file name may itself hold dots)."""
+    direct = root / (stem.replace(".", "/") + ".ipynb")
+    if direct.exists():
+        return direct
+    for path in root.rglob("*.ipynb"):
+        if ".".join(path.relative_to(root).with_suffix("").parts) == stem:
+            return path
+    return None
+

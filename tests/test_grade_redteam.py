@@ -1,9 +1,10 @@
 """Red team: submissions written to pass without doing the work get no points for what they cheat, and the
-right status; answered exercises get full marks, blank ones zero.
+right status; answered exercises get full marks, blank ones zero (blank notebooks of every exercise: also
+tests/test_notebooks.py).
 
 The submissions are made here from the released exercises and their solutions (so they follow the course as it
 is): a lecturer's folder of twelve notebooks for exercises 00 and 01, graded by ``parlab grade --jobs 2``
-exactly as exercises/README.md says. Calling parlab's own answer is also tried against every exercise's checks
+exactly as exercises/README.md says. Calling parlab's own answer is also tried against every exercise's checks (00-09)
 in process (`test_calling_the_reference_fails_in_every_exercise`).
 """
 import csv
@@ -192,7 +193,10 @@ def test_summary_and_json_record(graded):
 def _cheats():
     from parlab import memory, ring_attention, schedules
     from parlab.dp_comm import assign_buckets
-    from parlab.grading import context_parallel, data_parallel, hybrid, pipeline, tensor_parallel, zero
+    from parlab.fsdp import FullyShardedDataParallel
+    from parlab.grading import (context_parallel, data_parallel, fsdp, hybrid, pipeline, sequence_parallel,
+                                tensor_parallel, zero)
+    from parlab.sequence_parallel import seq_to_head
     from parlab.tensor_parallel import vocab_parallel_cross_entropy
     from parlab.topology import ParallelGrid
     import parlab.grading as g0
@@ -218,11 +222,29 @@ def _cheats():
         ("06", lambda: context_parallel.check_merge_partials(ring_attention.merge_partials), "merge_partials"),
         ("07", lambda: hybrid.check_groups_4d(lambda w, tp, cp, pp: {
             d: ParallelGrid(w, tp=tp, cp=cp, pp=pp).groups(d) for d in ("tp", "cp", "dp", "pp")}), "ParallelGrid"),
+        ("08", lambda: sequence_parallel.check_seq_to_head(seq_to_head), "seq_to_head"),
+        ("09", lambda: fsdp.check_gather_full(lambda shard: FullyShardedDataParallel(torch.nn.Linear(2, 2))),
+         "FullyShardedDataParallel"),
     ]
 
 
-@pytest.mark.parametrize("k", range(8), ids=[f"exercise 0{k}" for k in range(8)])
+@pytest.mark.parametrize("k", range(10), ids=[f"exercise 0{k}" for k in range(10)])
 def test_calling_the_reference_fails_in_every_exercise(k):
     ex, run_check, name = _cheats()[k]
     with pytest.raises(AssertionError, match=f"you called parlab's {name}; write your own"):
         run_check()
+
+
+def test_rebinding_parlab_internals_is_reported_as_tampered():
+    import parlab.grading as g0
+    from parlab import comm as parlab_comm
+    original = torch.equal, parlab_comm.isend
+    for target, name in ((torch, "equal"), (parlab_comm, "isend")):
+        setattr(target, name, lambda *a, **k: True)
+        try:
+            with pytest.raises(AssertionError, match=f"tampered: .*{name}") as err:
+                g0.check_groups(lambda w, tp, pp: [[0]], "tp")
+            assert err.value.kind == "tampered"
+        finally:
+            torch.equal, parlab_comm.isend = original
+    g0.check_groups(lambda w, tp, pp: [list(range(s, s + tp)) for s in range(0, w, tp)], "tp")   # clean again
