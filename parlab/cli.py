@@ -110,7 +110,7 @@ def _course_html(args) -> int:
 def _course_open(args) -> int:
     from .workspace import open_course
     try:
-        return open_course(args.root, browser=not args.no_browser)
+        return open_course(args.root, browser=not args.no_browser, lab_args=args.lab_args)
     except FileNotFoundError as err:
         print(f"parlab course open: {err}", file=sys.stderr)
         return 2
@@ -133,6 +133,8 @@ def add_course(sub) -> None:
     o = csub.add_parser("open", help="copy the lessons and exercises to my-course/ (your own, git-ignored copy; "
                                      "re-run after git pull) and open JupyterLab on my-course/START.ipynb")
     o.add_argument("--no-browser", action="store_true", help="start JupyterLab without opening a browser")
+    o.add_argument("lab_args", nargs=argparse.REMAINDER,
+                   help="further options for JupyterLab after --, e.g. -- --port 8890")
     o.set_defaults(func=_course_open)
     c = csub.add_parser("scorecard", help="per-check results from a pytest --junitxml file")
     c.add_argument("junit_xml", type=Path)

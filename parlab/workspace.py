@@ -127,4 +127,5 @@ def open_course(root: str | Path = ROOT, browser: bool = True, lab_args: list[st
         return 2
     cmd = [sys.executable, "-m", "jupyterlab", f"{WORKDIR}/START.ipynb"] + ([] if browser else ["--no-browser"])
     print(f"course copy: {root / WORKDIR}; starting: {' '.join(cmd[1:])}")
-    return subprocess.call(cmd + list(lab_args or []), cwd=root)
+    extra = [a for a in (lab_args or []) if a != "--"]
+    return subprocess.call(cmd + extra, cwd=root)

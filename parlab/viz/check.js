@@ -144,6 +144,18 @@
       if (t.l < c.l - SLACK || t.r > c.r + SLACK || t.t < c.t - SLACK || t.b > c.b + SLACK)
         out.add(`data label cut off by the plot area: "${short(text)}"`);
     });
+    // and two data labels must not cover each other
+    const labels = Array.from(gd.querySelectorAll(".scatterlayer .textpoint text"))
+      .filter(el => words(el)).map(el => ({ text: words(el), b: box(el) })).filter(l => l.b.w > 0);
+    let shown = 0;
+    for (let i = 0; i < labels.length && shown < 3; i++) {
+      for (let j = i + 1; j < labels.length && shown < 3; j++) {
+        if (overlap(labels[i].b, labels[j].b)) {
+          out.add(`data label "${short(labels[i].text)}" overlaps data label "${short(labels[j].text)}"`);
+          shown++;
+        }
+      }
+    }
     return Array.from(out);
   }
 

@@ -90,7 +90,7 @@ def split_matmul(x, w, outs: Sequence, y, split: str, title: str | None = None) 
 
 _LANES = {
     "mlp": ("X A_{r}", "GELU", "· B_{r}"),
-    "attention": ("Q,K,V of heads {heads}", "softmax(QKᵀ/√d) V", "· O_{r}"),
+    "attention": ("Q,K,V<br>heads {heads}", "softmax<br>(QKᵀ/√d) V", "· O_{r}"),   # two short lines: lanes are 1 apart
 }
 
 
@@ -127,9 +127,9 @@ def megatron_diagram(kind: str, tp: int, f_note: str = "", g_note: str = "", hea
                            (5, "g: fwd all-reduce<br>bwd identity", g_note)):
         fig.add_annotation(x=x_, y=bottom, text=head + (f"<br><i>{note}</i>" if note else ""), showarrow=False,
                            font=dict(color=ar, size=11))
-    fig.update_layout(title=title, height=200 + 70 * tp, template="plotly_white",
+    fig.update_layout(title=title, height=220 + 100 * tp, template="plotly_white",   # room for two-line labels
                       xaxis=dict(visible=False, range=[-0.5, 6.5]),
-                      yaxis=dict(visible=False, range=[bottom - 0.6, max(lane_y) + 0.7]))
+                      yaxis=dict(visible=False, range=[bottom - 0.6, max(lane_y) + 1.0]))
     return fig
 
 
