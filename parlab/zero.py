@@ -33,10 +33,13 @@ gradients and parameters travel in one flat buffer laid out owner by owner, each
 owner's segment padded to the longest one, so a single reduce-scatter / all-gather of
 equal chunks moves them (gloo cannot gather unequal sizes); see `parlab.zero_flat`.
 
-Hot path. The parameters are views into that flat buffer, so the all-gather runs in place
-(each rank's segment is its input) and lands in the model with no copy; the gradients
-are concatenated with one ``torch.cat`` and reduce-scattered into a fresh (seg,) shard
-whose slices become the owned ``.grad``. For element-wise optimizers (SGD, Adam, AdamW, ...)
+Hot path. The parameters are views into that flat buffer. The buffer is moved in buckets of
+at most `bucket_numel` elements: bucket c is chunk c of every owner's segment, so one
+reduce-scatter per bucket leaves each rank chunk c of its own segment and one all-gather
+per bucket sends it back (with a single bucket the all-gather runs in place, straight into
+the model). Gradients are concatenated into a persistent staging buffer with one
+``torch.cat`` per bucket and reduce-scattered into a persistent (seg,) shard whose slices
+become the owned ``.grad``: no multi-MB tensor is allocated per step. For element-wise optimizers (SGD, Adam, AdamW, ...)
 the inner optimizer steps each parameter group's owned run of the segment as one tensor,
 so the step is a handful of kernels over a contiguous vector, not a Python loop.
 
@@ -65,7 +68,7 @@ from typing import Any, Iterable
 import torch
 
 from . import checkpoint, comm
-from .zero_flat import ELEMENTWISE, cat_plan, make_layouts, owned_runs, merge_state, split_state
+from .zero_flat import ELEMENTWISE, bucket_plans, make_layouts, merge_state, owned_runs, split_state
 from .trace import region
 
 __all__ = ["ShardedOptimizer", "partition_parameters", "iter_owned"]
@@ -104,14 +107,19 @@ class ShardedOptimizer(torch.optim.Optimizer):
     cast the model *before* building the optimizer, and change weights in place (``p.copy_``), not by
     assigning ``p.data``. `flat_step` (default: on for element-wise optimizers such as SGD and AdamW)
     steps each group's owned parameters as one flat tensor; `opt.state` then holds one flat state per
-    run of owned parameters (per-parameter state: `state_dict()`).
+    run of owned parameters (per-parameter state: `state_dict()`). `bucket_numel` caps the elements
+    of one reduce-scatter / all-gather (and of one flat run), so the staging buffer stays small.
     """
 
     def __init__(self, params, optimizer_cls: type[torch.optim.Optimizer], *, stage: int = 1, group=None,
-                 reduce_grads: bool = True, flat_step: bool | None = None, **optimizer_kwargs: Any):
+                 reduce_grads: bool = True, flat_step: bool | None = None, bucket_numel: int = 1 << 22,
+                 **optimizer_kwargs: Any):
         if stage not in (1, 2):
             raise ValueError(f"ShardedOptimizer implements ZeRO stages 1 and 2, got stage={stage}; "
                              f"for stage 3 wrap the model in parlab.fsdp.FullyShardedDataParallel")
+        if isinstance(bucket_numel, bool) or not isinstance(bucket_numel, int) or bucket_numel < 1:
+            raise ValueError(f"bucket_numel must be a positive int (elements per reduce-scatter / all-gather), "
+                             f"got {bucket_numel!r}")
         self._ready = False
         super().__init__(params, defaults=dict(optimizer_kwargs))
         self.stage, self.group, self.reduce_grads = stage, group, reduce_grads
@@ -129,7 +137,14 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.layouts = make_layouts([p.numel() for p in self.params], [p.dtype for p in self.params],
                                     self.owner, self.world_size)
         self._flats = [self._bind(lay) for lay in self.layouts]            # the parameters' new storage
-        self._plans = [cat_plan(lay, self._device) for lay in self.layouts]
+        # Per layout: chunk length, per-bucket cat plans, and persistent buffers reused every step (a fresh
+        # multi-MB tensor per step costs page faults): the owned gradient shard and one bucket's staging.
+        self._buckets = [bucket_plans(lay, bucket_numel) for lay in self.layouts]
+        self._shards = [torch.zeros(lay.seg, dtype=lay.dtype, device=self._device) for lay in self.layouts]
+        self._staging = [torch.zeros(self.world_size * cs, dtype=lay.dtype, device=self._device)   # (Nd*cs,)
+                         for lay, (cs, _) in zip(self.layouts, self._buckets)]
+        self._pads = [torch.zeros(cs, dtype=lay.dtype, device=self._device)                         # (cs,)
+                      for lay, (cs, _) in zip(self.layouts, self._buckets)]
         self.flat_step = optimizer_cls in ELEMENTWISE if flat_step is None else flat_step
         group_of = dict(enumerate(g for g, grp in enumerate(self.param_groups) for _ in grp["params"]))
         # The inner optimizer sees only this rank's parameters, group by group (a group may be empty here):
@@ -137,7 +152,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._runs = []                                  # (layout index, start, end in segment, members, tensor)
         local = [[] for _ in self.param_groups]
         for k, lay in enumerate(self.layouts):
-            for g, a, b, ids in owned_runs(lay, self.rank, group_of):
+            for g, a, b, ids in owned_runs(lay, self.rank, group_of, cap=bucket_numel):
                 if self.flat_step:
                     seg = self._flats[k][self.rank * lay.seg:(self.rank + 1) * lay.seg]
                     members = [(i, lay.offset[i] - self.rank * lay.seg - a, self.params[i].shape) for i in ids]
@@ -172,16 +187,18 @@ class ShardedOptimizer(torch.optim.Optimizer):
             p.data = flat[off:off + p.numel()].view_as(p)
         return flat
 
-    def _grad_piece(self, x) -> torch.Tensor:
-        if torch.is_tensor(x):                                     # padding
-            return x
-        p = self.params[x]
-        return p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel(), dtype=p.dtype, device=p.device)
+    def _grad_piece(self, x, pad: torch.Tensor) -> torch.Tensor:
+        """One entry of a bucket plan as a 1-D tensor: a slice of a gradient (zeros if it has none) or padding."""
+        if isinstance(x, int):
+            return pad[:x]
+        i, a, b = x
+        g = self.params[i].grad
+        return g.reshape(-1)[a:b] if g is not None else pad[:b - a]
 
     @torch.no_grad()
     def reduce_gradients(self) -> None:
-        """Average the gradients over the group; each rank receives only the mean of the ones it owns.
-        ZeRO-2 then drops every other gradient; ZeRO-1 leaves them allocated (with local values).
+        """Average the gradients over the group, bucket by bucket; each rank receives only the mean of the
+        ones it owns. ZeRO-2 then drops every other gradient; ZeRO-1 leaves them allocated (with local values).
         With ``reduce_grads=False`` the owned gradients are taken as they are (already averaged)."""
         if self._reduced and any(p.grad is not g or (g is not None and g._version != v) for p, g, v in self._seen):
             raise RuntimeError("a backward ran after reduce_gradients() and before step(): the gradients were already "
@@ -189,23 +206,27 @@ class ShardedOptimizer(torch.optim.Optimizer):
                                "backward first, then step() (which reduces once), or zero_grad() before the backward")
         if self._reduced:
             return
-        shards = []
         for k, lay in enumerate(self.layouts):
-            base = self.rank * lay.seg
+            base, mine = self.rank * lay.seg, self._shards[k]                       # (seg,)
             if self.reduce_grads:
-                flat = torch.cat([self._grad_piece(x) for x in self._plans[k]])      # (Nd*seg,)
-                mine = torch.empty(lay.seg, dtype=lay.dtype, device=self._device)    # (seg,)
-                comm.reduce_scatter(mine, flat, op=comm.ReduceOp.AVG, group=self.group, label=f"zero grads {k}")
-                del flat
+                cs, plans = self._buckets[k]
+                pad = self._pads[k]                                                  # (cs,) zeros
+                for c, plan in enumerate(plans):
+                    n = min(cs, lay.seg - c * cs)
+                    flat = self._staging[k][:self.world_size * n]                   # (Nd*n,) chunk c of each segment
+                    torch.cat([self._grad_piece(x, pad) for x in plan], out=flat)
+                    comm.reduce_scatter(mine[c * cs:c * cs + n], flat, op=comm.ReduceOp.AVG, group=self.group,
+                                        label=f"zero grads {k}.{c}")
                 for i in lay.segs[self.rank]:                     # owned gradients: views of the shard
-                    self.params[i].grad = mine[lay.offset[i] - base:lay.offset[i] - base + lay.numel[i]].view_as(
-                        self.params[i])
+                    a = lay.offset[i] - base
+                    self.params[i].grad = mine[a:a + lay.numel[i]].view_as(self.params[i])
             else:
-                pieces = [self._grad_piece(i) for i in lay.segs[self.rank]]
-                mine = torch.cat(pieces) if pieces else torch.empty(0, dtype=lay.dtype, device=self._device)
-            shards.append(mine)
+                pieces = [self.params[i].grad.reshape(-1) if self.params[i].grad is not None else
+                          mine.new_zeros(lay.numel[i]) for i in lay.segs[self.rank]]
+                if pieces:
+                    torch.cat(pieces, out=mine[:sum(lay.numel[i] for i in lay.segs[self.rank])])
         for k, a, b, _, t in self._runs:
-            t.grad = shards[k][a:b]                                # (b - a,)
+            t.grad = self._shards[k][a:b]                          # (b - a,)
         if self.stage == 2 and self.reduce_grads:
             for p in self._not_owned:
                 p.grad = None
@@ -215,10 +236,21 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def _gather_parameters(self) -> None:
-        """All-gather every owner's updated segment in place: the parameters are views of the buffer."""
+        """All-gather every owner's updated segment, bucket by bucket. With one bucket the gather runs in
+        place (the parameters are views of the buffer); with several, each bucket lands in the staging
+        buffer and is copied to its strided place (chunk c of every segment)."""
         for k, (lay, flat) in enumerate(zip(self.layouts, self._flats)):
-            comm.all_gather(flat, flat[self.rank * lay.seg:(self.rank + 1) * lay.seg], group=self.group,
-                            label=f"zero params {k}")
+            cs, plans = self._buckets[k]
+            if len(plans) == 1:
+                comm.all_gather(flat, flat[self.rank * lay.seg:(self.rank + 1) * lay.seg], group=self.group,
+                                label=f"zero params {k}")
+                continue
+            segs = flat.view(self.world_size, lay.seg)                              # (Nd, seg)
+            for c in range(len(plans)):
+                n = min(cs, lay.seg - c * cs)
+                out = self._staging[k][:self.world_size * n]                        # (Nd*n,)
+                comm.all_gather(out, segs[self.rank, c * cs:c * cs + n], group=self.group, label=f"zero params {k}.{c}")
+                segs[:, c * cs:c * cs + n].copy_(out.view(self.world_size, n))
 
     def step(self, closure=None):
         """Reduce gradients (if not done yet), step the owned shard, all-gather the parameters."""

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["FlatLayout", "make_layouts", "owned_runs", "cat_plan", "split_state", "merge_state", "ELEMENTWISE"]
+__all__ = ["FlatLayout", "make_layouts", "owned_runs", "bucket_plans", "split_state", "merge_state", "ELEMENTWISE"]
 
 # Optimizers whose update of an element depends only on that element's gradient and state: stepping a
 # concatenation of parameters is the same as stepping each (for the same hyper-parameters).
@@ -66,9 +66,10 @@ def make_layouts(numels: list[int], dtypes: list[torch.dtype], owner: dict[int, 
     return out
 
 
-def owned_runs(lay: FlatLayout, rank: int, group_of: dict[int, int]) -> list[tuple[int, int, int, list[int]]]:
-    """(group, start, end, indices): maximal runs of rank's segment whose parameters share a group;
-    start/end are offsets into the segment (0 .. seg).
+def owned_runs(lay: FlatLayout, rank: int, group_of: dict[int, int], cap: int | None = None
+               ) -> list[tuple[int, int, int, list[int]]]:
+    """(group, start, end, indices): maximal runs of rank's segment whose parameters share a group, each at
+    most `cap` elements unless one parameter alone is larger; start/end are offsets into the segment.
 
     >>> lay = make_layouts([4, 3, 2, 1], [torch.float32] * 4, {0: 0, 1: 1, 2: 1, 3: 0}, 2)[0]
     >>> owned_runs(lay, 1, {0: 0, 1: 0, 2: 1, 3: 1})
@@ -78,7 +79,7 @@ def owned_runs(lay: FlatLayout, rank: int, group_of: dict[int, int]) -> list[tup
     base = rank * lay.seg
     for i in lay.segs[rank]:
         a, b = lay.offset[i] - base, lay.offset[i] - base + lay.numel[i]
-        if runs and runs[-1][0] == group_of[i] and runs[-1][2] == a:
+        if runs and runs[-1][0] == group_of[i] and runs[-1][2] == a and (cap is None or b - runs[-1][1] <= cap):
             g, s, _, ids = runs[-1]
             runs[-1] = (g, s, b, ids + [i])
         else:
@@ -86,16 +87,31 @@ def owned_runs(lay: FlatLayout, rank: int, group_of: dict[int, int]) -> list[tup
     return runs
 
 
-def cat_plan(lay: FlatLayout, device) -> list:
-    """What `torch.cat` needs to build the flat vector: per rank its parameter indices, then a zero pad
-    tensor (on `device`) if the segment is shorter than `seg`."""
-    plan: list = []
-    for ids in lay.segs:
-        plan += ids
-        pad = lay.seg - sum(lay.numel[i] for i in ids)
-        if pad:
-            plan.append(torch.zeros(pad, dtype=lay.dtype, device=device))    # (pad,)
-    return plan
+def bucket_plans(lay: FlatLayout, bucket_numel: int) -> tuple[int, list[list]]:
+    """Cut every segment into chunks of `cs` elements: bucket c holds chunk c of each rank's segment, so one
+    reduce-scatter of it leaves rank r with chunk c of its own segment, and one all-gather sends it back.
+    Returns cs and, per bucket, what `torch.cat` needs, rank by rank: (index, first, last) element slices
+    of parameters, and ints for zero padding.
+
+    >>> lay = make_layouts([4, 3, 2, 1], [torch.float32] * 4, {0: 0, 1: 1, 2: 1, 3: 1}, 2)[0]   # seg 6
+    >>> bucket_plans(lay, 6)
+    (3, [[(0, 0, 3), (1, 0, 3)], [(0, 3, 4), 2, (2, 0, 2), (3, 0, 1)]])
+    """
+    cs = max(1, min(lay.seg, bucket_numel // len(lay.segs)))
+    plans = []
+    for lo in range(0, lay.seg, cs):
+        hi, plan = min(lo + cs, lay.seg), []
+        for r, ids in enumerate(lay.segs):
+            base, end = r * lay.seg, lo
+            for i in ids:
+                a, b = lay.offset[i] - base, lay.offset[i] - base + lay.numel[i]      # segment offsets
+                if b > lo and a < hi:
+                    plan.append((i, max(lo, a) - a, min(hi, b) - a))
+                    end = min(hi, b)
+            if end < hi:
+                plan.append(hi - end)
+        plans.append(plan)
+    return cs, plans
 
 
 def split_state(state: dict, members: list[tuple[int, int, torch.Size]], numel: int) -> dict[int, dict]:

@@ -49,12 +49,13 @@ def reference(model_name, optim, steps):
     return model, opt
 
 
-def _train(model_name, optim, stage, steps, load=None, flat_step=None):
+def _train(model_name, optim, stage, steps, load=None, flat_step=None, bucket_numel=1 << 22):
     """One rank's training; with `load` = (params, optimizer state dict), start from there."""
     rank, world = comm.get_rank(), comm.get_world_size()
     model = make(model_name)
     cls, kw = OPTIMS[optim]
-    opt = ShardedOptimizer(param_groups(model), cls, stage=stage, flat_step=flat_step, **kw)
+    opt = ShardedOptimizer(param_groups(model), cls, stage=stage, flat_step=flat_step, bucket_numel=bucket_numel,
+                           **kw)
     start = 0
     if load is not None:
         params, state, start = load
@@ -232,3 +233,23 @@ def test_clear_errors():
     msgs = parlab.run(_both_errors, 2)[0]
     assert len(msgs) == 2 and msgs[0].startswith("ValueError") and "stage 3" in msgs[0]
     assert msgs[1].startswith("NotImplementedError")
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_small_buckets_match_single_process(stage):
+    """bucket_numel=1000 cuts each segment into many chunks (and caps the flat runs): still one
+    reduce-scatter and one all-gather per bucket, and the same result as one process."""
+    res = parlab.run(_train, 2, "gpt", "adamw", stage, STEPS, bucket_numel=1000, trace=True)
+    ref, ref_opt = reference("gpt", "adamw", STEPS)
+    _check("gpt", stage, res.results, ref, ref_opt)
+    seg = -(-CFG.param_count() // 2)                        # at least half the parameters per segment
+    for r in range(2):
+        n_rs = len(res.trace.filter(rank=r, op="reduce_scatter", label="zero grads").events)
+        n_ag = len(res.trace.filter(rank=r, op="all_gather", label="zero params").events)
+        assert n_rs == n_ag and n_rs >= STEPS * -(-seg // 500), (n_rs, n_ag)   # 1000 // 2 ranks per chunk
+
+
+def test_bad_bucket_size_is_a_clear_error():
+    for bad in (0, -5, 2.5, True):                          # checked before any communication
+        with pytest.raises(ValueError, match="bucket_numel must be a positive int"):
+            ShardedOptimizer(make("gpt").parameters(), torch.optim.SGD, lr=0.1, bucket_numel=bad)
