@@ -35,6 +35,7 @@ import os
 import signal
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -109,7 +110,7 @@ def cpu_limit(seconds: float | None = None):
     """Raise CpuTimeExceeded in this (main) thread once the process used `seconds` more CPU time.
     The timer re-fires every second, so a loop that catches it once is stopped again."""
     seconds = _STATE["cpu_limit"] if seconds is None else seconds
-    if not seconds or threading_main() is False:
+    if not seconds or threading.current_thread() is not threading.main_thread():
         yield
         return
     old = signal.signal(signal.SIGPROF, _cpu_handler)
@@ -119,11 +120,6 @@ def cpu_limit(seconds: float | None = None):
     finally:
         signal.setitimer(signal.ITIMER_PROF, 0, 0)
         signal.signal(signal.SIGPROF, old)
-
-
-def threading_main() -> bool:
-    import threading
-    return threading.current_thread() is threading.main_thread()
 
 
 def cpu_message(what: str, seconds: float | None = None) -> str:
@@ -194,7 +190,7 @@ class _Usage:
             os.unlink(self.path)
 
 
-def _stub(original, name: str, usage: _Usage, is_init: bool = False):
+def _stub(original, name: str, usage: _Usage):
     @functools.wraps(original)
     def stub(*args, **kwargs):
         if _from_parlab(sys._getframe(1)):
@@ -223,7 +219,7 @@ def references(targets, namespaces=(), cells=()):
                 cls = original
                 had = "__init__" in vars(cls)
                 init = cls.__init__
-                setattr(cls, "__init__", _stub(init, short, usage, is_init=True))
+                setattr(cls, "__init__", _stub(init, short, usage))
                 undo.append(lambda cls=cls, had=had, init=init:
                             setattr(cls, "__init__", init) if had else delattr(cls, "__init__"))
                 continue
