@@ -90,7 +90,7 @@ def split_matmul(x, w, outs: Sequence, y, split: str, title: str | None = None) 
 
 _LANES = {
     "mlp": ("X A_{r}", "GELU", "· B_{r}"),
-    "attention": ("Q,K,V<br>heads {heads}", "softmax<br>(QKᵀ/√d) V", "· O_{r}"),   # two short lines: lanes are 1 apart
+    "attention": ("Q,K,V<br>heads {heads}", "softmax<br>(QKᵀ/√d) V", "· O_{r}"),   # two short lines per label
 }
 
 
