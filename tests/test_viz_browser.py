@@ -46,8 +46,7 @@ def test_checker_finds_each_kind_of_problem(tmp_path):
               {"notebook": "t", "cell": 0, "description": "m", "width": "80px"}]
     (p_overlap, p_log, p_twice, p_tiny, p_cut, p_clean), p_labels = _problems(
         tmp_path, overlap, log_marker, twice, tiny, cut, clean, labels=labels)
-    assert any("overlaps" in p and "subplot title" in p for p in p_overlap) or \
-        any("overlaps" in p for p in p_overlap), p_overlap
+    assert any("annotation" in p and "overlaps" in p for p in p_overlap), p_overlap      # subplot titles
     assert any(p.startswith("xaxis runs") for p in p_log), p_log
     assert any('legend lists "all_reduce" twice' in p for p in p_twice), p_twice
     assert any("smaller than 10 px" in p and "tiny" in p for p in p_tiny), p_tiny

@@ -28,6 +28,9 @@ Figures for one technique live in their own module, used by its lesson:
 `viz.data_parallel`, `viz.memory` (ZeRO/FSDP), `viz.tensor_parallel`, `viz.pipeline` (schedule timelines),
 `viz.context_parallel` (ring and Ulysses), `viz.planner` (layout search); `grid_figure` draws a rank grid.
 
+`python -m parlab.viz.check` draws every lesson figure in headless Chromium and checks it from the page
+(overlapping or cut-off text, stretched axes, duplicate legend entries, text under 10 px), with a screenshot each.
+
 Colours are shared by every lesson (`parlab.viz.style`): blues for compute regions
 (forward / backward / optimizer), one colour per collective, mustard for send/recv.
 """

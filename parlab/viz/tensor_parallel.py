@@ -90,7 +90,7 @@ def split_matmul(x, w, outs: Sequence, y, split: str, title: str | None = None) 
 
 _LANES = {
     "mlp": ("X A_{r}", "GELU", "· B_{r}"),
-    "attention": ("Q,K,V<br>heads {heads}", "softmax<br>(QKᵀ/√d) V", "· O_{r}"),   # two short lines: lanes are 1 apart
+    "attention": ("Q,K,V<br>heads {heads}", "softmax<br>(QKᵀ/√d) V", "· O_{r}"),   # two short lines per label
 }
 
 
@@ -144,7 +144,7 @@ def memory_per_rank(tps: Sequence[int], measured: Sequence[float], dense: float,
     ])
     if replicated:
         fig.add_trace(go.Bar(x=list(tps), y=[b / 1e3 for b in replicated], name="of which replicated", opacity=0.4))
-    fig.update_layout(title=title, xaxis=dict(title="tp", tickvals=list(tps)), yaxis_title="parameter KB per rank",
+    fig.update_layout(title=title, xaxis=dict(title="tp", tickvals=list(tps)), yaxis_title="parameter kB per rank",
                       height=380, template="plotly_white")
     return fig
 
