@@ -12,6 +12,7 @@ functions only draw. Plotly graph_objects only; never communicates.
 """
 from __future__ import annotations
 
+import math
 from typing import Mapping, Sequence
 
 import plotly.graph_objects as go
@@ -34,6 +35,7 @@ def speedup_figure(curves: Mapping[str, Mapping[int, float]], title: str | None 
     kind = "log" if log else "linear"
     fig.update_layout(title=title, xaxis=dict(title=xaxis_title, type=kind, tickvals=ns),
                       yaxis=dict(title="speed-up (time on 1 / time on N)", type=kind), height=420,
+                      xaxis_minorloglabels="none", yaxis_minorloglabels="none",
                       template="plotly_white", legend=dict(orientation="h", y=-0.25))
     return fig
 
@@ -47,9 +49,11 @@ def working_set_figure(sizes_bytes: Sequence[float], ns_per_element: Sequence[fl
     lo, hi = min(sizes_bytes), max(sizes_bytes)
     for name, nbytes in (caches or {}).items():
         if lo <= nbytes <= hi:
-            fig.add_vline(x=nbytes, line=dict(color="#888888", dash="dot"), annotation_text=name,
-                          annotation_position="top")
-    fig.update_layout(title=title, xaxis=dict(title="working set (bytes)", type="log"),
+            fig.add_vline(x=nbytes, line=dict(color="#888888", dash="dot"))
+            # an annotation on a log axis takes log10 of its position (add_vline's own label would not)
+            fig.add_annotation(x=math.log10(nbytes), y=1, yref="paper", yanchor="bottom", text=name,
+                               showarrow=False)
+    fig.update_layout(title=title, xaxis=dict(title="working set (bytes)", type="log", minorloglabels="none"),
                       yaxis=dict(title="ns per element", rangemode="tozero"), height=400,
                       template="plotly_white", showlegend=False, margin=dict(t=90))
     return fig
@@ -66,7 +70,7 @@ def resume_figure(reference: Sequence[float], runs: Mapping[str, Mapping[int, fl
     for i, (name, losses) in enumerate(runs.items()):
         xs = sorted(losses)
         fig.add_scatter(x=xs, y=[losses[t] for t in xs], mode="lines+markers", name=name,
-                        marker=dict(symbol=symbols[i % len(symbols)], size=8))
+                        marker=dict(symbol=symbols[i % len(symbols)], size=max(6, 14 - 3 * i)))
     fig.add_vline(x=crash_step - 0.5, line=dict(color="#d62728", dash="dash"), annotation_text="a rank dies",
                   annotation_position="top right")
     fig.add_vline(x=checkpoint_step - 0.5, line=dict(color="#2ca02c", dash="dot"),
