@@ -9,6 +9,10 @@ speed-up, a loss curve that survives a dead rank, and the pipeline bubble below 
 
 Inputs are plain numbers (measured by the lesson or computed by `parlab.planner` / `parlab.schedules`); these
 functions only draw. Plotly graph_objects only; never communicates.
+
+References: speed-up and efficiency as in seed 002 (total speed ~ single-device speed x devices x speed-up);
+pipeline bubble (p-1)/(m+p-1) from GPipe (Huang et al., arXiv:1811.06965) and 1F1B (Narayanan et al.,
+arXiv:2006.09503); the micro-batch rule m >= p from MindSpore's `mindspore.parallel.Pipeline` (seed 003).
 """
 from __future__ import annotations
 
