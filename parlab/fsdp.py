@@ -54,7 +54,8 @@ __all__ = ["FullyShardedDataParallel"]
 class _Flat:
     """The parameters of one unit that share `requires_grad`, flattened and sharded."""
 
-    def __init__(self, unit: str, params: list, requires_grad: bool, rank: int, world: int, group, compute_dtype):
+    def __init__(self, unit: str, params: list, requires_grad: bool, rank: int, world: int, group, compute_dtype,
+                 device=None):
         self.unit, self.requires_grad, self.group = unit, requires_grad, group
         self.names = [name for name, _, _ in params]                   # original names, e.g. 'blocks.0.mlp.fc.weight'
         self.refs = [refs for _, _, refs in params]                    # every (module, attr) using each parameter
@@ -65,7 +66,7 @@ class _Flat:
         self.s = -(-self.numel // world)                               # shard length, ceil(numel / Nd)
         flat = torch.zeros(world * self.s, dtype=params[0][1].dtype, device=params[0][1].device)  # (Nd*s,)
         torch.cat([p.detach().reshape(-1) for _, p, _ in params], out=flat[:self.numel])
-        shard = flat[rank * self.s:(rank + 1) * self.s].clone()       # (s,) this rank's master weights
+        shard = flat[rank * self.s:(rank + 1) * self.s].to(device or flat.device, copy=True)  # (s,) master weights
         self.shard = nn.Parameter(shard, requires_grad=requires_grad)
         self.compute_dtype = compute_dtype or shard.dtype
         self.full: torch.Tensor | None = None      # gathered for forward (autograd-connected)
@@ -130,10 +131,13 @@ class FullyShardedDataParallel(nn.Module):
                    entry of ``module.blocks`` if there is one. Everything else is the root unit.
     group          the data-parallel group (default: world)
     compute_dtype  dtype of gathered weights, compute and communication (None: the parameters' own)
+    device         where the shards (and so the gathered weights) live (None: the module's device). Build the
+                   module on the CPU and pass the GPU here: the GPU then never holds the full model.
     Every rank must build the same module (same seed): each keeps its slice of its own copy.
     """
 
-    def __init__(self, module: nn.Module, *, units=None, group=None, compute_dtype: torch.dtype | None = None):
+    def __init__(self, module: nn.Module, *, units=None, group=None, compute_dtype: torch.dtype | None = None,
+                 device: torch.device | str | None = None):
         super().__init__()
         if compute_dtype is not None and not compute_dtype.is_floating_point:
             raise ValueError(f"compute_dtype must be a floating-point dtype, got {compute_dtype}")
@@ -171,7 +175,7 @@ class FullyShardedDataParallel(nn.Module):
             per_unit[where.pop()][p.requires_grad].append((name, p, [(m, a) for m, a, _ in refs[id(p)]]))
         self.flats: dict[str, list[_Flat]] = {}
         for u in self.units:
-            self.flats[u] = [_Flat(u, ps, rg, self.rank, self.world, group, compute_dtype)
+            self.flats[u] = [_Flat(u, ps, rg, self.rank, self.world, group, compute_dtype, device)
                              for rg, ps in per_unit[u].items() if ps]
         self.shards = nn.ParameterList([f.shard for u in self.units for f in self.flats[u]])
         for u in self.units:                                           # the module forgets its own weights

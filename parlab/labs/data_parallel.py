@@ -28,7 +28,8 @@ def main(argv=None):
     def step(i):
         opt.zero_grad(set_to_none=True)            # at the start: the last step's grads stay for the report
         x, y = lab.sampler.shard(i, lab.rank, lab.world_size)        # (B/N, S): this rank's rows
-        loss = model(x.to(lab.device), y.to(lab.device))[1]
+        with lab.autocast():                                           # --dtype bfloat16: bf16 compute
+            loss = model(x.to(lab.device), y.to(lab.device))[1]
         loss.backward()                                                # buckets all-reduced during backward
         opt.step()
         loss = loss.detach()

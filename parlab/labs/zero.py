@@ -26,7 +26,8 @@ def main(argv=None):
         raise SystemExit(f"--batch {lab.args.batch} must be a multiple of the {lab.world_size} ranks")
     stage = lab.args.stage
     if stage == 3:
-        model = FullyShardedDataParallel(lab.model())                 # flat parameter shards per block
+        # built on the CPU: only this rank's flat shards go to the device
+        model = FullyShardedDataParallel(lab.model(host=True), device=lab.device)
         opt = torch.optim.AdamW(model.parameters(), lr=lab.args.lr)   # steps only this rank's shards
     else:
         model = lab.model()
@@ -35,7 +36,8 @@ def main(argv=None):
     def step(i):
         opt.zero_grad(set_to_none=True)            # at the start: the last step's grads stay for the report
         x, y = lab.sampler.shard(i, lab.rank, lab.world_size)        # (B/N, S)
-        loss = model(x.to(lab.device), y.to(lab.device))[1]
+        with lab.autocast():                                           # --dtype bfloat16: bf16 compute
+            loss = model(x.to(lab.device), y.to(lab.device))[1]
         loss.backward()                                                # stage 3: reduce-scatter per block
         opt.step()                                                     # stages 1/2: reduce-scatter, all-gather
         loss = loss.detach()
