@@ -28,6 +28,15 @@ and both collectives use the compute dtype, as in FSDP's MixedPrecision(param_dt
 Checkpoints (`save_sharded` / `load_sharded`, via `parlab.checkpoint`): one file per rank plus a manifest
 written last; loads at any DP size, verifying every file first. Several nodes need a shared file system.
 
+Padded targets. Averaging the ranks' gradients of their own mean losses gives the global mean only when
+every rank holds equally many non-ignored targets. With padding (ignore_index -100) spread unevenly, use
+``loss = parlab.dp_loss.global_mean_loss(logits, targets, group)``: D * (this rank's sum) / (the global
+count, one all-reduce), whose average over the ranks is the global mean over the non-ignored targets.
+
+Float16 compute needs loss scaling (gradients below 2^-24 flush to zero): use
+`parlab.mixed_precision.LossScaler`, which agrees over the group on skipping a step with inf/nan shards.
+bfloat16 needs none.
+
 Frozen parameters go to a second flat per unit: gathered like the others, never reduced.
 Tied parameters must live in one unit (GPT's wte / lm_head both sit in the root unit).
 

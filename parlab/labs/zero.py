@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from parlab import comm
+from parlab.dp_loss import global_mean_loss
 from parlab.fsdp import FullyShardedDataParallel
 from parlab.labs import start
 from parlab.zero import ShardedOptimizer
@@ -37,7 +38,8 @@ def main(argv=None):
         opt.zero_grad(set_to_none=True)            # at the start: the last step's grads stay for the report
         x, y = lab.sampler.shard(i, lab.rank, lab.world_size)        # (B/N, S)
         with lab.autocast():                                           # --dtype bfloat16: bf16 compute
-            loss = model(x.to(lab.device), y.to(lab.device))[1]
+            logits = model(x.to(lab.device))[0]                        # (B/N, S, V)
+        loss = global_mean_loss(logits, y.to(lab.device))          # exact global mean even with padding
         loss.backward()                                                # stage 3: reduce-scatter per block
         opt.step()                                                     # stages 1/2: reduce-scatter, all-gather
         loss = loss.detach()
