@@ -91,7 +91,7 @@ class PipelineParallel:
     the whole batch (x, y), each (B, S), split into `schedule.microbatches` micro-batches; it accumulates
     gradients into `.grad` as `backward` does (zero them between optimizer steps; k steps without zeroing give
     the sum of the k batches' gradients) and returns the mean loss on the rank holding the last stage (None
-    elsewhere). x and y live on the model's device.
+    elsewhere). x and y live on the stages' device (`device`, or the model's).
 
     `loss_group` (default `dp_group`): the ranks whose batches make up the global batch and whose gradients are
     averaged afterwards (by `dp_group` here, or by the caller, e.g. a ZeRO optimizer): the mean loss divides by
@@ -169,7 +169,8 @@ class PipelineParallel:
         m.to(device)
         if tied and m.lm_head.weight is not m.wte.weight:
             m.lm_head.weight = m.wte.weight                   # keep one tied parameter, whatever .to did
-        self.device = next(m.parameters()).device
+        ref = next(m.parameters())
+        self.dtype, self.device = ref.dtype, ref.device       # of the messages
         return self
 
     def parameters(self):
