@@ -78,7 +78,11 @@ class PipelineParallel:
     """This rank's stages of `model` under `schedule`, on the pipeline group `group` (default: world).
 
     `module` is a copy of the model in which the blocks (and embedding / head) of other ranks' stages are
-    None, so parameter names stay those of the full model.
+    None, so parameter names stay those of the full model. `step(x, y)` runs one training step's schedule on
+    the whole batch (x, y), each (B, S), split into `schedule.microbatches` micro-batches; it accumulates
+    gradients into `.grad` as `backward` does (zero them between optimizer steps; k steps without zeroing give
+    the sum of the k batches' gradients) and returns the mean loss on the rank holding the last stage (None
+    elsewhere). x and y live on the stages' device (`device`, or the model's).
 
     Memory of construction. By default `model` is left untouched and `module` is a deep copy: for a moment
     the rank holds two full models. `copy=False` hands the model over instead: its other stages are dropped
@@ -87,11 +91,7 @@ class PipelineParallel:
 
         pipe = PipelineParallel(GPT(config, seed=0), schedule, copy=False, device=torch.device("cuda", local))
 
-    and the GPU never holds more than this rank's stages (the host holds the full model for a moment). `step(x, y)` runs one training step's schedule on
-    the whole batch (x, y), each (B, S), split into `schedule.microbatches` micro-batches; it accumulates
-    gradients into `.grad` as `backward` does (zero them between optimizer steps; k steps without zeroing give
-    the sum of the k batches' gradients) and returns the mean loss on the rank holding the last stage (None
-    elsewhere). x and y live on the stages' device (`device`, or the model's).
+    and the GPU never holds more than this rank's stages (the host holds the full model for a moment).
 
     `loss_group` (default `dp_group`): the ranks whose batches make up the global batch and whose gradients are
     averaged afterwards (by `dp_group` here, or by the caller, e.g. a ZeRO optimizer): the mean loss divides by

@@ -56,7 +56,8 @@ def _handed_over(schedule):
             "grads": {k: g.clone() for k, g in pipe.grads().items()}}
 
 
-@pytest.mark.parametrize("schedule", [sch.one_f_one_b(2, 4), sch.interleaved_1f1b(2, 4, 2)], ids=["1f1b", "interleaved"])
+@pytest.mark.parametrize("schedule", [sch.one_f_one_b(2, 4), sch.interleaved_1f1b(2, 4, 2)],
+                         ids=["1f1b", "interleaved"])
 def test_pipeline_takes_the_model_over_and_keeps_only_its_stages(schedule):
     res = parlab.run(_handed_over, 2, schedule)
     dense = GPT(CFG, seed=0, dtype=torch.float64)

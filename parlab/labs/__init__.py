@@ -256,5 +256,6 @@ def start(name: str, description: str, add_args: Callable[[argparse.ArgumentPars
     lab.log(f"[{name}] world {ctx.world_size} ({ctx.backend}, {ctx.device.type}); model: {args.layers} layers, "
             f"hidden {args.hidden}, {args.heads} heads, seq {args.seq_len}, vocab {args.vocab}, "
             f"{config.param_count() / 1e6:.2f}M params, "
-            f"{args.dtype + ' autocast, fp32 master weights' if args.dtype in MIXED else args.dtype}; global batch {args.batch} x {args.seq_len}")
+            f"{args.dtype + ' autocast, fp32 master weights' if args.dtype in MIXED else args.dtype}; "
+            f"global batch {args.batch} x {args.seq_len}")
     return lab
