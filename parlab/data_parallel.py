@@ -262,6 +262,10 @@ class DistributedDataParallel(nn.Module):
                             get a zero gradient.
     Parameters with ``requires_grad=False`` at construction are broadcast once and never reduced.
     One backward per forward: a second backward before the next forward accumulates locally, unsynchronised.
+    Padded targets. Averaging the ranks' gradients of their own mean losses gives the global mean only when
+    every rank holds equally many non-ignored targets. With padding (ignore_index -100) spread unevenly, use
+    ``loss = parlab.dp_loss.global_mean_loss(logits, targets, group)``: D * (this rank's sum) / (the global
+    count, one all-reduce), whose average over the ranks is the global mean over the non-ignored targets.
 
     What a trace shows per step: a "forward" region; "backward" compute spans labelled "until bucket i ready"
     and "rest of backward"; async all-reduces labelled "grad bucket i" (start = launch, end = completion);

@@ -28,6 +28,15 @@ and both collectives use the compute dtype, as in FSDP's MixedPrecision(param_dt
 Checkpoints (`save_sharded` / `load_sharded`, via `parlab.checkpoint`): one file per rank plus a manifest
 written last; loads at any DP size, verifying every file first. Several nodes need a shared file system.
 
+Padded targets. Averaging the ranks' gradients of their own mean losses gives the global mean only when
+every rank holds equally many non-ignored targets. With padding (ignore_index -100) spread unevenly, use
+``loss = parlab.dp_loss.global_mean_loss(logits, targets, group)``: D * (this rank's sum) / (the global
+count, one all-reduce), whose average over the ranks is the global mean over the non-ignored targets.
+
+Float16 compute needs loss scaling (gradients below 2^-24 flush to zero): use
+`parlab.mixed_precision.LossScaler`, which agrees over the group on skipping a step with inf/nan shards.
+bfloat16 needs none.
+
 Frozen parameters go to a second flat per unit: gathered like the others, never reduced.
 Tied parameters must live in one unit (GPT's wte / lm_head both sit in the root unit).
 
@@ -54,7 +63,8 @@ __all__ = ["FullyShardedDataParallel"]
 class _Flat:
     """The parameters of one unit that share `requires_grad`, flattened and sharded."""
 
-    def __init__(self, unit: str, params: list, requires_grad: bool, rank: int, world: int, group, compute_dtype):
+    def __init__(self, unit: str, params: list, requires_grad: bool, rank: int, world: int, group, compute_dtype,
+                 device=None):
         self.unit, self.requires_grad, self.group = unit, requires_grad, group
         self.names = [name for name, _, _ in params]                   # original names, e.g. 'blocks.0.mlp.fc.weight'
         self.refs = [refs for _, _, refs in params]                    # every (module, attr) using each parameter
@@ -65,7 +75,7 @@ class _Flat:
         self.s = -(-self.numel // world)                               # shard length, ceil(numel / Nd)
         flat = torch.zeros(world * self.s, dtype=params[0][1].dtype, device=params[0][1].device)  # (Nd*s,)
         torch.cat([p.detach().reshape(-1) for _, p, _ in params], out=flat[:self.numel])
-        shard = flat[rank * self.s:(rank + 1) * self.s].clone()       # (s,) this rank's master weights
+        shard = flat[rank * self.s:(rank + 1) * self.s].to(device or flat.device, copy=True)  # (s,) master weights
         self.shard = nn.Parameter(shard, requires_grad=requires_grad)
         self.compute_dtype = compute_dtype or shard.dtype
         self.full: torch.Tensor | None = None      # gathered for forward (autograd-connected)
@@ -130,10 +140,13 @@ class FullyShardedDataParallel(nn.Module):
                    entry of ``module.blocks`` if there is one. Everything else is the root unit.
     group          the data-parallel group (default: world)
     compute_dtype  dtype of gathered weights, compute and communication (None: the parameters' own)
+    device         where the shards (and so the gathered weights) live (None: the module's device). Build the
+                   module on the CPU and pass the GPU here: the GPU then never holds the full model.
     Every rank must build the same module (same seed): each keeps its slice of its own copy.
     """
 
-    def __init__(self, module: nn.Module, *, units=None, group=None, compute_dtype: torch.dtype | None = None):
+    def __init__(self, module: nn.Module, *, units=None, group=None, compute_dtype: torch.dtype | None = None,
+                 device: torch.device | str | None = None):
         super().__init__()
         if compute_dtype is not None and not compute_dtype.is_floating_point:
             raise ValueError(f"compute_dtype must be a floating-point dtype, got {compute_dtype}")
@@ -171,7 +184,7 @@ class FullyShardedDataParallel(nn.Module):
             per_unit[where.pop()][p.requires_grad].append((name, p, [(m, a) for m, a, _ in refs[id(p)]]))
         self.flats: dict[str, list[_Flat]] = {}
         for u in self.units:
-            self.flats[u] = [_Flat(u, ps, rg, self.rank, self.world, group, compute_dtype)
+            self.flats[u] = [_Flat(u, ps, rg, self.rank, self.world, group, compute_dtype, device)
                              for rg, ps in per_unit[u].items() if ps]
         self.shards = nn.ParameterList([f.shard for u in self.units for f in self.flats[u]])
         for u in self.units:                                           # the module forgets its own weights

@@ -203,6 +203,7 @@ def _global_positions(P: int, rank: int, layout: str):
 def build_hybrid(model: GPT, groups: ProcessGroups, *, schedule: str | Schedule = "1f1b",
                  microbatches: int | None = None, chunks: int = 1, sequence_parallel: bool = False,
                  cp_attention: str = "ring", cp_layout: str = "zigzag", zero_stage: int = 0,
+                 copy: bool = True, device: torch.device | str | None = None,
                  optimizer_cls: type[torch.optim.Optimizer] = torch.optim.AdamW, **optimizer_kwargs) -> HybridGPT:
     """Compose TP/SP, PP, CP and DP/ZeRO on `model` (the same dense GPT on every rank) for `groups.grid`.
 
@@ -210,6 +211,9 @@ def build_hybrid(model: GPT, groups: ProcessGroups, *, schedule: str | Schedule 
     schedule      pipeline schedule name ('1f1b', 'gpipe', 'interleaved' with `chunks`, 'zb-h1') or a Schedule
     microbatches  per step (default: pp); the per-replica batch B/dp must be a multiple of it
     zero_stage    0: average gradients with one all-reduce; 1 / 2: ZeRO over the dp-cp group
+    copy          False: hand `model` over (`PipelineParallel(copy=False)`: no deep copy; `model` becomes this
+                  rank's part). With `device`, build `model` on the CPU: only this rank's stage, TP-sharded,
+                  moves to `device`, so the accelerator never holds the dense model.
     optimizer_kwargs go to `optimizer_cls` (e.g. lr=1e-3)."""
     grid = groups.grid
     sch = make_schedule(schedule, grid.pp, microbatches or grid.pp, chunks)
@@ -222,7 +226,7 @@ def build_hybrid(model: GPT, groups: ProcessGroups, *, schedule: str | Schedule 
     #    plain DP's average itself runs after the SP sum, in HybridGPT.forward_backward.
     #    With SP the stages exchange hidden states split along the sequence over tp: (b, S/tp, H).
     pipe = PipelineParallel(model, sch, group=groups.pp, loss_group=dp_cp,
-                            sequence_split=grid.tp if sequence_parallel else 1)
+                            sequence_split=grid.tp if sequence_parallel else 1, copy=copy)
     stage = pipe.module
     # 1. TP/SP: shard every layer the stage holds over the tp group.
     if grid.tp > 1:
@@ -240,6 +244,8 @@ def build_hybrid(model: GPT, groups: ProcessGroups, *, schedule: str | Schedule 
                                                               layout=cp_layout)
         if stage.wpe is not None:                             # prepend: before the SP split of positions
             stage.wpe.register_forward_pre_hook(_global_positions(grid.cp, cp_rank, cp_layout), prepend=True)
+    if device is not None:                                    # only the stage's TP shards reach the device
+        pipe.to(device)
     # 4. DP / ZeRO: the optimizer over this rank's (sharded) parameters.
     params = list(stage.parameters())
     if zero_stage:

@@ -82,7 +82,16 @@ class PipelineParallel:
     the whole batch (x, y), each (B, S), split into `schedule.microbatches` micro-batches; it accumulates
     gradients into `.grad` as `backward` does (zero them between optimizer steps; k steps without zeroing give
     the sum of the k batches' gradients) and returns the mean loss on the rank holding the last stage (None
-    elsewhere). x and y live on the model's device.
+    elsewhere). x and y live on the stages' device (`device`, or the model's).
+
+    Memory of construction. By default `model` is left untouched and `module` is a deep copy: for a moment
+    the rank holds two full models. `copy=False` hands the model over instead: its other stages are dropped
+    in place (the caller's `model` is then this rank's part) and nothing is copied. `device` then moves only
+    the kept part there, so build the dense model on the CPU and pass the GPU as `device`:
+
+        pipe = PipelineParallel(GPT(config, seed=0), schedule, copy=False, device=torch.device("cuda", local))
+
+    and the GPU never holds more than this rank's stages (the host holds the full model for a moment).
 
     `loss_group` (default `dp_group`): the ranks whose batches make up the global batch and whose gradients are
     averaged afterwards (by `dp_group` here, or by the caller, e.g. a ZeRO optimizer): the mean loss divides by
@@ -99,7 +108,8 @@ class PipelineParallel:
     of device_time comparable with `simulate(schedule)`."""
 
     def __init__(self, model: GPT, schedule: Schedule, group=None, dp_group=None, device_time: float = 0.0,
-                 sequence_split: int = 1, loss_group=None):
+                 sequence_split: int = 1, loss_group=None, copy: bool = True,
+                 device: torch.device | str | None = None):
         validate(schedule)
         p = comm.get_world_size(group)
         if schedule.ranks != p:
@@ -118,9 +128,7 @@ class PipelineParallel:
         S = schedule.stages
         self.layers = split_layers(model.config.n_layer, S)
         self.my_stages = schedule.stages_of(self.rank)
-        ref = next(model.parameters())
-        self.dtype, self.device = ref.dtype, ref.device       # of the messages: (b, S, H) hidden states
-        self.module = m = clone_model(model)
+        self.module = m = clone_model(model) if copy else model   # copy=False: the caller hands it over
         keep = {i for s in self.my_stages for i in self.layers[s]}
         for i in range(len(m.blocks)):
             if i not in keep:
@@ -129,6 +137,10 @@ class PipelineParallel:
             m.wte = m.wpe = None
         if S - 1 not in self.my_stages:
             m.ln_f = m.lm_head = None
+        ref = next(m.parameters())
+        self.dtype, self.device = ref.dtype, ref.device       # of the messages: (b, S, H) hidden states
+        if device is not None:
+            self.to(device)                                   # only this rank's stages
         # tied embeddings split across two ranks: each keeps a copy whose gradients are added after the step
         self.tied = model.config.tie_embeddings and schedule.placement[0] != schedule.placement[S - 1]
         # this rank's messages with every peer (pipeline ranks), in the one order merged across peers
@@ -150,6 +162,17 @@ class PipelineParallel:
                 self._hooked.add(mod)
 
     # ------------------------------------------------------------------ the model pieces
+    def to(self, device: torch.device | str) -> "PipelineParallel":
+        """Move the stages this rank holds (and its messages) to `device`; returns self."""
+        m = self.module
+        tied = m.wte is not None and m.lm_head is not None and m.lm_head.weight is m.wte.weight
+        m.to(device)
+        if tied and m.lm_head.weight is not m.wte.weight:
+            m.lm_head.weight = m.wte.weight                   # keep one tied parameter, whatever .to did
+        ref = next(m.parameters())
+        self.dtype, self.device = ref.dtype, ref.device       # of the messages
+        return self
+
     def parameters(self):
         return self.module.parameters()
 
@@ -383,6 +406,7 @@ def _weight_grads(caps, gys) -> None:
                 grads = torch.autograd.grad(y, prms, gy, retain_graph=True, allow_unused=True)
         for q, g in zip(prms, grads):
             if g is not None:
+                g = g.to(q.dtype)                             # autocast: bf16 dW for an fp32 master weight
                 q.grad = g.clone() if q.grad is None else q.grad + g
 
 

@@ -52,6 +52,11 @@ not overlapped with backward in buckets as in DeepSpeed; a trainable parameter w
 gradient on some rank counts as a zero gradient there; frozen parameters
 (``requires_grad=False`` at construction) are never sharded, stepped or sent.
 
+Padded targets. Averaging the ranks' gradients of their own mean losses gives the global mean only when
+every rank holds equally many non-ignored targets. With padding (ignore_index -100) spread unevenly, use
+``loss = parlab.dp_loss.global_mean_loss(logits, targets, group)``: D * (this rank's sum) / (the global
+count, one all-reduce), whose average over the ranks is the global mean over the non-ignored targets.
+
 References
     [1] S. Rajbhandari, J. Rasley, O. Ruwase, Y. He, "ZeRO: Memory Optimizations Toward Training
         Trillion Parameter Models", SC 2020, arXiv:1910.02054, sections 3 and 5.

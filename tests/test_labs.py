@@ -21,6 +21,7 @@ RUNS = [
     ("context_parallel", 2, ["--attention", "ring"]),
     ("hybrid", 4, ["--tp", "2", "--pp", "2", "--sp"]),        # TP+SP x PP
     ("hybrid", 4, ["--cp", "2", "--zero", "1"]),               # dp 2 x cp 2
+    ("pipeline", 2, ["--schedule", "zb-h1", "--microbatches", "4", "--dtype", "bfloat16"]),  # autocast, fp32 W
 ]
 
 

@@ -7,18 +7,32 @@ Every lab is short because the common scaffolding lives here:
 
 * `start(name, description, add_args)`: command-line options (model size, batch, steps, dtype, trace
   path), `parlab.init()` (NCCL on ``cuda:LOCAL_RANK`` when GPUs are present, gloo on the CPU; one node or
-  many through torchrun's rendezvous), the dense tiny GPT on this rank's device and the shipped character
-  corpus with a `BatchSampler` (every rank can recompute the global batch of any step: no data loader);
+  many through torchrun's rendezvous), the dense tiny GPT (`Lab.model()` on this rank's device, or
+  ``Lab.model(host=True)`` on the CPU for strategies that keep only a part of it: pipeline, tensor
+  parallel, ZeRO-3 and hybrid move only their part to the device) and the shipped character corpus with a
+  `BatchSampler` (every rank can recompute the global batch of any step: no data loader);
 * `Lab.train(step_fn, ...)`: the training loop with a tqdm progress bar on rank 0, timing (tokens/s
   from the steps after the first, which pays for warm-up), every traced call recorded, then the report:
-  memory per rank (``torch.cuda.max_memory_allocated`` on GPUs; on CPUs the parameter, gradient and
-  optimizer bytes from `parlab.memory.measure`) and the merged Chrome trace, gathered to rank 0 with
+  memory per rank and the merged Chrome trace, gathered to rank 0 with
   ``torch.distributed.gather_object`` (reporting is not training traffic, so it is not traced).
 * `--timeout` (default 300 s) is the process group's timeout: a collective that waits longer for a rank
   that stopped answering (SIGSTOP, a hang, a dead node) fails instead of waiting torch's 600-s default.
   Every rank keeps a heartbeat counter and its current step in the rendezvous store (`Watch`, a daemon
   thread); a rank whose collective fails looks twice, a few heartbeats apart, and prints which rank
   stopped answering (its counter did not move) and the step each rank had reached.
+
+Memory. On GPUs the report gives ``torch.cuda.max_memory_allocated`` twice, labelled: the peak of
+construction (everything before the first step, since the process started) and the peak of training
+(counter reset after construction); max_mem/rank is the larger. On CPUs (no allocator counter) it gives the
+bytes of parameters, gradients and optimizer state the rank holds (`parlab.memory.measure`) and the
+process's peak resident set (``ru_maxrss``, which includes the Python and torch runtime) after
+construction and at the end.
+
+Precision (``--dtype``). float32 / float64: parameters, gradients, optimizer state and compute all in that
+dtype. bfloat16: mixed precision with fp32 master weights: parameters, gradients and AdamW state stay
+float32 and the forward (and so the backward) runs under ``torch.autocast(dtype=torch.bfloat16)``: matmuls
+in bf16, reductions such as layer norm and the loss in fp32 (Micikevicius et al., "Mixed Precision
+Training", arXiv:1710.03740). bf16 has fp32's exponent range, so no loss scaling is needed.
 
 Only rank 0 prints. The last line is the summary, e.g.
 ``summary: lab=pipeline world=4 backend=gloo steps=10 loss=3.1021 tokens/s=8123 max_mem/rank=1.2 MB trace=...``.
@@ -28,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import contextlib
 import datetime
 import math
 import os
@@ -46,10 +61,11 @@ from ..memory import measure
 from ..models import GPT, GPTConfig
 from ..trace import Trace, recording
 
-__all__ = ["Lab", "start", "parser", "LABS", "Watch"]
+__all__ = ["Lab", "start", "parser", "peak_memory", "LABS", "Watch"]
 
 LABS = ("data_parallel", "zero", "tensor_parallel", "pipeline", "context_parallel", "hybrid")
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
+MIXED = {"bfloat16"}    # --dtype values that mean fp32 master weights + autocast compute in that dtype
 
 
 def parser(name: str, description: str) -> argparse.ArgumentParser:
@@ -66,7 +82,10 @@ def parser(name: str, description: str) -> argparse.ArgumentParser:
     t.add_argument("--batch", type=int, default=16, help="global batch (sequences per step, all ranks together)")
     t.add_argument("--steps", type=int, default=20)
     t.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate")
-    t.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="parameter and compute dtype")
+    t.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
+                   help="float32/float64: parameters, gradients, optimizer state and compute in that dtype; "
+                        "bfloat16: mixed precision, fp32 parameters, gradients and AdamW state (master "
+                        "weights) with the forward under torch.autocast(bfloat16)")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto")
     t.add_argument("--timeout", type=float, default=300.0,
@@ -104,16 +123,29 @@ class Lab:
 
     @property
     def dtype(self) -> torch.dtype:
+        """The parameters' dtype: float32 in mixed precision (--dtype bfloat16), else --dtype."""
+        return torch.float32 if self.args.dtype in MIXED else DTYPES[self.args.dtype]
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
         return DTYPES[self.args.dtype]
+
+    def autocast(self):
+        """Context for the forward (and backward): bf16 autocast in mixed precision, else nothing."""
+        if self.args.dtype in MIXED:
+            return torch.autocast(self.device.type, dtype=self.compute_dtype)
+        return contextlib.nullcontext()
 
     def log(self, *parts) -> None:
         """Print on rank 0 only."""
         if self.ctx.is_main:
             print(*parts, flush=True)
 
-    def model(self) -> GPT:
-        """The dense tiny GPT, the same on every rank (seeded init), on this rank's device."""
-        return GPT(self.config, seed=self.args.seed, dtype=self.dtype, device=self.device)
+    def model(self, host: bool = False) -> GPT:
+        """The dense tiny GPT, the same on every rank (seeded init), on this rank's device, or with
+        ``host=True`` on the CPU, for a strategy that moves only this rank's part to the device."""
+        return GPT(self.config, seed=self.args.seed, dtype=self.dtype,
+                   device=torch.device("cpu") if host else self.device)
 
     def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The global batch of `step` (B, S), the same on every rank; strategies take their part of it."""
@@ -132,6 +164,7 @@ class Lab:
         if self.ctx.is_main and not a.quiet:
             from tqdm import tqdm
             bar = tqdm(total=a.steps, desc=self.name, unit="step", file=sys.stdout, dynamic_ncols=True)
+        built = peak_memory(self.device)                  # construction: everything before the first step
         if cuda:
             torch.cuda.reset_peak_memory_stats(self.device)
         loss_value, t_first, t_end = float("nan"), None, None
@@ -157,16 +190,20 @@ class Lab:
         seconds = (t_end - t_first) if a.steps > 1 else (t_end - t_start)
         tps = tokens_per_step * timed / max(seconds, 1e-9)
         if cuda:
-            mem = {"max_allocated": torch.cuda.max_memory_allocated(self.device)}
+            trained = peak_memory(self.device)
+            mem = {"construction_peak": built, "training_peak": trained, "max_allocated": max(built, trained)}
         else:
             mem = measure(list(params()), optimizer)
+            mem.update({"rss_peak_after_construction": built, "rss_peak_at_end": peak_memory(self.device)})
         report = {"rank": self.rank, "memory": mem, "events": None if a.no_trace else rec.events}
         reports = gather_to_main(report)
         summary = {"lab": self.name, "world": self.world_size, "backend": self.ctx.backend, "steps": a.steps,
                    "loss": loss_value, "tokens_per_s": tps}
         if self.ctx.is_main:
             key = "max_allocated" if cuda else "total"
-            self.log(f"memory per rank ({'torch.cuda.max_memory_allocated' if cuda else 'params + grads + optimizer state, parlab.memory.measure'}):")
+            self.log("memory per rank (" + ("torch.cuda.max_memory_allocated: peak of construction, peak of training "
+                     "steps, the larger" if cuda else "params + grads + optimizer state held, parlab.memory.measure; "
+                     "process peak RSS (incl. the runtime) after construction and at the end") + "):")
             for r in reports:
                 self.log(f"  rank {r['rank']:>3}: " + ", ".join(f"{k} {_mb(v)}" for k, v in r["memory"].items()))
             summary["max_mem_per_rank"] = max(r["memory"].get(key, 0) for r in reports)
@@ -269,6 +306,19 @@ def _report_failures(watch: Watch) -> None:
     sys.excepthook = hook
 
 
+def peak_memory(device: torch.device) -> int:
+    """Peak bytes so far: ``torch.cuda.max_memory_allocated`` on CUDA, else the process's peak resident set
+    (``ru_maxrss``; includes the Python and torch runtime; 0 where the platform has no `resource` module)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    try:
+        import resource
+    except ImportError:
+        return 0
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024        # macOS: bytes; Linux: KiB
+
+
 def _mb(n: float) -> str:
     return f"{n / 1e6:.2f} MB"
 
@@ -316,5 +366,7 @@ def start(name: str, description: str, add_args: Callable[[argparse.ArgumentPars
     lab = Lab(name, args, ctx, config, BatchSampler(tokens, args.batch, args.seq_len, seed=args.seed), watch=watch)
     lab.log(f"[{name}] world {ctx.world_size} ({ctx.backend}, {ctx.device.type}); model: {args.layers} layers, "
             f"hidden {args.hidden}, {args.heads} heads, seq {args.seq_len}, vocab {args.vocab}, "
-            f"{config.param_count() / 1e6:.2f}M params, {args.dtype}; global batch {args.batch} x {args.seq_len}")
+            f"{config.param_count() / 1e6:.2f}M params, "
+            f"{args.dtype + ' autocast, fp32 master weights' if args.dtype in MIXED else args.dtype}; "
+            f"global batch {args.batch} x {args.seq_len}")
     return lab

@@ -30,7 +30,8 @@ def main(argv=None):
     def step(i):
         opt.zero_grad(set_to_none=True)            # at the start: the last step's grads stay for the report
         x, y = lab.batch(i)                                       # (B, S)
-        loss = cp(cp.shard(x), cp.shard(y))[1]                    # this rank's S/N positions
+        with lab.autocast():                                      # --dtype bfloat16: bf16 compute
+            loss = cp(cp.shard(x), cp.shard(y))[1]                # this rank's S/N positions
         loss.backward()
         cp.average_gradients()
         opt.step()

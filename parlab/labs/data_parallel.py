@@ -10,6 +10,7 @@ import torch
 
 from parlab import comm
 from parlab.data_parallel import DistributedDataParallel
+from parlab.dp_loss import global_mean_loss
 from parlab.labs import start
 
 
@@ -28,7 +29,9 @@ def main(argv=None):
     def step(i):
         opt.zero_grad(set_to_none=True)            # at the start: the last step's grads stay for the report
         x, y = lab.sampler.shard(i, lab.rank, lab.world_size)        # (B/N, S): this rank's rows
-        loss = model(x.to(lab.device), y.to(lab.device))[1]
+        with lab.autocast():                                           # --dtype bfloat16: bf16 compute
+            logits = model(x.to(lab.device))[0]                        # (B/N, S, V)
+        loss = global_mean_loss(logits, y.to(lab.device))          # exact global mean even with padding
         loss.backward()                                                # buckets all-reduced during backward
         opt.step()
         loss = loss.detach()

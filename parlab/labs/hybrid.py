@@ -46,11 +46,14 @@ def main(argv=None):
         raise SystemExit(f"error: {e}") from None
     lab.log(grid.describe())
     groups = build_groups(grid)
-    model = build_hybrid(lab.model(), groups, schedule=schedule, sequence_parallel=a.sp, cp_attention=a.cp_attention,
-                         cp_layout=a.cp_layout, zero_stage=a.zero, lr=a.lr)
+    # built on the CPU and handed over: only this rank's stage, TP-sharded, goes to the device
+    model = build_hybrid(lab.model(host=True), groups, schedule=schedule, sequence_parallel=a.sp,
+                         cp_attention=a.cp_attention, cp_layout=a.cp_layout, zero_stage=a.zero, lr=a.lr,
+                         copy=False, device=lab.device)
 
     def step(i):
-        return model.train_step(*lab.batch(i))    # global batch in, global mean loss out (every rank)
+        with lab.autocast():                      # --dtype bfloat16: bf16 compute, fp32 master weights
+            return model.train_step(*lab.batch(i))  # global batch in, global mean loss out (every rank)
 
     def traffic(trace):
         lab.log("bytes sent per dimension (all ranks, all steps):")

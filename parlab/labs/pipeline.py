@@ -29,7 +29,8 @@ def main(argv=None):
     m = a.microbatches or 2 * n
     try:
         schedule = make_schedule(a.schedule, n, m, a.chunks)
-        pipe = PipelineParallel(lab.model(), schedule)
+        # built on the CPU and handed over (no copy): only this rank's stages go to the device
+        pipe = PipelineParallel(lab.model(host=True), schedule, copy=False, device=lab.device)
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
     if a.batch % m:
@@ -41,7 +42,8 @@ def main(argv=None):
 
     def step(i):
         opt.zero_grad(set_to_none=True)            # at the start: the last step's grads stay for the report
-        loss = pipe.step(*lab.batch(i))            # the mean loss on the rank of the last stage, else None
+        with lab.autocast():                       # --dtype bfloat16: bf16 compute, fp32 messages and grads
+            loss = pipe.step(*lab.batch(i))        # the mean loss on the rank of the last stage, else None
         opt.step()
         out = loss if loss is not None else torch.zeros((), dtype=lab.dtype, device=lab.device)
         if n > 1:

@@ -20,7 +20,8 @@ def add_args(p):
 def main(argv=None):
     lab = start("tensor_parallel", __doc__, add_args, argv)
     try:
-        model = parallelize_gpt(lab.model(), sequence_parallel=lab.args.sp)
+        # sharded on the CPU: only this rank's 1/N of each weight goes to the device
+        model = parallelize_gpt(lab.model(host=True), sequence_parallel=lab.args.sp).to(lab.device)
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
     opt = torch.optim.AdamW(model.parameters(), lr=lab.args.lr)
@@ -28,7 +29,8 @@ def main(argv=None):
     def step(i):
         opt.zero_grad(set_to_none=True)            # at the start: the last step's grads stay for the report
         x, y = lab.batch(i)                        # (B, S), the same on every rank
-        loss = model(x, y)[1]                      # vocab-parallel loss, equal on every rank
+        with lab.autocast():                       # --dtype bfloat16: bf16 compute
+            loss = model(x, y)[1]                  # vocab-parallel loss, equal on every rank
         loss.backward()
         if lab.args.sp:
             sync_sequence_parallel_grads(model)    # params used on S/N tokens: sum their partial grads

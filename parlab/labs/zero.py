@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from parlab import comm
+from parlab.dp_loss import global_mean_loss
 from parlab.fsdp import FullyShardedDataParallel
 from parlab.labs import start
 from parlab.zero import ShardedOptimizer
@@ -26,7 +27,8 @@ def main(argv=None):
         raise SystemExit(f"--batch {lab.args.batch} must be a multiple of the {lab.world_size} ranks")
     stage = lab.args.stage
     if stage == 3:
-        model = FullyShardedDataParallel(lab.model())                 # flat parameter shards per block
+        # built on the CPU: only this rank's flat shards go to the device
+        model = FullyShardedDataParallel(lab.model(host=True), device=lab.device)
         opt = torch.optim.AdamW(model.parameters(), lr=lab.args.lr)   # steps only this rank's shards
     else:
         model = lab.model()
@@ -35,7 +37,9 @@ def main(argv=None):
     def step(i):
         opt.zero_grad(set_to_none=True)            # at the start: the last step's grads stay for the report
         x, y = lab.sampler.shard(i, lab.rank, lab.world_size)        # (B/N, S)
-        loss = model(x.to(lab.device), y.to(lab.device))[1]
+        with lab.autocast():                                           # --dtype bfloat16: bf16 compute
+            logits = model(x.to(lab.device))[0]                        # (B/N, S, V)
+        loss = global_mean_loss(logits, y.to(lab.device))          # exact global mean even with padding
         loss.backward()                                                # stage 3: reduce-scatter per block
         opt.step()                                                     # stages 1/2: reduce-scatter, all-gather
         loss = loss.detach()
