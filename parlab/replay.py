@@ -8,7 +8,7 @@ messages and waits, from `parlab.replay_program.build_programs`) and gives every
 * collectives and messages from the alpha-beta model of their algorithm (`Hardware.collective_time`: ring,
   or tree for an all-reduce across nodes where that is faster), on the slowest link the group crosses. Which
   groups cross nodes follows from the placement: rank r sits on node ``r // gpus_per_node`` (torchrun's and
-  `parlab.topology.ParallelGrid`'s rule; pass a grid to use its `node_of`).
+  `parlab.topology.ParallelGrid`'s rule; pass a grid to use its `node_of`, or `nodes`, the node of each rank).
 
 A discrete-event loop then runs every rank's program against the others, with the dependencies of the real run:
 
@@ -50,17 +50,35 @@ class ReplayError(ValueError):
 
 
 class Placement:
-    """Which node each rank sits on: ``rank // gpus_per_node``, or a `ParallelGrid`'s `node_of`."""
+    """Which node each rank sits on: ``rank // gpus_per_node``, a `ParallelGrid`'s `node_of`, or an explicit list
+    `nodes` (``nodes[r]`` is the node of rank r), e.g. to place the ranks of a run as another rank order would."""
 
-    def __init__(self, hardware: Hardware, grid: ParallelGrid | None = None, gpus_per_node: int | None = None):
+    def __init__(self, hardware: Hardware, grid: ParallelGrid | None = None, gpus_per_node: int | None = None,
+                 nodes=None):
         if grid is not None and not isinstance(grid, ParallelGrid):
             raise ValueError(f"grid must be a parlab.topology.ParallelGrid, got {type(grid).__name__}")
         gpn = gpus_per_node if gpus_per_node is not None else hardware.gpus_per_node
         if isinstance(gpn, bool) or not isinstance(gpn, int) or gpn < 1:
             raise ValueError(f"gpus_per_node must be a positive integer, got {gpn!r}")
-        self.grid, self.gpus_per_node = grid, gpn
+        self.grid, self.gpus_per_node, self.node_map = grid, gpn, None
+        if nodes is not None:
+            if grid is not None or gpus_per_node is not None:
+                raise ValueError("give either nodes= (the node of each rank) or grid= / gpus_per_node=, not both")
+            try:
+                node_map = [] if isinstance(nodes, (str, bytes)) else list(nodes)
+            except TypeError:                                        # not a sequence at all
+                node_map = []
+            if not node_map or any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in node_map):
+                raise ValueError(f"nodes must list a node number (an integer >= 0) for each rank, e.g. [0, 1, 0, 1]; "
+                                 f"got {nodes!r}")
+            self.node_map = node_map
 
     def node_of(self, rank: int) -> int:
+        if self.node_map is not None:
+            if rank >= len(self.node_map):
+                raise ReplayError(f"the trace has rank {rank} but nodes= places only {len(self.node_map)} ranks; "
+                                  f"give the node of every rank of the run")
+            return self.node_map[rank]
         if self.grid is not None:
             if rank >= self.grid.world_size:
                 raise ReplayError(f"the trace has rank {rank} but the grid has {self.grid.world_size} ranks; pass "
@@ -96,11 +114,12 @@ def default_costs(hardware: Hardware, placement: Placement, compute_scale: float
 
 
 def replay(trace: Trace, hardware: Hardware, *, grid: ParallelGrid | None = None, gpus_per_node: int | None = None,
-           compute_scale: float | None = None, compute_time: Callable[[Event], float] | None = None,
+           nodes=None, compute_scale: float | None = None, compute_time: Callable[[Event], float] | None = None,
            comm_time: Callable[[Event], float] | None = None) -> Trace:
     """The trace re-timed on `hardware` (see the module docstring). Returns a new `Trace`.
 
     grid / gpus_per_node   placement of the ranks on nodes (default: the hardware's GPUs per node)
+    nodes                  or an explicit placement: ``nodes[r]`` is the node of rank r (e.g. [0, 1, 0, 1])
     compute_scale          for compute spans without metered work: measured duration x this factor
     compute_time, comm_time  replace the cost models: functions of an `Event`, returning seconds
                            (`parlab.scaleup` re-costs spans with a big model's shapes this way)"""
@@ -113,7 +132,7 @@ def replay(trace: Trace, hardware: Hardware, *, grid: ParallelGrid | None = None
     if not trace.events:
         raise ReplayError("the trace is empty: run with parlab.run(fn, n, trace=True) and call parlab.comm / "
                           "parlab.trace.region inside fn")
-    placement = Placement(hardware, grid, gpus_per_node)
+    placement = Placement(hardware, grid, gpus_per_node, nodes)
     metered = any(e.kind == "compute" and (e.flops or e.nbytes or e.kernels) for e in trace.events)
     compute, comm = default_costs(hardware, placement, compute_scale, metered)
     try:

@@ -219,6 +219,31 @@ def test_sixteen_ranks_replay_keeps_every_event_and_places_groups_on_nodes():
     assert step_time(out) > 0
 
 
+def test_an_explicit_placement_decides_which_groups_cross_nodes():
+    # tp groups (0, 1), (2, 3) and dp groups (0, 2), (1, 3): two nodes of two GPUs, placed tp-fastest or dp-fastest
+    X, tp, dp = 1_000_000, [(0, 1), (2, 3)], [(0, 2), (1, 3)]
+    tr = Trace([coll(r, 0.0, g, X) for g in tp for r in g] + [coll(r, 1.0, g, X) for g in dp for r in g])
+    slow, fast = AB.collective_time("all_reduce", X, 2, True, 2), AB.collective_time("all_reduce", X, 2, False)
+    assert slow > 5 * fast                                        # the two links differ, so the test can fail
+
+    def durations(out):
+        return {e.group: e.duration for e in out.events if e.rank == 0}     # rank 0's tp call and dp call
+
+    inside = durations(replay(tr, AB, nodes=[0, 0, 1, 1]))          # as Megatron's tp-cp-dp-pp order places them
+    across = durations(replay(tr, AB, nodes=[0, 1, 0, 1]))          # as the dp-tp-cp-pp order would
+    # exact to float rounding: each call is one alpha-beta term, both members arrive together
+    assert inside[(0, 1)] == pytest.approx(fast, rel=1e-12) and inside[(0, 2)] == pytest.approx(slow, rel=1e-12)
+    assert across[(0, 1)] == pytest.approx(slow, rel=1e-12) and across[(0, 2)] == pytest.approx(fast, rel=1e-12)
+    assert durations(replay(tr, AB, nodes=(0, 0, 1, 1))) == durations(replay(tr, AB, gpus_per_node=2))
+    with pytest.raises(ValueError, match="not both"):
+        replay(tr, AB, nodes=[0, 0, 1, 1], gpus_per_node=2)
+    for bad in ([], [0, -1, 1, 1], [0, 0.5, 1, 1], "0011", 3):
+        with pytest.raises(ValueError, match="nodes must list a node number"):
+            replay(tr, AB, nodes=bad)
+    with pytest.raises(ReplayError, match="places only 2 ranks"):
+        replay(tr, AB, nodes=[0, 1])
+
+
 # ---------------------------------------------------------------------- real runs
 CFG = GPTConfig(vocab_size=32, seq_len=8, n_layer=8, n_head=2, n_embd=16)
 CASES = [("gpipe", 4, 8, 1), ("1f1b", 4, 8, 1), ("interleaved", 4, 8, 2), ("zb-h1", 4, 8, 1)]
