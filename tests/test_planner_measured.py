@@ -99,7 +99,8 @@ def _measure_all_layouts():
         params = list(h.module.parameters())
         step_dtypes = {s["step"].dtype for s in h.optimizer.state.values()}
         out[name] = dict(bytes=measure(params, h.optimizer), numels=[p.numel() for p in params],
-                         stages=list(h.pipeline.my_stages), step_dtypes=step_dtypes)
+                         stages=list(h.pipeline.my_stages), step_dtypes=step_dtypes,
+                         stepped=len(h.optimizer.state))   # tensors with a step counter (ZeRO: one per flat run)
     return out
 
 
@@ -220,8 +221,10 @@ def test_every_byte_is_accounted_for(measured, name):
         want = _own_stage(cfg, tp, pp, dp, zero, r["stages"][0])
         assert got["params"] == PARAM * psi == want["params"]
         assert got["grads"] == GRAD * (sum(owned) if zero >= 2 else psi)
-        assert got["optimizer"] == K * sum(owned) + STEP_BYTES * len(owned)
+        steps = r["stepped"] if zero else len(owned)            # ZeRO steps each run of owned tensors as one
+        assert 0 < steps <= len(owned) or steps == len(owned) == 0
+        assert got["optimizer"] == K * sum(owned) + STEP_BYTES * steps
         shard = psi / (dp if zero else 1)                        # what the plan assumes this rank steps
         assert got["optimizer"] - want["optimizer"] == pytest.approx(
-            STEP_BYTES * len(owned) + K * (sum(owned) - shard))
+            STEP_BYTES * steps + K * (sum(owned) - shard))
         assert got["total"] == got["params"] + got["grads"] + got["optimizer"]
