@@ -91,7 +91,7 @@ def schedule_timeline(spans, title: str | None = None, scale: float = 1.0, time_
         _add_outline(fig, overlay, overlay_scale)
     lanes = _lanes(spans)
     fig.update_layout(title=title, barmode="overlay", height=140 + 55 * len(lanes), template="plotly_white",
-                      uniformtext=dict(minsize=9, mode="show"),
+                      uniformtext=dict(minsize=10, mode="show"),   # micro-batch numbers never under 10 px
                       xaxis_title=time_unit, legend_orientation="h", legend_y=-0.25, bargap=0.1,
                       yaxis=dict(categoryorder="array", categoryarray=lanes[::-1]))
     return fig
@@ -113,7 +113,7 @@ def schedules_figure(panels: Mapping[str, object], title: str | None = None, sca
     lanes_total = sum(len(_rows(panels[n])) for n in names)
     height = 140 + 45 * lanes_total + 30 * len(names)
     fig.update_layout(title=title, barmode="overlay", height=height, template="plotly_white", bargap=0.1,
-                      uniformtext=dict(minsize=9, mode="show"),
+                      uniformtext=dict(minsize=10, mode="show"),   # micro-batch numbers never under 10 px
                       legend=dict(orientation="h", y=-75 / (height - 160)))   # below the x-axis title
     fig.update_xaxes(title_text=time_unit, row=len(names), col=1)
     return fig
