@@ -43,7 +43,11 @@ def toggle(measured: Any, replayed: Any, title: str | None = None, labels: tuple
         counts.append(len(fig.data))
     layout = views[start][0].layout
     out.update_layout(template="plotly_white", barmode="overlay", hovermode="closest", height=layout.height,
-                      yaxis=layout.yaxis, xaxis=layout.xaxis, title=views[start][2], legend=layout.legend)
+                      yaxis=layout.yaxis, xaxis=layout.xaxis, legend=layout.legend,
+                      # the title on the top line, the buttons on their own line under it: long labels never meet
+                      title=dict(text=views[start][2], x=0.015, xanchor="left", y=1.0, yref="container", yanchor="top",
+                                 pad=dict(t=12)),
+                      margin=dict(t=120))
     buttons = []
     for i, (fig, unit, text) in enumerate(views):
         visible = [j == i for j, n in enumerate(counts) for _ in range(n)]
@@ -52,7 +56,7 @@ def toggle(measured: Any, replayed: Any, title: str | None = None, labels: tuple
                                   {"title.text": text, "xaxis.title.text": f"time ({unit}) since the first event",
                                    "xaxis.autorange": True}]))
     out.update_layout(updatemenus=[dict(type="buttons", direction="right", buttons=buttons, active=start,
-                                        x=1.0, xanchor="right", y=1.12, yanchor="bottom")])
+                                        x=0.0, xanchor="left", y=1.02, yanchor="bottom")])
     return out
 
 
