@@ -248,3 +248,21 @@ def test_rebinding_parlab_internals_is_reported_as_tampered():
         finally:
             torch.equal, parlab_comm.isend = original
     g0.check_groups(lambda w, tp, pp: [list(range(s, s + tp)) for s in range(0, w, tp)], "tp")   # clean again
+
+
+def test_cells_that_lost_their_metadata_are_matched_by_cell_id():
+    """An answered notebook whose nbgrader metadata was dropped (some editors do; or a solution notebook handed in)
+    keeps its answers and its graded cells: they are matched to the release by the stable cell id."""
+    from parlab.grader.collect import restore
+    stem = "00_ring_allreduce"
+    released = course.read(ROOT / "exercises" / f"{stem}.ipynb")
+    sub = answered(stem)
+    for c in sub.cells:
+        c.metadata.pop("nbgrader", None)
+    out, notes = restore(sub, released)
+    assert not any("deleted" in n for n in notes), notes
+    assert any("matched to the release by cell id" in n for n in notes)
+    want = answered(stem)
+    assert [c.source for c in out.cells] == [c.source for c in want.cells]
+    assert [c.metadata.get("nbgrader", {}).get("grade_id") for c in out.cells] == \
+        [c.metadata.get("nbgrader", {}).get("grade_id") for c in released.cells]

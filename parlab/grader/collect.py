@@ -107,9 +107,18 @@ def restore(submission: nbformat.NotebookNode, released: nbformat.NotebookNode) 
     notes: list[str] = []
     locked = {_meta(c)["grade_id"]: c for c in released.cells if _meta(c).get("locked")}
     answers = {_meta(c)["grade_id"] for c in released.cells if _meta(c).get("solution")}
-    cells, seen = [], set()
+    # a cell whose nbgrader metadata was lost (an editor that drops metadata, or the solution notebook itself)
+    # is matched by its cell id, which `parlab course build` keeps stable between solution and exercise
+    by_id = {c.get("id"): c for c in released.cells if c.get("id") and _meta(c).get("grade_id")}
+    cells, seen, relabelled = [], set(), 0
     for cell in submission.cells:
         gid = _meta(cell).get("grade_id")
+        if gid is None and cell.get("id") in by_id:
+            ref = by_id[cell.get("id")]
+            if ref.cell_type == cell.cell_type:
+                gid, relabelled = _meta(ref)["grade_id"], relabelled + 1
+                cell = nbformat.from_dict(cell)
+                cell.setdefault("metadata", {})["nbgrader"] = dict(_meta(ref))
         if gid in locked:
             if gid in seen:
                 notes.append(f"{_describe(locked[gid])} appeared twice: the copy was removed")
@@ -141,6 +150,8 @@ def restore(submission: nbformat.NotebookNode, released: nbformat.NotebookNode) 
                 break
         cells.insert(at, nbformat.from_dict(ref))
         seen.add(gid)
+    if relabelled:
+        notes.insert(0, f"{relabelled} cells had lost their nbgrader metadata: matched to the release by cell id")
     out = nbformat.from_dict(submission)
     out.cells = cells
     for cell in out.cells:
