@@ -65,22 +65,23 @@ def summary_figure(results):
     """Pass rate per check over the submissions that were handed in (plotly bar chart)."""
     import plotly.graph_objects as go
     rows: dict[str, list[int]] = {}
-    labels = {}
+    labels, hover = {}, {}
     for r in results:
         if r.status == "missing":
             continue
         for c in r.checks:
             key = f"{r.exercise}:{c['grade_id']}"
-            labels[key] = f"{r.exercise[:2]} {c['label'][:70]}"
+            labels[key] = f"{r.exercise[:2]} {c['grade_id'].split('-')[0]}"     # short: the check's name
+            hover[key] = f"{r.exercise}: {c['label']}"                            # the whole sentence on hover
             rows.setdefault(key, []).append(int(c["passed"]))
     keys = list(rows)
     rate = [100.0 * sum(rows[k]) / len(rows[k]) for k in keys]
     fig = go.Figure(go.Bar(x=rate, y=[labels[k] for k in keys], orientation="h",
                            text=[f"{v:.0f}% of {len(rows[k])}" for v, k in zip(rate, keys)],
-                           hovertext=keys, marker_color=["#d62728" if v < 50 else "#1f77b4" for v in rate]))
+                           hovertext=[hover[k] for k in keys], marker_color=["#d62728" if v < 50 else "#1f77b4" for v in rate]))
     fig.update_layout(title="Pass rate per check (submissions handed in)", xaxis_title="% passed",
                       xaxis_range=[0, 100], yaxis_autorange="reversed", height=200 + 28 * len(keys),
-                      margin=dict(l=20, r=20, t=60, b=40))
+                      yaxis_automargin=True, margin=dict(l=20, r=20, t=60, b=40))
     return fig
 
 
