@@ -52,6 +52,12 @@ def _strip_ansi(text: str) -> str:
     return re.sub(r"\x1b\[[0-9;]*m", "", text)
 
 
+def _out_of_memory(text: str) -> bool:
+    """Did this error come from the memory limit? Python says MemoryError; torch's CPU allocator raises a
+    RuntimeError ("DefaultCPUAllocator: can't allocate memory") when RLIMIT_AS refuses its request."""
+    return "MemoryError" in text or "can't allocate memory" in text
+
+
 def grade_notebook(nb: nbformat.NotebookNode, workdir: Path, cell_timeout: float, cpu_limit: float) -> dict:
     """Execute `nb` (restored) in a kernel started in `workdir`; return the record of every graded cell."""
     from nbclient import NotebookClient
@@ -116,8 +122,8 @@ def grade_notebook(nb: nbformat.NotebookNode, workdir: Path, cell_timeout: float
                 err = _error_of(cell)
                 if err and err.get("ename") in ("CellTimeout", "KeyboardInterrupt"):
                     status = "timeout" if status == "ok" else status
-                if err and err.get("ename") == "MemoryError" and status in ("ok", "timeout"):
-                    status, crash = "crashed", f"cell {index} hit the grader's memory limit (MemoryError)"
+                if err and _out_of_memory(f"{err.get('ename')}: {err.get('evalue')}") and status in ("ok", "timeout"):
+                    status, crash = "crashed", f"cell {index} hit the grader's memory limit"
                 if not meta.get("grade"):
                     new_records()
                     continue
@@ -147,7 +153,7 @@ def grade_notebook(nb: nbformat.NotebookNode, workdir: Path, cell_timeout: float
                     tb = _strip_ansi("\n".join(err.get("traceback", [])))
                 if kind == "cpu" and status == "ok":
                     status = "timeout"
-                if not passed and "MemoryError" in msg + tb:
+                if not passed and _out_of_memory(msg + tb):
                     kind, status = "memory", "crashed" if status in ("ok", "timeout") else status
                     msg += "\n(the notebook hit the grader's memory limit)"
                 cells.append({"grade_id": meta.get("grade_id"), "check": check, "passed": passed, "kind": kind,
