@@ -15,13 +15,9 @@ Recording is switched on per process with the `recording()` context manager
 cost of a traced call is one list lookup.
 
 Clocks. On the CPU a call's host time is its execution time. On a GPU it is
-not: NCCL completes a work's future at enqueue, ``wait()`` only orders streams,
-and a kernel launch returns at once, so host times would show launches. A
-recording on the ``"cuda-events"`` clock (the default when this process uses
-CUDA) therefore brackets every traced call and region with a pair of
-``torch.cuda.Event`` records on the current stream and, when the recording
-ends, synchronises once and converts them to wall seconds through an anchor
-event taken at the start. ``Event.clock`` says how each event was timed and
+not (NCCL and kernel launches return at once), so a recording on the
+``"cuda-events"`` clock (the default when this process uses CUDA) times every
+traced call and region with CUDA events (`parlab.trace_clock`). ``Event.clock`` says how each event was timed and
 `Trace.clock` which clock a trace holds ("wall" or "cuda-events").
 
 Bytes. An event stores the *payload* size ``nbytes`` of the call (for
@@ -48,13 +44,14 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Iterable, Iterator
 
+from parlab.trace_clock import CLOCKS, DeviceClock, DeviceSpan, default_clock
+
 __all__ = ["Event", "Recorder", "Trace", "recording", "current_recorder", "region", "mark", "wire_bytes", "now",
            "count_costs", "format_bytes", "CLOCKS"]
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "reduce",
                "gather", "scatter", "barrier")
 P2P = ("send", "recv")
-CLOCKS = ("wall", "cuda-events")
 
 
 def now() -> float:
@@ -137,8 +134,7 @@ class Recorder:
         self.meter = None          # a cost meter while `count_costs()` is active
         self._stamp = (0.0, 0, 0)  # the meter's totals when the last event was added
         self.clock = clock
-        self._anchor = None                       # (CUDA event, wall seconds) taken when recording starts
-        self._spans: list[_DeviceSpan] = []       # events to retime from CUDA events at the end
+        self.device = DeviceClock() if clock == "cuda-events" else None   # CUDA events to retime at the end
 
     def add(self, event: Event) -> Event:
         if self.meter is not None:   # a compute span added by hand gets the work metered since the last event
@@ -149,64 +145,22 @@ class Recorder:
         self.events.append(event)
         return event
 
-    # ---------------------------------------------------------------- the cuda-events clock
+    # ---------------------------------------------------------------- the cuda-events clock (parlab.trace_clock)
     def device_mark(self):
         """A timing CUDA event recorded now on the current stream (None on the wall clock)."""
-        if self.clock != "cuda-events":
-            return None
-        import torch
-        if self._anchor is None:
-            self._start_clock()
-        mark = torch.cuda.Event(enable_timing=True)
-        mark.record()
-        return mark
+        return self.device.mark() if self.device is not None else None
 
-    def device_span(self, event: Event, start_mark, end: bool = True) -> "_DeviceSpan | None":
-        """Retime `event` from `start_mark` to a CUDA event recorded now (`end`) or later (`_DeviceSpan.close`)
+    def device_span(self, event: Event, start_mark, end: bool = True) -> "DeviceSpan | None":
+        """Retime `event` from `start_mark` to a CUDA event recorded now (`end`) or later (`DeviceSpan.close`)
         when the recording ends. Nothing on the wall clock (`start_mark` None)."""
-        if start_mark is None:
+        if start_mark is None or self.device is None:
             return None
-        span = _DeviceSpan(event, start_mark)
-        if end:
-            span.close()
-        self._spans.append(span)
-        return span
-
-    def _start_clock(self) -> None:
-        import torch
-        torch.cuda.synchronize()
-        anchor = torch.cuda.Event(enable_timing=True)
-        anchor.record()
-        anchor.synchronize()
-        self._anchor = (anchor, now())
+        return self.device.span(event, start_mark, end)
 
     def finish(self) -> None:
-        """Convert the CUDA-event spans to wall seconds (one device synchronisation); called when recording ends.
-        A span whose end was never recorded (an asynchronous work nobody waited on) keeps its host duration."""
-        if not self._spans:
-            return
-        import torch
-        torch.cuda.synchronize()
-        anchor, t0 = self._anchor
-        for sp in self._spans:
-            ev, host = sp.event, sp.event.end - sp.event.start
-            ev.start = t0 + anchor.elapsed_time(sp.start) / 1e3          # elapsed_time is in milliseconds
-            ev.end = t0 + anchor.elapsed_time(sp.end) / 1e3 if sp.end is not None else ev.start + host
-            ev.clock = "cuda-events"
-        self._spans = []
-
-
-class _DeviceSpan:
-    """An event being timed by a pair of CUDA events (the end one recorded at completion)."""
-
-    def __init__(self, event: Event, start):
-        self.event, self.start, self.end = event, start, None
-
-    def close(self) -> None:
-        if self.end is None:
-            import torch
-            self.end = torch.cuda.Event(enable_timing=True)
-            self.end.record()
+        """Convert the CUDA-event spans to wall seconds; called when recording ends."""
+        if self.device is not None:
+            self.device.finish()
 
 
 # The active recorders of this process, innermost last. A process-wide stack rather than a context
@@ -220,21 +174,6 @@ def current_recorder() -> Recorder | None:
     return _ACTIVE[-1] if _ACTIVE else None
 
 
-def _default_clock() -> str:
-    """"cuda-events" when this process already uses a GPU (and communicates over NCCL, if it communicates),
-    else "wall" (gloo moves CPU tensors: host time is execution time there)."""
-    try:
-        import torch
-        import torch.distributed as dist
-    except ImportError:  # pragma: no cover - torch is a dependency
-        return "wall"
-    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
-        return "wall"
-    if dist.is_available() and dist.is_initialized() and "nccl" not in str(dist.get_backend()):
-        return "wall"
-    return "cuda-events"
-
-
 @contextlib.contextmanager
 def recording(rank: int | None = None, clock: str = "auto") -> Iterator[Recorder]:
     """Record every traced call made inside the block: ``with recording() as rec: ...; rec.events``.
@@ -245,9 +184,9 @@ def recording(rank: int | None = None, clock: str = "auto") -> Iterator[Recorder
             rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         except ImportError:  # pragma: no cover - torch is a dependency
             rank = 0
-    rec = Recorder(rank, _default_clock() if clock == "auto" else clock)
-    if rec.clock == "cuda-events":
-        rec._start_clock()
+    rec = Recorder(rank, default_clock() if clock == "auto" else clock)
+    if rec.device is not None:
+        rec.device.start()
     _ACTIVE.append(rec)
     try:
         yield rec

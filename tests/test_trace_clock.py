@@ -56,7 +56,7 @@ def fake_cuda(monkeypatch):
 def test_regions_are_timed_by_device_events_and_converted_to_wall_seconds(fake_cuda):
     fake_cuda.run(1000.0)                       # device work from before the recording: not in any span
     with recording(rank=3, clock="cuda-events") as rec:
-        t0 = rec._anchor[1]                     # wall seconds of the anchor event (taken at the start)
+        t0 = rec.device.anchor[1]                     # wall seconds of the anchor event (taken at the start)
         fake_cuda.run(20.0)                     # 20 ms of earlier work queued ahead of the region
         with region("forward", label="stage 0 mb 0"):
             fake_cuda.run(250.0)                # the region's kernels: 250 ms on the device, ~0 on the host
@@ -91,7 +91,7 @@ def _traced_comm(dev):
         w2 = comm.broadcast(t, src=0, async_op=True, label="never waited")
         dev.run(7.0)
     w2.wait()                                   # after the recording: its span keeps the host duration
-    return [(e.label, e.start - rec._anchor[1], e.duration, e.clock) for e in rec.events]
+    return [(e.label, e.start - rec.device.anchor[1], e.duration, e.clock) for e in rec.events]
 
 
 def test_comm_calls_are_timed_by_device_events(fake_cuda):
