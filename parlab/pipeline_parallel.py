@@ -66,7 +66,7 @@ import torch.nn as nn
 from . import comm
 from .data import micro_batches
 from .models import GPT, clone_model
-from .p2p_plan import Post, merged_plan
+from .pipeline_p2p import StageMessages
 from .schedules import KINDS, Action, Schedule, split_layers, unit_cost, validate
 from .tp_loss import count_targets, weighted_mean_loss
 from .trace import Trace, region
@@ -144,7 +144,7 @@ class PipelineParallel:
         # tied embeddings split across two ranks: each keeps a copy whose gradients are added after the step
         self.tied = model.config.tie_embeddings and schedule.placement[0] != schedule.placement[S - 1]
         # this rank's messages with every peer (pipeline ranks), in the one order merged across peers
-        self._plan = merged_plan(schedule, self.rank)
+        self.messages = StageMessages(schedule, self.rank, self.peers, group)
         self._split = any(a.kind in "IW" for a in schedule.actions[self.rank])
         self._captures: list | None = None
         self._hooked: weakref.WeakSet = weakref.WeakSet()   # (not ids: a replaced module's id can be reused)
@@ -209,20 +209,18 @@ class PipelineParallel:
             raise ValueError(f"sequence length {T} does not split over sequence_split={self.sequence_split} "
                              f"(the tensor-parallel ranks of sequence parallelism); use a multiple of it")
         shape = (b, T // self.sequence_split, self.module.config.n_embd)   # every message: (b, S/sp, H)
-        self._shape = shape
+        msg = self.messages
+        msg.begin(shape, dtype, self.device)
         last = S - 1 in self.my_stages
         counts, weights = self._loss_weights([t for _, t in micro]) if last else (None, None)
         earlier = _set_aside_grads(self.module.parameters())  # accumulation: sync only this step's grads
-        self._posted = 0                                      # operations of self._plan posted so far
-        self._recvs: dict[tuple, tuple] = {}                  # message key -> (buffer, work) of a posted irecv
-        self._sends, self._local = [], {}
         saved, kept = {}, {}                                  # (stage, mb) -> (input, output); I's leftovers
         loss_sum = torch.zeros((), dtype=dtype, device=self.device)
         for a in sch.actions[me]:
             s, i = a.stage, a.mb
             name, label = KINDS[a.kind], f"stage {s} mb {i}"
             if a.kind == "F":                                 # receive outside the compute span
-                inp = micro[i][0] if s == 0 else self._get("act", s, i).requires_grad_()
+                inp = micro[i][0] if s == 0 else msg.get("act", s, i).requires_grad_()
                 with region(name, label=label):
                     self._captures = [] if self._split else None
                     out = self.forward_stage(s, inp)          # (b, S, H), or logits (b, S, V) on the last stage
@@ -235,10 +233,10 @@ class PipelineParallel:
                     self._captures = None
                     self._device(a)
                 if s < S - 1:
-                    self._put("act", s + 1, i, out.detach())
+                    msg.put("act", s + 1, i, out.detach())
             elif a.kind in "BI":
                 inp, out, caps = saved.pop((s, i))
-                grad = None if s == S - 1 else self._get("grad", s, i)   # dL/d(out): (b, S, H)
+                grad = None if s == S - 1 else msg.get("grad", s, i)   # dL/d(out): (b, S, H)
                 with region(name, label=label):
                     if a.kind == "B":
                         torch.autograd.backward(out, grad)
@@ -250,17 +248,13 @@ class PipelineParallel:
                         kept[(s, i)] = (caps, g[1:] if s > 0 else g)
                     self._device(a)
                 if s > 0:
-                    self._put("grad", s - 1, i, gin)
+                    msg.put("grad", s - 1, i, gin)
             else:                                             # W: weight gradients from what I kept
                 with region(name, label=label):
                     _weight_grads(*kept.pop((s, i)))
                     self._device(a)
-            self._reap()
-        for w in self._sends:                                 # every isend waited (gloo rule)
-            w.wait()
-        self._sends = []
-        left = self._plan[self._posted:]
-        assert not left and not self._recvs, f"messages not exchanged this step: {left}"   # an executor bug
+            msg.reap()
+        msg.end()                                             # every isend waited (gloo rule)
         self._sync_tied()
         if self.dp_group is not None:
             average_grads(self.module.parameters(), self.dp_group)
@@ -281,61 +275,6 @@ class PipelineParallel:
         """The emulated accelerator's share of action `a` (nothing when device_time is 0)."""
         if self.device_time:
             time.sleep(self.device_time * unit_cost(a, self.schedule.chunks))
-
-    # ------------------------------------------------------------------ messages
-    def _reap(self) -> None:
-        """Wait on (and so release the buffers of) the sends that have already completed."""
-        pending = []
-        for w in self._sends:
-            if w.is_completed():
-                w.wait()
-            else:
-                pending.append(w)
-        self._sends = pending
-
-    @staticmethod
-    def _source(kind: str, dst: int) -> int:
-        """The stage a message for stage `dst` comes from: activations flow forward, gradients backward."""
-        return dst - 1 if kind == "act" else dst + 1
-
-    def _put(self, kind: str, dst: int, i: int, t: torch.Tensor) -> None:
-        """Hand stage `dst` its input (act) or output gradient (grad) for micro-batch i."""
-        to = self.schedule.placement[dst]
-        if to == self.rank:
-            self._local[(kind, dst, i)] = t
-        else:
-            self._post_until(Post("send", to, (kind, dst, i)), t.contiguous())
-
-    def _get(self, kind: str, dst: int, i: int) -> torch.Tensor:
-        key = (kind, dst, i)
-        if key in self._local:
-            return self._local.pop(key)
-        if key not in self._recvs:
-            self._post_until(Post("recv", self.schedule.placement[self._source(kind, dst)], key))
-        buf, work = self._recvs.pop(key)
-        work.wait()
-        return buf                                            # (b, S, H)
-
-    def _post_until(self, target: Post, tensor: torch.Tensor | None = None) -> None:
-        """Post this rank's messages in the merged order, up to and including `target`: receives as irecv into
-        fresh buffers, and `target` itself (a send of `tensor`, or a receive)."""
-        while self._posted < len(self._plan):
-            post = self._plan[self._posted]
-            kind, dst, i = post.key
-            label = f"stage {self._source(kind, dst)} -> {dst} {kind} mb {i}"
-            if post.op == "recv":
-                buf = torch.empty(self._shape, dtype=self.dtype, device=self.device)   # (b, S, H)
-                self._recvs[post.key] = (buf, comm.irecv(buf, self.peers[post.peer], group=self.group,
-                                                         label=label))
-            elif post == target:
-                self._sends.append(comm.isend(tensor, self.peers[post.peer], group=self.group, label=label))
-            else:   # cannot happen for a schedule simulate() accepts: our own sends come in production order
-                raise RuntimeError(f"pipeline rank {self.rank} would post {target} before its own {post}; "
-                                   f"the message order does not fit this schedule")
-            self._posted += 1
-            if post == target:
-                return
-        raise RuntimeError(f"pipeline rank {self.rank}: {target} is not among its messages")
 
     def _sync_tied(self) -> None:
         """First and last stage add their gradients of the tied embedding (wte.weight == lm_head.weight)."""
