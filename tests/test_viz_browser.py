@@ -40,20 +40,24 @@ def test_checker_finds_each_kind_of_problem(tmp_path):
     tiny = go.Figure(go.Scatter(x=[0, 1], y=[0, 1], mode="text", text=["tiny", "tiny"], textfont_size=7))
     cut = go.Figure(go.Scatter(x=[0, 1], y=[0, 1]))
     cut.update_layout(title="a title far too long for its figure " * 6, width=500)
+    off_plot = go.Figure(go.Scatter(x=[1, 100], y=[1, 2]))          # lesson 06 had c* labelled at the raw value
+    off_plot.update_xaxes(type="log", range=[0, 2])
+    off_plot.add_annotation(x=50, y=1.5, text="c*", showarrow=False)   # 50 read as 10^50: not drawn
     clean = go.Figure(go.Bar(x=["a", "b"], y=[1, 2], name="bytes"))
     clean.update_layout(title="a short title", yaxis_title="bytes", height=300)
     labels = [{"notebook": "t", "cell": 0, "description": "microbatches per step", "width": "80px"},
               {"notebook": "t", "cell": 0, "description": "m", "width": "80px"}]
-    (p_overlap, p_log, p_twice, p_tiny, p_cut, p_clean), p_labels = _problems(
-        tmp_path, overlap, log_marker, twice, tiny, cut, clean, labels=labels)
+    (p_overlap, p_log, p_twice, p_tiny, p_cut, p_off, p_clean), p_labels = _problems(
+        tmp_path, overlap, log_marker, twice, tiny, cut, off_plot, clean, labels=labels)
     assert any("annotation" in p and "overlaps" in p for p in p_overlap), p_overlap      # subplot titles
     assert any(p.startswith("xaxis runs") for p in p_log), p_log
     assert any('legend lists "all_reduce" twice' in p for p in p_twice), p_twice
     assert any("smaller than 10 px" in p and "tiny" in p for p in p_tiny), p_tiny
     assert any("cut off" in p for p in p_cut), p_cut
+    assert any('annotation "c*" is not drawn' in p and "log10" in p for p in p_off), p_off
     assert p_clean == []
     assert len(p_labels) == 1 and "microbatches per step" in p_labels[0]
-    assert len(list(tmp_path.rglob("*.png"))) == 6                   # a screenshot per figure
+    assert len(list(tmp_path.rglob("*.png"))) == 7                   # a screenshot per figure
 
 
 def test_animations_have_a_frame_per_algorithm_step_and_stay_legible(tmp_path):

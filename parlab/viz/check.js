@@ -159,6 +159,29 @@
     return Array.from(out);
   }
 
+  // plotly does not draw an annotation anchored on a data axis outside that axis' range (on a log axis its
+  // position is read as log10: a label given the raw value lands far off the plot and silently disappears)
+  function hiddenAnnotationProblems(gd) {
+    const fl = gd._fullLayout, out = [];
+    for (const a of (fl.annotations || [])) {
+      if (a.visible === false || !a.text) continue;
+      for (const letter of ["x", "y"]) {
+        const ref = a[letter + "ref"] || "";
+        if (!/^[xy]\d*$/.test(ref)) continue;                  // "paper" and "x domain" are always on the figure
+        const ax = fl[ref[0] + "axis" + ref.slice(1)];
+        if (!ax || !ax.range || !["linear", "log"].includes(ax.type) || typeof a[letter] !== "number") continue;
+        const [r0, r1] = ax.range[0] <= ax.range[1] ? ax.range : [ax.range[1], ax.range[0]];
+        const v = a[letter], eps = 1e-9 * Math.max(1, Math.abs(r1 - r0));
+        if (v < r0 - eps || v > r1 + eps) {
+          const note = ax.type === "log" ? " (a log axis: give log10 of the value)" : "";
+          out.push(`annotation "${short(words({ textContent: a.text }))}" is not drawn: ${letter}=${v.toPrecision(3)} ` +
+                   `lies outside ${ref}'s range ${r0.toPrecision(3)}..${r1.toPrecision(3)}${note}`);
+        }
+      }
+    }
+    return out;
+  }
+
   window.parlabCheck = function (gd) {
     const problems = [];
     const fig = box(gd.querySelector(".main-svg") || gd);
@@ -182,7 +205,7 @@
       if (seen.has(n)) problems.push(`legend lists "${short(n)}" twice`);
       seen.add(n);
     }
-    problems.push(...fontProblems(gd), ...rangeProblems(gd), ...clippedProblems(gd));
+    problems.push(...fontProblems(gd), ...rangeProblems(gd), ...clippedProblems(gd), ...hiddenAnnotationProblems(gd));
     return Array.from(new Set(problems));
   };
 
