@@ -113,8 +113,9 @@ class BatchSampler:
     def __init__(self, tokens: torch.Tensor, batch_size: int, seq_len: int, seed: int = 0) -> None:
         if tokens.dim() != 1:
             raise ValueError(f"tokens must be a 1-D tensor of ids, got shape {tuple(tokens.shape)}")
-        if batch_size < 1 or seq_len < 1:
-            raise ValueError(f"batch_size and seq_len must be positive, got {batch_size} and {seq_len}")
+        for name, v in (("batch_size", batch_size), ("seq_len", seq_len)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be a positive integer, got {v!r}")
         if tokens.numel() < seq_len + 1:
             raise ValueError(f"need at least seq_len + 1 = {seq_len + 1} tokens, got {tokens.numel()}")
         self.tokens = tokens
