@@ -12,7 +12,7 @@ the peak of gathered weights from its trace marks). This is not allocator peak m
 on the CPU torch has no allocator statistics.
 
 Pairs compared (ratio = parlab / torch, goal <= 1.25):
-    parlab ZeRO-1 (ShardedOptimizer stage 1: reduce-scatter + all-gather, no overlap)
+    parlab ZeRO-1 (ShardedOptimizer stage 1: reduce-scatter overlapped with backward + all-gather)
         vs torch DDP + ZeroRedundancyOptimizer (bucketed all-reduce overlapped with backward, then broadcasts)
     parlab ZeRO-3 (FullyShardedDataParallel, one unit per block)
         vs torch fully_shard on each block and the root (FSDP2, CPU device mesh on gloo)
@@ -27,6 +27,10 @@ rank), so the optimizer and its communication are a large share of the step: the
 implementation matters most.
 
     python benchmarks/zero.py --sweep [--blocks 4] [--block-steps 3] [--sizes 1M,6.3M,50M] [--models mlp,gpt]
+                                      [--before REV]
+
+``--before REV`` (default: the commit before the overlap work) adds parlab's ZeRO-1 as it was at git revision
+REV, timed in the same blocks: a before/after at the same machine load.
 """
 from __future__ import annotations
 
@@ -109,6 +113,26 @@ def _bench(kind: str, cfg: GPTConfig, batch: int, steps: int, warmup: int):
 
 
 SWEEP_VARIANTS = ["parlab-zero1", "parlab-zero2", "torch-zero1"]
+BEFORE = "36f01c3"          # the last commit before ZeRO-1/2 overlapped its reduce-scatters with backward
+
+
+def _sharded_optimizer_at(rev: str):
+    """ShardedOptimizer as parlab/zero.py was at git revision `rev`, loaded as module parlab.zero_<rev> (its
+    relative imports resolve in today's parlab), so before and after run in one process, on one machine load."""
+    import pathlib
+    import subprocess
+    import sys
+    import types
+    name = f"parlab.zero_{rev}"
+    if name not in sys.modules:
+        root = pathlib.Path(__file__).resolve().parents[1]
+        src = subprocess.run(["git", "show", f"{rev}:parlab/zero.py"], cwd=root, capture_output=True, text=True,
+                             check=True).stdout
+        mod = types.ModuleType(name)
+        mod.__package__, mod.__file__ = "parlab", f"{rev}:parlab/zero.py"
+        sys.modules[name] = mod
+        exec(compile(src, mod.__file__, "exec"), mod.__dict__)
+    return sys.modules[name].ShardedOptimizer
 MLP_WIDTH = {"1M": 408, "6.3M": 1024, "50M": 2887}
 GPT_SHAPE = {"1M": (4, 144), "6.3M": (6, 296), "50M": (8, 720)}
 
@@ -126,8 +150,10 @@ class MLP(torch.nn.Module):
         return out, out.square().mean()
 
 
-def _sweep_rank(model_kind: str, size: str, blocks: int, steps: int, warmup: int):
-    """One rank: build every variant on its own copy of the model, then alternate timed blocks of steps."""
+def _sweep_rank(model_kind: str, size: str, blocks: int, steps: int, warmup: int, variants=SWEEP_VARIANTS,
+                before: str = BEFORE):
+    """One rank: build every variant on its own copy of the model, then alternate timed blocks of steps.
+    'parlab-zero1-before' is ZeRO-1 as it was at git revision `before`."""
     from torch.distributed.optim import ZeroRedundancyOptimizer
     from torch.nn.parallel import DistributedDataParallel as DDP
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -144,16 +170,18 @@ def _sweep_rank(model_kind: str, size: str, blocks: int, steps: int, warmup: int
         sampler = BatchSampler(load_corpus(20000), 2 * world, cfg.seq_len, seed=0)
         batches = [sampler.shard(t, rank, world) for t in range(4)]
     runs = {}
-    for v in SWEEP_VARIANTS:
+    for v in variants:
         model = make()
         if v == "torch-zero1":
             fwd = DDP(model)
             opt = ZeroRedundancyOptimizer(fwd.parameters(), optimizer_class=torch.optim.AdamW, **adamw)
+        elif v == "parlab-zero1-before":
+            fwd, opt = model, _sharded_optimizer_at(before)(model.parameters(), torch.optim.AdamW, stage=1, **adamw)
         else:
             fwd, opt = model, ShardedOptimizer(model.parameters(), torch.optim.AdamW, stage=int(v[-1]), **adamw)
         runs[v] = (fwd, opt)
-    n_params = sum(p.numel() for p in runs[SWEEP_VARIANTS[0]][0].parameters())
-    times = {v: [] for v in SWEEP_VARIANTS}
+    n_params = sum(p.numel() for p in runs[variants[0]][0].parameters())
+    times = {v: [] for v in variants}
 
     def one(v, t):
         fwd, opt = runs[v]
@@ -166,11 +194,11 @@ def _sweep_rank(model_kind: str, size: str, blocks: int, steps: int, warmup: int
         opt.zero_grad()
         return t1 - t0
 
-    for v in SWEEP_VARIANTS:
+    for v in variants:
         for t in range(warmup):
             one(v, t)
     for b in range(blocks):
-        for v in (SWEEP_VARIANTS if b % 2 == 0 else SWEEP_VARIANTS[::-1]):
+        for v in (variants if b % 2 == 0 else variants[::-1]):
             times[v] += [one(v, b * steps + t) for t in range(steps)]
     return {"times": times, "params": n_params}
 
@@ -181,18 +209,22 @@ def sweep(args) -> None:
     print(f"ZeRO size sweep: AdamW fp32, world {args.world}, gloo/CPU, torch {torch.__version__}; "
           f"{args.blocks} alternating blocks x {args.block_steps} steps per variant, {args.warmup} warm-up; "
           f"load average before: {os.getloadavg()[0]:.1f}")
+    variants = SWEEP_VARIANTS + (["parlab-zero1-before"] if args.before else [])
+    before = f" | ZeRO-1 at {args.before} ms | before / torch" if args.before else ""
     print("| model | params | parlab ZeRO-1 ms | parlab ZeRO-2 ms | torch ZeRO-1 ms | ZeRO-1 / torch | "
-          "ZeRO-2 / torch | load after |")
-    print("|---|---|---|---|---|---|---|---|")
+          f"ZeRO-2 / torch{before} | load after |")
+    print("|---" * (8 + 2 * bool(args.before)) + "|")
     for model_kind in args.models.split(","):
         for size in args.sizes.split(","):
             res = parlab.run(_sweep_rank, args.world, model_kind, size, args.blocks, args.block_steps, args.warmup,
-                             backend="gloo", timeout=3600, echo=False)
-            med = {v: statistics.median(s for r in res.results for s in r["times"][v]) for v in SWEEP_VARIANTS}
+                             variants, args.before, backend="gloo", timeout=3600, echo=False)
+            med = {v: statistics.median(s for r in res.results for s in r["times"][v]) for v in variants}
             ref = med["torch-zero1"]
+            old = (f" {med['parlab-zero1-before'] * 1e3:.1f} | {med['parlab-zero1-before'] / ref:.2f} |"
+                   if args.before else "")
             print(f"| {model_kind} | {res[0]['params'] / 1e6:.2f}M | {med['parlab-zero1'] * 1e3:.1f} | "
                   f"{med['parlab-zero2'] * 1e3:.1f} | {ref * 1e3:.1f} | {med['parlab-zero1'] / ref:.2f} | "
-                  f"{med['parlab-zero2'] / ref:.2f} | {os.getloadavg()[0]:.1f} |", flush=True)
+                  f"{med['parlab-zero2'] / ref:.2f} |{old} {os.getloadavg()[0]:.1f} |", flush=True)
 
 
 def main(argv=None):
@@ -202,6 +234,8 @@ def main(argv=None):
     ap.add_argument("--sizes", default="1M,6.3M,50M", help="sweep: any of 1M, 6.3M, 50M")
     ap.add_argument("--blocks", type=int, default=4, help="sweep: alternating blocks per variant")
     ap.add_argument("--block-steps", type=int, default=3, help="sweep: timed steps per block")
+    ap.add_argument("--before", default=BEFORE, help="sweep: also time ZeRO-1 as it was at this git revision "
+                                                     "('' to skip)")
     ap.add_argument("--world", type=int, default=2)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--hidden", type=int, default=128)

@@ -56,7 +56,7 @@ __all__ = [
     "ReduceOp", "get_rank", "get_world_size", "group_ranks",
     "all_reduce", "broadcast", "reduce", "all_gather", "reduce_scatter", "all_to_all", "gather", "scatter",
     "barrier", "send", "recv", "isend", "irecv", "all_gather_dim", "reduce_scatter_dim", "all_gather_uneven",
-    "TracedWork",
+    "TracedWork", "reduce_scatter_direct", "all_gather_direct",
 ]
 
 ReduceOp = dist.ReduceOp
@@ -327,6 +327,97 @@ def irecv(tensor: torch.Tensor, src: int, group=None, label: str = ""):
     _strict("irecv", group, tensor)
     return _run("recv", "p2p", lambda: dist.irecv(tensor, src=src, group=group), tensor, _nbytes(tensor), group, src,
                 label, True)
+
+
+# ---------------------------------------------------------------------- collectives built from messages
+class _Messages:
+    """The handle of a collective built from point-to-point messages: `wait()` waits for every message, then
+    runs `finish` (e.g. adds up the received chunks) once."""
+
+    def __init__(self, works: list, finish=None):
+        self._works, self._finish = works, finish
+
+    def wait(self, *args, **kwargs) -> bool:
+        for w in self._works:
+            w.wait()
+        self._works = []
+        if self._finish is not None:
+            finish, self._finish = self._finish, None
+            finish()
+        return True
+
+    def is_completed(self) -> bool:
+        return not self._works and self._finish is None
+
+
+def reduce_scatter_direct(output: torch.Tensor, tensor: torch.Tensor, op=ReduceOp.SUM, group=None,
+                          async_op: bool = False, label: str = ""):
+    """`reduce_scatter` (SUM or AVG) built from point-to-point messages, the "direct" algorithm: rank r sends
+    chunk j of `tensor` straight to rank j and adds the N-1 copies of chunk r it receives to its own. Each
+    rank sends (N-1)/N of `tensor`, what a ring reduce-scatter sends; traced as one reduce_scatter. For gloo,
+    whose own reduce_scatter is a clone of the input, a whole all-reduce (twice the bytes) and a copy.
+    With N > 2 it holds N-2 received chunks at once (a scratch buffer)."""
+    if op not in (ReduceOp.SUM, ReduceOp.AVG):
+        raise ValueError(f"reduce_scatter_direct adds up the chunks: op must be ReduceOp.SUM or ReduceOp.AVG, "
+                         f"got {op}; use reduce_scatter for other reductions")
+    _strict("reduce_scatter", group, output, tensor, reduce_op=op)
+    n, r, ranks, m = get_world_size(group), get_rank(group), group_ranks(group), output.numel()
+    if tensor.numel() != n * m:
+        raise ValueError(f"reduce_scatter_direct: the input has {tensor.numel()} elements, expected the group size "
+                         f"{n} times the output's {m}")
+    flat, out = tensor.reshape(-1), output.view(-1)                      # (N*m,), (m,)
+
+    def call():
+        extra = torch.empty((max(n - 2, 0), m), dtype=out.dtype, device=out.device)   # (N-2, m) received
+        works = []
+        for j in range(1, n):
+            dst, src = (r + j) % n, (r - j) % n
+            works.append(dist.isend(flat[dst * m:(dst + 1) * m], ranks[dst], group=group))
+            works.append(dist.irecv(out if j == 1 else extra[j - 2], ranks[src], group=group))
+
+        def finish():
+            mine = flat[r * m:(r + 1) * m]
+            if n == 1:
+                out.copy_(mine)
+            else:
+                out.add_(mine)
+                for e in extra:
+                    out.add_(e)
+            if op == ReduceOp.AVG:
+                out.div_(n)
+        work = _Messages(works, finish)
+        if not async_op:
+            work.wait()
+        return work if async_op else None
+    return _run("reduce_scatter", "collective", call, tensor, _nbytes(tensor), group, None, label, async_op)
+
+
+def all_gather_direct(outputs: Sequence[torch.Tensor], tensor: torch.Tensor, group=None, async_op: bool = False,
+                      label: str = ""):
+    """`outputs[j]` becomes group rank j's `tensor` (all the same size), built from point-to-point messages:
+    each rank sends its tensor straight to every other one, (N-1)/N of the gathered bytes, what a ring
+    all-gather sends; traced as one all_gather. `outputs[rank]` may be `tensor` itself, and the outputs may
+    lie anywhere (e.g. chunks of several segments): nothing is staged or copied. For gloo, whose
+    all_gather_into_tensor gathers into a fresh buffer and copies it out."""
+    _strict("all_gather", group, tensor, *outputs)
+    n, r, ranks = get_world_size(group), get_rank(group), group_ranks(group)
+    if len(outputs) != n or any(o.numel() != tensor.numel() for o in outputs):
+        raise ValueError(f"all_gather_direct needs {n} outputs (one per group rank) of {tensor.numel()} elements "
+                         f"each, got {[o.numel() for o in outputs]}")
+
+    def call():
+        works = []
+        for j in range(1, n):
+            dst, src = (r + j) % n, (r - j) % n
+            works.append(dist.isend(tensor, ranks[dst], group=group))
+            works.append(dist.irecv(outputs[src], ranks[src], group=group))
+        if outputs[r].data_ptr() != tensor.data_ptr():
+            outputs[r].copy_(tensor)
+        work = _Messages(works)
+        if not async_op:
+            work.wait()
+        return work if async_op else None
+    return _run("all_gather", "collective", call, tensor, _nbytes(tensor) * n, group, None, label, async_op)
 
 
 # ---------------------------------------------------------------------- tensor-returning conveniences

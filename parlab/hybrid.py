@@ -249,7 +249,9 @@ def build_hybrid(model: GPT, groups: ProcessGroups, *, schedule: str | Schedule 
     # 4. DP / ZeRO: the optimizer over this rank's (sharded) parameters.
     params = list(stage.parameters())
     if zero_stage:
-        opt = ShardedOptimizer(params, optimizer_cls, stage=zero_stage, group=groups.dp_cp, **optimizer_kwargs)
+        # overlap=False: reduce once at the step, not once per micro-batch backward (the pipeline runs several)
+        opt = ShardedOptimizer(params, optimizer_cls, stage=zero_stage, group=groups.dp_cp, overlap=False,
+                               **optimizer_kwargs)
     else:
         opt = optimizer_cls(params, **optimizer_kwargs)
     return HybridGPT(pipe, groups, opt, sequence_parallel, cp_layout, zero_stage)

@@ -37,9 +37,10 @@ Hot path. The parameters are views into that flat buffer. The buffer is moved in
 at most `bucket_numel` elements: bucket c is chunk c of every owner's segment, so one
 reduce-scatter per bucket leaves each rank chunk c of its own segment and one all-gather
 per bucket sends it back (with a single bucket the all-gather runs in place, straight into
-the model). Gradients are concatenated into a persistent staging buffer with one
-``torch.cat`` per bucket and reduce-scattered into a persistent (seg,) shard whose slices
-become the owned ``.grad``: no multi-MB tensor is allocated per step. For element-wise optimizers (SGD, Adam, AdamW, ...)
+the model). Gradients are concatenated into persistent staging with one ``torch.cat`` per
+bucket and reduce-scattered into a persistent (seg,) shard whose slices become the owned
+``.grad``: no multi-MB tensor is allocated per step. On gloo both collectives are built from
+point-to-point messages (`parlab.zero_comm` says why). For element-wise optimizers (SGD, Adam, AdamW, ...)
 the inner optimizer steps each parameter group's owned run of the segment as one tensor,
 so the step is a handful of kernels over a contiguous vector, not a Python loop.
 
@@ -47,9 +48,11 @@ Checkpoints. `state_dict()` gathers the full state in the format of the inner op
 `save_sharded` / `load_sharded` write one verified file per rank (`parlab.checkpoint`) and
 reload at any DP size (several nodes need a shared file system).
 
-Simplifications, said plainly: the reduction runs at `step()` (or `reduce_gradients()`),
-not overlapped with backward in buckets as in DeepSpeed; a trainable parameter without a
-gradient on some rank counts as a zero gradient there; frozen parameters
+Overlap. By default the reduce-scatters run during backward, bucket by bucket, as DDP's all-reduce
+and DeepSpeed's ``overlap_comm`` do (`parlab.zero_comm`); ``overlap=False`` runs them all at `step()`.
+
+Simplifications, said plainly: a trainable parameter without a gradient on some rank counts as a
+zero gradient there; frozen parameters
 (``requires_grad=False`` at construction) are never sharded, stepped or sent.
 
 Padded targets. Averaging the ranks' gradients of their own mean losses gives the global mean only when
@@ -66,6 +69,7 @@ References
 """
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 from typing import Any, Iterable
@@ -73,7 +77,8 @@ from typing import Any, Iterable
 import torch
 
 from . import checkpoint, comm
-from .zero_flat import ELEMENTWISE, bucket_plans, make_layouts, merge_state, owned_runs, split_state
+from .zero_comm import ZeroComm
+from .zero_flat import ELEMENTWISE, make_layouts, merge_state, owned_runs, split_state
 from .trace import region
 
 __all__ = ["ShardedOptimizer", "partition_parameters", "iter_owned"]
@@ -103,8 +108,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
         loss.backward(); opt.step(); opt.zero_grad()
 
     `params` may be parameters or parameter groups, as for any torch optimizer. Gradients are
-    averaged over `group` inside `step()` (pass ``reduce_grads=False`` if something else, e.g.
-    DDP, already averaged them). `state_dict()` returns the full, unsharded state in the format
+    averaged over `group` bucket by bucket while backward runs (``overlap=True``: hooks start each
+    bucket's reduce-scatter, `step()` waits for them; see `parlab.zero_comm`), or all inside `step()`
+    (``overlap=False``). Pass ``reduce_grads=False`` if something else, e.g. DDP, already averaged them.
+    Gradient accumulation: k backward calls, then `step()`; inside ``with opt.no_sync():`` backward
+    does not communicate (as DDP's ``no_sync``). `state_dict()` returns the full, unsharded state in the format
     of ``optimizer_cls`` itself, so a checkpoint loads into a plain optimizer or into a
     ShardedOptimizer of any DP size; `save_sharded` / `load_sharded` write and read per-rank files.
 
@@ -113,12 +121,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
     assigning ``p.data``. `flat_step` (default: on for element-wise optimizers such as SGD and AdamW)
     steps each group's owned parameters as one flat tensor; `opt.state` then holds one flat state per
     run of owned parameters (per-parameter state: `state_dict()`). `bucket_numel` caps the elements
-    of one reduce-scatter / all-gather (and of one flat run), so the staging buffer stays small.
+    of one reduce-scatter / all-gather (and of one flat run).
     """
 
     def __init__(self, params, optimizer_cls: type[torch.optim.Optimizer], *, stage: int = 1, group=None,
                  reduce_grads: bool = True, flat_step: bool | None = None, bucket_numel: int = 1 << 22,
-                 **optimizer_kwargs: Any):
+                 overlap: bool = True, **optimizer_kwargs: Any):
         if stage not in (1, 2):
             raise ValueError(f"ShardedOptimizer implements ZeRO stages 1 and 2, got stage={stage}; "
                              f"for stage 3 wrap the model in parlab.fsdp.FullyShardedDataParallel")
@@ -139,17 +147,14 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._not_owned = [self.params[i] for i in self.trainable if self.owner[i] != self.rank]
         self._device = self.params[self.trainable[0]].device
         self._index = {id(p): i for i, p in enumerate(self.params)}
+        backward_order = dict(reversed(self.owner.items()))    # segments in reverse order: see zero_comm
         self.layouts = make_layouts([p.numel() for p in self.params], [p.dtype for p in self.params],
-                                    self.owner, self.world_size)
+                                    backward_order, self.world_size)
         self._flats = [self._bind(lay) for lay in self.layouts]            # the parameters' new storage
-        # Per layout: chunk length, per-bucket cat plans, and persistent buffers reused every step (a fresh
-        # multi-MB tensor per step costs page faults): the owned gradient shard and one bucket's staging.
-        self._buckets = [bucket_plans(lay, bucket_numel) for lay in self.layouts]
-        self._shards = [torch.zeros(lay.seg, dtype=lay.dtype, device=self._device) for lay in self.layouts]
-        self._staging = [torch.zeros(self.world_size * cs, dtype=lay.dtype, device=self._device)   # (Nd*cs,)
-                         for lay, (cs, _) in zip(self.layouts, self._buckets)]
-        self._pads = [torch.zeros(cs, dtype=lay.dtype, device=self._device)                         # (cs,)
-                      for lay, (cs, _) in zip(self.layouts, self._buckets)]
+        # Buckets, their persistent buffers (no multi-MB tensor allocated per step: page faults) and the
+        # backward hooks that start each bucket's reduce-scatter once its gradients are ready.
+        self.zero_comm = ZeroComm(self.params, self.trainable, self.layouts, self._flats, bucket_numel, group,
+                                  overlap=overlap and reduce_grads)
         self.flat_step = optimizer_cls in ELEMENTWISE if flat_step is None else flat_step
         group_of = dict(enumerate(g for g, grp in enumerate(self.param_groups) for _ in grp["params"]))
         # The inner optimizer sees only this rank's parameters, group by group (a group may be empty here):
@@ -192,36 +197,23 @@ class ShardedOptimizer(torch.optim.Optimizer):
             p.data = flat[off:off + p.numel()].view_as(p)
         return flat
 
-    def _grad_piece(self, x, pad: torch.Tensor) -> torch.Tensor:
-        """One entry of a bucket plan as a 1-D tensor: a slice of a gradient (zeros if it has none) or padding."""
-        if isinstance(x, int):
-            return pad[:x]
-        i, a, b = x
-        g = self.params[i].grad
-        return g.reshape(-1)[a:b] if g is not None else pad[:b - a]
-
     @torch.no_grad()
     def reduce_gradients(self) -> None:
-        """Average the gradients over the group, bucket by bucket; each rank receives only the mean of the
-        ones it owns. ZeRO-2 then drops every other gradient; ZeRO-1 leaves them allocated (with local values).
-        With ``reduce_grads=False`` the owned gradients are taken as they are (already averaged)."""
+        """Average the gradients over the group; each rank receives only the mean of the ones it owns (with
+        overlap, backward already started the reduce-scatters: this waits for them). ZeRO-2 then drops every
+        other gradient; ZeRO-1 leaves them allocated (with local values). With ``reduce_grads=False`` the
+        owned gradients are taken as they are (already averaged)."""
         if self._reduced and any(p.grad is not g or (g is not None and g._version != v) for p, g, v in self._seen):
             raise RuntimeError("a backward ran after reduce_gradients() and before step(): the gradients were already "
                                "averaged and sharded, so the new ones cannot be accumulated into them. Run every "
                                "backward first, then step() (which reduces once), or zero_grad() before the backward")
         if self._reduced:
             return
+        if self.reduce_grads:
+            self.zero_comm.reduce()
         for k, lay in enumerate(self.layouts):
-            base, mine = self.rank * lay.seg, self._shards[k]                       # (seg,)
+            base, mine = self.rank * lay.seg, self.zero_comm.shards[k]                  # (seg,)
             if self.reduce_grads:
-                cs, plans = self._buckets[k]
-                pad = self._pads[k]                                                  # (cs,) zeros
-                for c, plan in enumerate(plans):
-                    n = min(cs, lay.seg - c * cs)
-                    flat = self._staging[k][:self.world_size * n]                   # (Nd*n,) chunk c of each segment
-                    torch.cat([self._grad_piece(x, pad) for x in plan], out=flat)
-                    comm.reduce_scatter(mine[c * cs:c * cs + n], flat, op=comm.ReduceOp.AVG, group=self.group,
-                                        label=f"zero grads {k}.{c}")
                 for i in lay.segs[self.rank]:                     # owned gradients: views of the shard
                     a = lay.offset[i] - base
                     self.params[i].grad = mine[a:a + lay.numel[i]].view_as(self.params[i])
@@ -231,31 +223,26 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 if pieces:
                     torch.cat(pieces, out=mine[:sum(lay.numel[i] for i in lay.segs[self.rank])])
         for k, a, b, _, t in self._runs:
-            t.grad = self._shards[k][a:b]                          # (b - a,)
+            t.grad = self.zero_comm.shards[k][a:b]                      # (b - a,)
         if self.stage == 2 and self.reduce_grads:
             for p in self._not_owned:
                 p.grad = None
-        self._reduced = True
+        self._reduced = self.zero_comm.frozen = True
         self._seen = [(p, p.grad, None if p.grad is None else p.grad._version)   # to notice a later backward
                       for p in (self.params[i] for i in self.trainable)]
 
-    @torch.no_grad()
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Backward calls inside the block only accumulate ``.grad`` locally (no communication); the next
+        reduction (a backward outside the block, or ``step()``) reduces the sum once. As DDP's ``no_sync``."""
+        before, self.zero_comm.sync = self.zero_comm.sync, False
+        try:
+            yield
+        finally:
+            self.zero_comm.sync = before
+
     def _gather_parameters(self) -> None:
-        """All-gather every owner's updated segment, bucket by bucket. With one bucket the gather runs in
-        place (the parameters are views of the buffer); with several, each bucket lands in the staging
-        buffer and is copied to its strided place (chunk c of every segment)."""
-        for k, (lay, flat) in enumerate(zip(self.layouts, self._flats)):
-            cs, plans = self._buckets[k]
-            if len(plans) == 1:
-                comm.all_gather(flat, flat[self.rank * lay.seg:(self.rank + 1) * lay.seg], group=self.group,
-                                label=f"zero params {k}")
-                continue
-            segs = flat.view(self.world_size, lay.seg)                              # (Nd, seg)
-            for c in range(len(plans)):
-                n = min(cs, lay.seg - c * cs)
-                out = self._staging[k][:self.world_size * n]                        # (Nd*n,)
-                comm.all_gather(out, segs[self.rank, c * cs:c * cs + n], group=self.group, label=f"zero params {k}.{c}")
-                segs[:, c * cs:c * cs + n].copy_(out.view(self.world_size, n))
+        self.zero_comm.gather()
 
     def step(self, closure=None):
         """Reduce gradients (if not done yet), step the owned shard, all-gather the parameters."""
@@ -270,7 +257,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             with region("optimizer", label=f"zero-{self.stage} shard step"):
                 self.optim.step()
         self._gather_parameters()
-        self._reduced = False
+        self._reduced = self.zero_comm.frozen = False
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -280,7 +267,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 t.grad = None
             elif t.grad is not None:
                 t.grad.zero_()
-        self._reduced = False
+        self.zero_comm.reset()
+        self._reduced = self.zero_comm.frozen = False
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict:

@@ -1,4 +1,6 @@
 """ZeRO-1/2 ShardedOptimizer: lockstep with single-process training on the full batch."""
+import contextlib
+
 import pytest
 import torch
 
@@ -253,3 +255,133 @@ def test_bad_bucket_size_is_a_clear_error():
     for bad in (0, -5, 2.5, True):                          # checked before any communication
         with pytest.raises(ValueError, match="bucket_numel must be a positive int"):
             ShardedOptimizer(make("gpt").parameters(), torch.optim.SGD, lr=0.1, bucket_numel=bad)
+
+
+# ----------------------------------------------------------------------------- overlap with backward
+def _train_overlap(stage, steps, pattern, overlap=True, bucket_numel=1000):
+    """`steps` optimizer steps, each over K = 2 batches accumulated as `pattern` says: 'one' (one backward per
+    step, batch t), 'plain' (K backwards), 'no_sync' (the first K - 1 inside no_sync()), 'no_sync last' (the
+    last inside no_sync: its gradients change after the round that reduced the others)."""
+    rank, world = comm.get_rank(), comm.get_world_size()
+    model = make("gpt")
+    opt = ShardedOptimizer(param_groups(model), torch.optim.AdamW, stage=stage, bucket_numel=bucket_numel,
+                           overlap=overlap, **OPTIMS["adamw"][1])
+    s = sampler()
+    for t in range(steps):
+        batches = [t] if pattern == "one" else [2 * t, 2 * t + 1]
+        for j, b in enumerate(batches):
+            x, y = s.shard(b, rank, world)
+            quiet = (pattern == "no_sync" and j < len(batches) - 1) or (pattern == "no_sync last" and j > 0)
+            with (opt.no_sync() if quiet else contextlib.nullcontext()):
+                with parlab.region("backward"):
+                    model(x, y)[1].backward()
+        opt.step()
+        opt.zero_grad()
+    return {"params": {n: p.detach().clone() for n, p in model.named_parameters()},
+            "buckets": len(opt.zero_comm.order)}
+
+
+def _reference_accumulated(steps, pattern):
+    model = make("gpt")
+    opt = torch.optim.AdamW(param_groups(model), **OPTIMS["adamw"][1])
+    s = sampler()
+    for t in range(steps):
+        for b in ([t] if pattern == "one" else [2 * t, 2 * t + 1]):
+            model(*s.global_batch(b))[1].backward()
+        opt.step()
+        opt.zero_grad()
+    return dict(model.named_parameters())
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("stage", [1, 2])
+def test_overlap_matches_single_process_and_starts_during_backward(stage, world_size):
+    """Small buckets (1000 elements) so that several reduce-scatters start from the hooks while backward
+    still runs: parameters after 3 AdamW steps equal one process on the full batch, and (from the trace)
+    at least one reduce-scatter was started inside the backward region, every rank the same number."""
+    res = parlab.run(_train_overlap, world_size, stage, STEPS, "one", trace=True)
+    ref = _reference_accumulated(STEPS, "one")
+    for out in res.results:
+        for n, p in ref.items():
+            torch.testing.assert_close(out["params"][n], p.detach(), **TOL)
+    for r in range(world_size):
+        backward = res.trace.filter(rank=r, op="backward", kind="compute").events
+        rs = res.trace.filter(rank=r, op="reduce_scatter", label="zero grads").events
+        inside = [e for e in rs if any(b.start <= e.start <= b.end for b in backward)]
+        assert len(backward) == STEPS and inside, f"rank {r}: no reduce-scatter started during backward"
+        assert len(rs) == STEPS * res[r]["buckets"] and res[r]["buckets"] > 2   # one round per step
+
+
+@pytest.mark.parametrize("pattern", ["plain", "no_sync", "no_sync last"])
+def test_overlap_accumulation_matches_single_process(pattern):
+    """Two backward calls per step without zero_grad, with and without no_sync(), at ZeRO-2: the same
+    parameters as one process accumulating the two global batches; 'no_sync last' changes gradients after
+    the round that reduced them, which the step must notice and reduce again."""
+    res = parlab.run(_train_overlap, 2, 2, 2, pattern, trace=True)
+    ref = _reference_accumulated(2, pattern)
+    for out in res.results:
+        for n, p in ref.items():
+            torch.testing.assert_close(out["params"][n], p.detach(), **TOL)
+    # rounds of reduce-scatters in 2 steps: one per backward outside no_sync, plus the step's own round
+    # when gradients changed after the last one ('no_sync last')
+    rounds = {"plain": 4, "no_sync": 2, "no_sync last": 4}[pattern]
+    for r in range(2):
+        n_rs = len(res.trace.filter(rank=r, op="reduce_scatter", label="zero grads").events)
+        assert n_rs == rounds * res[r]["buckets"], (pattern, n_rs)
+
+
+def test_overlap_off_matches_overlap_on():
+    """overlap=False reduces at the step instead: the same parameters, bit for bit (same reductions)."""
+    on = parlab.run(_train_overlap, 2, 1, 2, "plain")[0]["params"]
+    off = parlab.run(_train_overlap, 2, 1, 2, "plain", overlap=False)[0]["params"]
+    for n in on:
+        torch.testing.assert_close(on[n], off[n], rtol=0, atol=0)
+
+
+# ----------------------------------------------------------------------------- collectives built from messages
+def _direct_collectives():
+    """comm.reduce_scatter_direct / all_gather_direct against the native collectives, and their traced bytes."""
+    r, n = comm.get_rank(), comm.get_world_size()
+    x = torch.arange(n * 5, dtype=torch.float64) * (r + 1) + r                     # (N*5,) different per rank
+    out = {}
+    for op in (comm.ReduceOp.SUM, comm.ReduceOp.AVG):
+        want, got = torch.empty(5, dtype=torch.float64), torch.empty(5, dtype=torch.float64)
+        comm.reduce_scatter(want, x.clone(), op=op)
+        comm.reduce_scatter_direct(got, x.clone(), op=op, label="direct rs")
+        out[str(op)] = (want, got)
+    work = comm.reduce_scatter_direct(got := torch.empty(5, dtype=torch.float64), x.clone(), async_op=True)
+    work.wait()
+    out["async"] = (out[str(comm.ReduceOp.SUM)][0], got)
+    flat = torch.zeros(n * 4, dtype=torch.float64)
+    flat[r * 4:(r + 1) * 4] = r + 1.0
+    comm.all_gather_direct(list(flat.view(n, 4)), flat[r * 4:(r + 1) * 4], label="direct ag")   # in place
+    out["all_gather"] = (torch.arange(1.0, n + 1, dtype=torch.float64).repeat_interleave(4), flat)
+    errors = []
+    for bad in (lambda: comm.reduce_scatter_direct(torch.empty(5), torch.empty(n * 5), op=comm.ReduceOp.MAX),
+                lambda: comm.reduce_scatter_direct(torch.empty(5), torch.empty(n * 5 + 1)),
+                lambda: comm.all_gather_direct([torch.empty(3)] * n, torch.empty(4))):
+        try:
+            bad()
+        except ValueError as e:
+            errors.append(str(e))
+    return out, errors
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_direct_collectives_equal_the_native_ones(world_size):
+    """Exact equality (float64 sums of a few small integers; at N > 2 the order of the additions differs
+    but every partial sum is an exact integer), the wire bytes of a ring reduce-scatter / all-gather in the
+    trace, and a clear error for a reduction that is not a sum, or mismatched sizes."""
+    res = parlab.run(_direct_collectives, world_size, trace=True)
+    for out, errors in res.results:
+        for want, got in out.values():
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
+        assert len(errors) == 3 and "ReduceOp.SUM or ReduceOp.AVG" in errors[0]
+        assert "expected the group size" in errors[1] and "outputs (one per group rank)" in errors[2]
+    n = world_size
+    for r in range(n):
+        rs = res.trace.filter(rank=r, op="reduce_scatter", label="direct rs")
+        ag = res.trace.filter(rank=r, op="all_gather", label="direct ag")
+        assert len(rs.events) == 2 and len(ag.events) == 1
+        assert rs.bytes_per_rank()[r] == pytest.approx(2 * (n - 1) / n * n * 5 * 8)
+        assert ag.bytes_per_rank()[r] == pytest.approx((n - 1) / n * n * 4 * 8)
