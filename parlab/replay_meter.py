@@ -8,13 +8,16 @@
     bytes    read and written by every other op (the memory-bound ones: elementwise, reductions, norms,
              softmax, copies): the sizes of its tensor inputs and outputs
     kernels  the number of ops counted (views and metadata ops launch nothing and count nothing)
+    mem_hist the same bytes by size class of the op's working set (its bytes read and written): k -> bytes of
+             the ops with working sets in [2^k, 2^(k+1)), so that a two-level memory model
+             (`parlab.hardware.Hardware.cache_bw`) can charge cache-sized ops and DRAM-sized ops differently
 
 Communication ops (namespace c10d) count nothing: the trace times them separately. Use it through
 `parlab.trace.count_costs()`, which hands the totals to each compute span of the active recorder.
 A replay then charges a span max-free roofline time: FLOPs / achieved FLOP/s + bytes / achieved memory
-bandwidth + kernels x launch overhead (`parlab.hardware.Hardware.compute_time`), i.e. matrix products are taken
-as compute-bound and every other op as memory-bound, as in the roofline model (Williams, Waterman, Patterson,
-"Roofline", CACM 2009).
+bandwidth (of the cache or of memory, by working set) + kernels x launch overhead
+(`parlab.hardware.Hardware.compute_time`), i.e. matrix products are taken as compute-bound and every other op as
+memory-bound, as in the roofline model (Williams, Waterman, Patterson, "Roofline", CACM 2009).
 """
 from __future__ import annotations
 
@@ -22,6 +25,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
+
+from .hardware import size_class
 
 __all__ = ["CostMeter"]
 
@@ -34,14 +39,21 @@ def _tensor_bytes(obj) -> int:
 
 
 class CostMeter(TorchDispatchMode):
-    """Running totals of (FLOPs, bytes of memory-bound ops, kernels) of the ops run inside ``with meter:``."""
+    """Running totals of (FLOPs, bytes of memory-bound ops, kernels) of the ops run inside ``with meter:``, and
+    the bytes per working-set size class (`mem_hist`)."""
 
     def __init__(self):
         super().__init__()
         self.flops, self.bytes, self.kernels = 0.0, 0, 0
+        self.hist: dict[int, int] = {}
 
     def totals(self) -> tuple[float, int, int]:
         return self.flops, self.bytes, self.kernels
+
+    def state(self) -> tuple[float, int, int, tuple[tuple[int, int], ...]]:
+        """The running totals and the size histogram ((k, bytes), ...), as `parlab.trace.Event.meter_at` keeps
+        them: a replay splits a span at its communication by the work done between (`parlab.replay_program`)."""
+        return self.flops, self.bytes, self.kernels, tuple(sorted(self.hist.items()))
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -58,4 +70,6 @@ class CostMeter(TorchDispatchMode):
             if moved:
                 self.bytes += moved
                 self.kernels += 1
+                k = size_class(moved)
+                self.hist[k] = self.hist.get(k, 0) + moved
         return out
