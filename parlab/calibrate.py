@@ -100,67 +100,85 @@ def fit_roofline(samples) -> tuple[float, float, float]:
     return _inv(c, 0), _inv(c, 1), c.get(2, 0.0)
 
 
-def fit_compute(samples, min_gain: float = 0.8) -> dict:
-    """The two-level compute model (`parlab.hardware`, module docstring) fitted to (flops, bytes, kernels, t,
-    working set) samples: for each candidate cache size C (a power of two between the samples' working sets,
-    with at least two memory-bound samples on each side), t = flops / F + cached bytes / B_cache + other bytes /
-    B_mem + kernels x c, where an op's bytes are cached when 2^(k+1) <= C for its size class k (2^k <= working
-    set < 2^(k+1)). The best C is kept when it fits clearly better than one bandwidth (relative squared error
-    below `min_gain` x the one-level fit's) with B_cache > B_mem; otherwise the one-level fit, cache_bw None.
-    Returns dict(peak_flops, mem_bw, kernel_overhead, cache_bw, cache_bytes)."""
+def fit_compute(samples, min_gain: float = 0.8, min_speedup: float = 1.25) -> dict:
+    """The compute model of `parlab.hardware` (module docstring) fitted to (flops, bytes, kernels, t, working
+    set[, batched flops]) samples. One level: t = (flops - F_b) / F + F_b / F_bmm + bytes / B + kernels x c.
+    Two levels: for each candidate cache size C (a power of two between the samples' working sets, with at
+    least two memory-bound samples on each side) the bytes split into cached ones (size class k with
+    2^(k+1) <= C, at B_cache) and the others (at B). The best C is kept when it fits clearly better than one
+    bandwidth (relative squared error below `min_gain` x the one-level fit's) with B_cache > `min_speedup` x B;
+    otherwise the one-level fit, cache_bw None. bmm_flops is None when no sample has batched FLOPs.
+    Returns dict(peak_flops, bmm_flops, mem_bw, kernel_overhead, cache_bw, cache_bytes)."""
     from .hardware import size_class
-    err1, c1 = _fit_rates([(f, b, k, t) for f, b, k, t, _ in samples], 3)
-    out = dict(peak_flops=_inv(c1, 0), mem_bw=_inv(c1, 1), kernel_overhead=c1.get(2, 0.0), cache_bw=None,
-               cache_bytes=0.0)
-    classes = sorted({size_class(ws) for f, b, k, t, ws in samples if b})
+
+    def parts(s):
+        f, b, k, t, ws = s[:5]
+        fb = s[5] if len(s) > 5 else 0.0
+        return f - fb, fb, b, k, t, ws
+
+    rows1 = [(f, fb, b, k, t) for f, fb, b, k, t, _ in map(parts, samples)]
+    err1, c1 = _fit_rates(rows1, 4)
+    out = dict(peak_flops=_inv(c1, 0), bmm_flops=_inv(c1, 1) if c1.get(1, 0) > 0 else None, mem_bw=_inv(c1, 2),
+               kernel_overhead=c1.get(3, 0.0), cache_bw=None, cache_bytes=0.0)
+    mem = [(b, ws) for _, _, b, _, _, ws in map(parts, samples) if b]
     best = None
-    for top in classes:
+    for top in sorted({size_class(ws) for _, ws in mem}):
         cache = 2.0 ** (top + 1)                                  # classes <= top are cached
-        inside = [s for s in samples if s[1] and 2.0 ** (size_class(s[4]) + 1) <= cache]
-        outside = [s for s in samples if s[1] and 2.0 ** (size_class(s[4]) + 1) > cache]
-        if len(inside) < 2 or len(outside) < 2:
+
+        def fits(ws):
+            return 2.0 ** (size_class(ws) + 1) <= cache
+        if sum(1 for _, ws in mem if fits(ws)) < 2 or sum(1 for _, ws in mem if not fits(ws)) < 2:
             continue
-        rows = [(f, b if b and 2.0 ** (size_class(ws) + 1) <= cache else 0, 0 if b and 2.0 ** (size_class(ws) + 1)
-                 <= cache else b, k, t) for f, b, k, t, ws in samples]
-        err, c = _fit_rates(rows, 4)
+        rows = [(f, fb, b if b and fits(ws) else 0, 0 if b and fits(ws) else b, k, t)
+                for f, fb, b, k, t, ws in map(parts, samples)]
+        err, c = _fit_rates(rows, 5)
         if best is None or err < best[0]:
             best = (err, c, cache)
     if best is not None and best[0] < min_gain * err1:
         err, c, cache = best
-        if c.get(1, 0) > 0 and c.get(2, 0) > 0 and _inv(c, 1) > _inv(c, 2):
-            out = dict(peak_flops=_inv(c, 0), mem_bw=_inv(c, 2), kernel_overhead=c.get(3, 0.0), cache_bw=_inv(c, 1),
-                       cache_bytes=cache)
+        if c.get(2, 0) > 0 and c.get(3, 0) > 0 and _inv(c, 2) > min_speedup * _inv(c, 3):
+            out = dict(peak_flops=_inv(c, 0), bmm_flops=_inv(c, 1) if c.get(1, 0) > 0 else None, mem_bw=_inv(c, 3),
+                       kernel_overhead=c.get(4, 0.0), cache_bw=_inv(c, 2), cache_bytes=cache)
     return out
 
 
-def _metered(fn) -> tuple[float, int, int, int]:
-    """(FLOPs, bytes, kernels, largest working set) of one call of fn, as the replay's meter counts them."""
+def _metered(fn) -> tuple[float, int, int, int, float]:
+    """(FLOPs, bytes, kernels, largest working set, batched FLOPs) of one call of fn, as the replay's meter counts
+    them."""
     from .replay_meter import CostMeter
     meter = CostMeter()
     with meter:
         fn()
-    f, b, k, hist = meter.state()
-    return f, b, k, max((v for _, v in hist), default=0)
+    f, b, k, hist, fb = meter.state()
+    return f, b, k, max((v for _, v in hist), default=0), fb
 
 
-def _compute_samples(dev, dtype, gpu: bool, min_time: float) -> list[tuple[float, int, int, float, int]]:
-    """(flops, bytes, kernels, seconds, working set) of single ops of several sizes: products, and elementwise
-    adds and copies from cache-sized to memory-sized (bytes and working sets as the replay's meter counts them,
-    so that the fitted rates apply to metered spans)."""
+def _compute_samples(dev, dtype, gpu: bool, min_time: float) -> list[tuple[float, int, int, float, int, float]]:
+    """(flops, bytes, kernels, seconds, working set, batched flops) of single ops of several sizes: products,
+    batched products shaped like attention's (b x m x k) @ (b x k x n), and elementwise adds and copies from
+    cache-sized to memory-sized (work and working sets as the replay's meter counts them, so that the fitted
+    rates apply to metered spans)."""
     out = []
     for n in ((1024, 2048, 4096, 8192) if gpu else (32, 64, 128, 256)):
         a, b = torch.randn(n, n, device=dev, dtype=dtype), torch.randn(n, n, device=dev, dtype=dtype)
         comm.barrier()
-        f, _, k, _ = _metered(lambda: a @ b)
-        out.append((f, 0, k, _timeit(lambda: a @ b, dev, min_time), 0))
+        f, _, k, _, fb = _metered(lambda: a @ b)
+        out.append((f, 0, k, _timeit(lambda: a @ b, dev, min_time), 0, fb))
+    shapes = (((32, 2048, 128, 2048), (32, 2048, 2048, 128)) if gpu
+              else ((4, 256, 32, 256), (4, 256, 256, 32), (16, 64, 32, 64)))
+    for bs, m, k_, n in shapes:                       # scores q k^T (small inner dim k), and weights @ v
+        a, b = torch.randn(bs, m, k_, device=dev, dtype=dtype), torch.randn(bs, k_, n, device=dev, dtype=dtype)
+        comm.barrier()
+        f, _, k, _, fb = _metered(lambda: a @ b)
+        out.append((f, 0, k, _timeit(lambda: a @ b, dev, min_time), 0, fb))
     sizes = (1 << 16, 1 << 20, 1 << 24, 1 << 26) if gpu else (1, 1 << 10, 1 << 14, 1 << 16, 1 << 17, 1 << 18, 1 << 19,
                                                               1 << 20, 1 << 21, 1 << 22, 1 << 23)
     for numel in sizes:
         x, y = torch.randn(numel, device=dev, dtype=dtype), torch.randn(numel, device=dev, dtype=dtype)
         for op in ((lambda: x + y), (lambda: y.copy_(x))):
             comm.barrier()
-            f, nbytes, k, ws = _metered(op)
-            out.append((f, nbytes, k, _timeit(op, dev, min_time), ws))
+            f, nbytes, k, ws, fb = _metered(op)
+            out.append((f, nbytes, k, _timeit(op, dev, min_time), ws, fb))
     return out
 
 
@@ -233,12 +251,13 @@ def describe(per_rank: list[dict], n: int, name: str) -> tuple[Hardware, str]:
                 for i, (size, _) in enumerate(per_rank[0]["p2p"])]
     p2p_lat, p2p_bw = fit_alpha_beta(p2p_rows, n, factor=1.0)
     # the compute model is fitted to each sample's median time over the ranks (all ran it at once)
-    pooled = [(*s[:3], statistics.median(r["samples"][i][3] for r in per_rank), s[4])
+    pooled = [(*s[:3], statistics.median(r["samples"][i][3] for r in per_rank), *s[4:])
               for i, s in enumerate(per_rank[0]["samples"])]
     fit = fit_compute(pooled)
     hw = Hardware(name=name, peak_flops=fit["peak_flops"], mem_bw=fit["mem_bw"],
                   intra_bw=bw, inter_bw=bw, gpus_per_node=n, efficiency=1.0, mem_efficiency=1.0,
                   kernel_overhead=fit["kernel_overhead"], base_latency=0.0, cache_bw=fit["cache_bw"],
+                  bmm_flops=fit["bmm_flops"],
                   cache_bytes=fit["cache_bytes"],
                   intra_latency=hop, inter_latency=hop, p2p_bw=p2p_bw, p2p_latency=p2p_lat,
                   source=f"parlab.calibrate on {n} ranks, {time.strftime('%Y-%m-%d %H:%M', time.gmtime())} UTC")
@@ -253,13 +272,14 @@ def describe(per_rank: list[dict], n: int, name: str) -> tuple[Hardware, str]:
     lines.append(f"p2p fit: latency {p2p_lat * 1e6:.1f} us, bandwidth {p2p_bw / 1e9:.3f} GB/s")
     cache = (f"{hw.cache_bw / 1e9:.2f} GB/s for ops of working set <= {hw.cache_bytes / 2 ** 20:g} MiB, "
              if hw.cache_bw else "one memory level: ")
-    lines.append(f"compute fit: {hw.peak_flops / 1e9:.2f} GFLOP/s, {cache}{hw.mem_bw / 1e9:.2f} GB/s, "
+    bmm = f"batched products {hw.bmm_flops / 1e9:.2f} GFLOP/s, " if hw.bmm_flops else ""
+    lines.append(f"compute fit: {hw.peak_flops / 1e9:.2f} GFLOP/s, {bmm}{cache}{hw.mem_bw / 1e9:.2f} GB/s, "
                  f"{hw.kernel_overhead * 1e6:.2f} us per kernel (median time of {n} ranks per sample)")
     from .hardware import size_class
     n_mm = sum(1 for s in pooled if s[0])                       # products first, then an add and a copy per size
-    for i, (f, b, k, t, ws) in enumerate(pooled):
-        model = hw.compute_time(f, b, k, ((size_class(ws), b),) if b else ())
-        what = "matmul" if f else ("add" if (i - n_mm) % 2 == 0 else "copy")
+    for i, (f, b, k, t, ws, fb) in enumerate(pooled):
+        model = hw.compute_time(f, b, k, ((size_class(ws), b),) if b else (), fb)
+        what = ("bmm" if fb else "matmul") if f else ("add" if (i - n_mm) % 2 == 0 else "copy")
         lines.append(f"  {what:>6} {f:>12.3g} FLOP {b:>10} B  {t * 1e6:>9.1f} us "
                      f"measured, {model * 1e6:>9.1f} us fitted")
     return hw, "\n".join(lines)

@@ -6,8 +6,8 @@ A `Hardware` is a few numbers per GPU (plain data, JSON in and out), enough for 
 * compute, roofline style (Williams, Waterman, Patterson, "Roofline", CACM 2009): a span that did F FLOPs in
   matrix products, moved M bytes in memory-bound ops and launched K kernels takes
 
-      F / (peak_flops x efficiency)  +  M_cache / (cache_bw x mem_efficiency)
-                                     +  (M - M_cache) / (mem_bw x mem_efficiency)  +  K x kernel_overhead
+      (F - F_b) / (peak_flops x efficiency)  +  F_b / bmm_flops
+          +  M_cache / (cache_bw x mem_efficiency)  +  (M - M_cache) / (mem_bw x mem_efficiency)  +  K x kernel_overhead
 
   `efficiency` is kernel-level: the fraction of the datasheet's dense peak that large matrix products (GEMMs)
   sustain, measured per kernel, not per training step (the replay simulates bubbles and communication itself).
@@ -15,6 +15,9 @@ A `Hardware` is a few numbers per GPU (plain data, JSON in and out), enough for 
   other overhead inside it), for models that do not simulate those, e.g. `parlab.planner.estimate`
   (`end_to_end_mfu`; None: the same as `efficiency`, which is what a description written before the two were
   split meant by its one `efficiency`).
+
+  F_b are the FLOPs of batched products (bmm, baddbmm, attention kernels; `Event.batched_flops`), which a CPU
+  runs at a rate of its own, `bmm_flops` (optional: None on the GPU presets, where they go at the product rate).
 
   Two-level memory (optional, a CPU's caches; None on the GPU presets): M_cache are the bytes of the ops whose
   working set (the bytes an op reads and writes, as `parlab.replay_meter` counts them) fits in `cache_bytes`;
@@ -85,6 +88,7 @@ class Hardware:
     mfu: float | None = None        # end-to-end MFU of a training step (None: = efficiency; module docstring)
     cache_bw: float | None = None   # bytes/s of ops whose working set fits in cache_bytes (None: one level)
     cache_bytes: float = 0.0        # working-set size up to which an op runs at cache_bw
+    bmm_flops: float | None = None  # FLOP/s of batched products (bmm, attention); None: peak_flops x efficiency
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -110,6 +114,10 @@ class Hardware:
         cb = self.cache_bytes
         if isinstance(cb, bool) or not isinstance(cb, (int, float)) or not cb >= 0:
             raise ValueError(f"hardware {self.name!r}: cache_bytes must be a size >= 0 in bytes, got {cb!r}")
+        if self.bmm_flops is not None and (isinstance(self.bmm_flops, bool)
+                                           or not isinstance(self.bmm_flops, (int, float)) or not self.bmm_flops > 0):
+            raise ValueError(f"hardware {self.name!r}: bmm_flops must be a positive rate (FLOP/s) or None, "
+                             f"got {self.bmm_flops!r}")
         if self.p2p_bw is not None and not (isinstance(self.p2p_bw, (int, float)) and self.p2p_bw > 0):
             raise ValueError(f"hardware {self.name!r}: p2p_bw must be a positive rate or None, got {self.p2p_bw!r}")
         for k in ("kernel_overhead", "base_latency", "intra_latency", "inter_latency"):
@@ -156,12 +164,18 @@ class Hardware:
             return 0.0
         return float(sum(b for k, b in mem_hist if 2.0 ** (k + 1) <= self.cache_bytes))
 
-    def compute_time(self, flops: float = 0.0, nbytes: float = 0.0, kernels: int = 0, mem_hist=()) -> float:
-        """Seconds of a compute span: matrix FLOPs at the sustained peak, memory-bound bytes at the sustained
-        bandwidth of their level (cache or memory, by `mem_hist`: (k, bytes) per working-set size class 2^k),
-        plus a fixed cost per kernel (see the module docstring)."""
+    def compute_time(self, flops: float = 0.0, nbytes: float = 0.0, kernels: int = 0, mem_hist=(),
+                     batched_flops: float = 0.0) -> float:
+        """Seconds of a compute span: matrix FLOPs at the sustained peak (the `batched_flops` among them at
+        `bmm_flops` when given), memory-bound bytes at the sustained bandwidth of their level (cache or memory,
+        by `mem_hist`: (k, bytes) per working-set size class 2^k), plus a fixed cost per kernel (see the module
+        docstring)."""
         cached = min(self.cached_bytes(mem_hist), float(nbytes))
-        t = flops / (self.peak_flops * self.efficiency) + (nbytes - cached) / (self.mem_bw * self.mem_efficiency)
+        batched = min(float(batched_flops), float(flops)) if self.bmm_flops is not None else 0.0
+        t = ((flops - batched) / (self.peak_flops * self.efficiency)
+             + (nbytes - cached) / (self.mem_bw * self.mem_efficiency))
+        if batched:
+            t += batched / self.bmm_flops
         if cached:
             t += cached / (self.cache_bw * self.mem_efficiency)
         return t + kernels * self.kernel_overhead

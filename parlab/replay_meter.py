@@ -4,7 +4,8 @@
 
     FLOPs    of matrix products and attention kernels, with the formulas ``torch.utils.flop_counter``
              registers (mm, addmm, bmm, baddbmm, convolutions, scaled-dot-product attention): 2 m n k for an
-             (m x k) @ (k x n) product
+             (m x k) @ (k x n) product; those of batched products (bmm, baddbmm, attention) also on their own,
+             since a CPU runs them at a rate of their own (`parlab.hardware.Hardware.bmm_flops`)
     bytes    read and written by every other op (the memory-bound ones: elementwise, reductions, norms,
              softmax, copies): the sizes of its tensor inputs and outputs
     kernels  the number of ops counted (views and metadata ops launch nothing and count nothing)
@@ -46,14 +47,16 @@ class CostMeter(TorchDispatchMode):
         super().__init__()
         self.flops, self.bytes, self.kernels = 0.0, 0, 0
         self.hist: dict[int, int] = {}
+        self.batched = 0.0          # the part of flops done by batched products
 
     def totals(self) -> tuple[float, int, int]:
         return self.flops, self.bytes, self.kernels
 
-    def state(self) -> tuple[float, int, int, tuple[tuple[int, int], ...]]:
-        """The running totals and the size histogram ((k, bytes), ...), as `parlab.trace.Event.meter_at` keeps
-        them: a replay splits a span at its communication by the work done between (`parlab.replay_program`)."""
-        return self.flops, self.bytes, self.kernels, tuple(sorted(self.hist.items()))
+    def state(self) -> tuple[float, int, int, tuple[tuple[int, int], ...], float]:
+        """The running totals, the size histogram ((k, bytes), ...) and the batched products' FLOPs, as
+        `parlab.trace.Event.meter_at` keeps them: a replay splits a span at its communication by the work done
+        between (`parlab.replay_program`)."""
+        return self.flops, self.bytes, self.kernels, tuple(sorted(self.hist.items())), self.batched
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -63,8 +66,11 @@ class CostMeter(TorchDispatchMode):
         packet = func._overloadpacket
         formula = flop_registry.get(packet)
         if formula is not None:
-            self.flops += float(formula(*args, **kwargs, out_val=out))
+            f = float(formula(*args, **kwargs, out_val=out))
+            self.flops += f
             self.kernels += 1
+            if "bmm" in packet.__name__ or "attention" in packet.__name__:
+                self.batched += f
         else:
             moved = _tensor_bytes(args) + _tensor_bytes(kwargs) + _tensor_bytes(out)
             if moved:

@@ -148,24 +148,25 @@ def _state(st: Step) -> tuple:
 
 
 def _minus(b: tuple, a: tuple) -> tuple:
-    """Work between two running totals (flops, bytes, kernels, size histogram)."""
-    return b[0] - a[0], b[1] - a[1], b[2] - a[2], hist_sub(b[3], a[3])
+    """Work between two running totals (flops, bytes, kernels, size histogram, batched flops)."""
+    return b[0] - a[0], b[1] - a[1], b[2] - a[2], hist_sub(b[3], a[3]), b[4] - a[4]
 
 
 def _span_start(c: Event) -> tuple:
     """The meter's running totals when span `c` began: its end totals less its own work."""
     end = c.meter_at
-    return end[0] - c.flops, end[1] - c.nbytes, end[2] - c.kernels, hist_sub(end[3], c.mem_hist)
+    return (end[0] - c.flops, end[1] - c.nbytes, end[2] - c.kernels, hist_sub(end[3], c.mem_hist),
+            end[4] - c.batched_flops)
 
 
 def _untraced_work(rank: int, outer: list[Event], points, compute_cost) -> list[tuple[float, int, Step]]:
     """Compute steps for the work the meter counted outside every compute span (module docstring): between
     two consecutive metered moments of the rank (its calls, waits, marks, the starts and ends of its spans, in
     the order of the kernels counted) that no span covers, placed after the first of the two."""
-    marks = [(at, _state(st)) for at, _, st in points if len(_state(st)) == 4]
-    spans = [(_span_start(c), c.meter_at) for c in outer if len(c.meter_at) == 4]
-    marks += [(c.start, s) for c, (s, _) in zip((c for c in outer if len(c.meter_at) == 4), spans)]
-    marks += [(c.end, c.meter_at) for c in outer if len(c.meter_at) == 4]
+    marks = [(at, _state(st)) for at, _, st in points if len(_state(st)) == 5]
+    spans = [(_span_start(c), c.meter_at) for c in outer if len(c.meter_at) == 5]
+    marks += [(c.start, s) for c, (s, _) in zip((c for c in outer if len(c.meter_at) == 5), spans)]
+    marks += [(c.end, c.meter_at) for c in outer if len(c.meter_at) == 5]
     marks.sort(key=lambda m: (m[1][2], m[0]))                 # kernels counted so far: the program's order
     covered = sorted((s[2], e[2]) for s, e in spans)          # the kernels each span ran (spans do not nest)
     starts = [s for s, _ in covered]
@@ -178,7 +179,7 @@ def _untraced_work(rank: int, outer: list[Event], points, compute_cost) -> list[
         if i >= 0 and b[2] <= covered[i][1]:
             continue                                          # inside a span: its own cost covers it
         ev = Event(rank, "compute", "untraced", t, max(t, t_next), flops=work[0], nbytes=work[1], kernels=work[2],
-                   mem_hist=work[3], label="metered work outside any traced region")
+                   mem_hist=work[3], batched_flops=max(work[4], 0.0), label="metered work outside any traced region")
         out.append((t, _LAST, Step("compute", ev, compute_cost(ev))))
     return out
 
@@ -188,7 +189,7 @@ def _piece_costs(c: Event, states: list[tuple], cost: float, compute_cost) -> li
     counted between the cuts (module docstring); None when the trace does not say (no running totals, work given
     by hand that the totals do not match) or the cost model is not additive over work (the pieces would not sum
     to `cost`)."""
-    if len(c.meter_at) != 4 or any(len(s) != 4 for s in states):
+    if len(c.meter_at) != 5 or any(len(s) != 5 for s in states):
         return None
     end = c.meter_at
     marks = [_span_start(c), *states, end]
@@ -201,7 +202,7 @@ def _piece_costs(c: Event, states: list[tuple], cost: float, compute_cost) -> li
                 or any(v < 0 for _, v in work[3])):
             return None
         pieces.append(dataclasses.replace(c, flops=max(work[0], 0.0), nbytes=max(work[1], 0), kernels=work[2],
-                                          mem_hist=work[3]))
+                                          mem_hist=work[3], batched_flops=min(max(work[4], 0.0), max(work[0], 0.0))))
     costs = [compute_cost(p) for p in pieces]
     if abs(sum(costs) - cost) > 1e-9 * max(abs(cost), 1e-300):
         return None

@@ -197,10 +197,11 @@ def scale_work(trace: Trace, flops: float = 1.0, comm_bytes: float = 1.0, mem_by
     for e in trace.events:
         # the meter's running totals are scaled alike (a replay splits spans by them); the size classes of the
         # memory-bound ops are dropped: the bigger model's ops do not fit any cache, every byte goes at mem_bw
-        at = (e.meter_at[0] * flops, e.meter_at[1] * mem, e.meter_at[2], ()) if len(e.meter_at) == 4 else e.meter_at
+        at = ((e.meter_at[0] * flops, e.meter_at[1] * mem, e.meter_at[2], (), e.meter_at[4] * flops)
+              if len(e.meter_at) == 5 else e.meter_at)
         if e.kind == "compute":
             out.append(dataclasses.replace(e, flops=e.flops * flops, nbytes=round(e.nbytes * mem), mem_hist=(),
-                                           meter_at=at))
+                                           batched_flops=e.batched_flops * flops, meter_at=at))
         elif e.kind in ("collective", "p2p"):
             out.append(dataclasses.replace(e, nbytes=round(e.nbytes * comm_bytes), numel=round(e.numel * comm_bytes),
                                            meter_at=at))

@@ -86,8 +86,10 @@ class Event:
     waited: float | None = None
     # Metered runs (count_costs) only: a compute span's memory-bound bytes per working-set size class,
     # ((k, bytes), ...) for working sets in [2^k, 2^(k+1)); and on every event the meter's running totals when
-    # it was recorded, (flops, bytes, kernels, size histogram), so a replay can split a span by work done.
+    # it was recorded, (flops, bytes, kernels, size histogram, batched flops), so a replay can split a span
+    # by the work done.
     mem_hist: tuple = ()
+    batched_flops: float = 0.0  # the part of flops done by batched products (bmm, attention), metered runs only
     meter_at: tuple = ()
     meter_waited: tuple = ()    # an asynchronous call: the meter's running totals when it was first waited for
 
@@ -141,7 +143,7 @@ class Recorder:
         self.rank = rank
         self.events: list[Event] = []
         self.meter = None          # a cost meter while `count_costs()` is active
-        self._stamp = (0.0, 0, 0, ())  # the meter's state (CostMeter.state) when the last event was added
+        self._stamp = (0.0, 0, 0, (), 0.0)  # the meter's state (CostMeter.state) when the last event was added
         self.clock = clock
         self._anchor = None                       # (CUDA event, wall seconds) taken when recording starts
         self._spans: list[_DeviceSpan] = []       # events to retime from CUDA events at the end
@@ -153,6 +155,7 @@ class Recorder:
                 from .hardware import hist_sub
                 event.flops, event.nbytes, event.kernels = (a - b for a, b in zip(state[:3], self._stamp[:3]))
                 event.mem_hist = hist_sub(state[3], self._stamp[3])
+                event.batched_flops = state[4] - self._stamp[4]
             event.meter_at = state
             self._stamp = state
         self.events.append(event)
@@ -286,8 +289,9 @@ def region(name: str, label: str = "", flops: float | None = None, nbytes: int |
             after = rec.meter.state()
             ev.flops, ev.nbytes, ev.kernels = (a - b for a, b in zip(after[:3], before[:3]))
             ev.mem_hist = hist_sub(after[3], before[3])
+            ev.batched_flops = after[4] - before[4]
         if flops is not None:
-            ev.flops = float(flops)
+            ev.flops, ev.batched_flops = float(flops), 0.0
         if nbytes is not None:
             ev.nbytes, ev.mem_hist = int(nbytes), ()
         rec.add(ev)

@@ -13,9 +13,10 @@ from parlab.hardware import Hardware, hist_add, hist_sub, load, preset, size_cla
 from parlab.replay import replay
 from parlab.trace import Event, Trace, count_costs, recording, region
 
-# Round numbers: 10 GFLOP/s, 20 GB/s for ops whose working set fits in 1 MiB, 5 GB/s beyond, 2 us per kernel.
+# Round numbers: 10 GFLOP/s (batched products 4), 20 GB/s for ops whose working set fits in 1 MiB, 5 GB/s beyond,
+# 2 us per kernel.
 TWO = Hardware("two-level", peak_flops=1e10, mem_bw=5e9, intra_bw=1e9, inter_bw=1e9, efficiency=1.0,
-               mem_efficiency=1.0, kernel_overhead=2e-6, cache_bw=2e10, cache_bytes=2.0 ** 20)
+               mem_efficiency=1.0, kernel_overhead=2e-6, cache_bw=2e10, cache_bytes=2.0 ** 20, bmm_flops=4e9)
 # Only FLOPs cost time (one FLOP per second); memory, kernels and communication are free.
 FLOPS_ONLY = Hardware("flops", peak_flops=1.0, mem_bw=1e300, intra_bw=1e300, inter_bw=1e300, efficiency=1.0,
                       mem_efficiency=1.0, base_latency=0.0, intra_latency=0.0, inter_latency=0.0)
@@ -65,6 +66,7 @@ def test_an_old_description_with_one_efficiency_loads_meaning_what_it_meant(tmp_
     (dict(mfu=True), "mfu is a fraction"),
     (dict(cache_bw=-1.0), "cache_bw must be a positive rate"),
     (dict(cache_bytes=-4), "cache_bytes must be a size >= 0"),
+    (dict(bmm_flops=0), "bmm_flops must be a positive rate"),
 ])
 def test_bad_mfu_and_cache_fields_are_refused_with_the_field_named(change, words):
     with pytest.raises(ValueError, match=words):
@@ -104,11 +106,19 @@ def test_two_level_memory_charges_cache_sized_ops_at_the_cache_rate():
                                                                                           rel=1e-12)
 
 
+def test_batched_products_run_at_their_own_rate():
+    # exact to float rounding: 1e9 plain FLOPs at 10 GFLOP/s, 4e8 batched at 4 GFLOP/s, one kernel
+    assert TWO.compute_time(1.4e9, 0, 1, (), 4e8) == pytest.approx(0.1 + 0.1 + 2e-6, rel=1e-12)
+    assert TWO.with_(bmm_flops=None).compute_time(1.4e9, 0, 1, (), 4e8) == pytest.approx(0.14 + 2e-6, rel=1e-12)
+
+
 def _samples(hw):
-    """(flops, bytes, kernels, seconds, working set) of products and of adds from 12 B to 48 MiB, timed by `hw`."""
-    out = [(f, 0, 1, hw.compute_time(f, 0, 1), 0) for f in (1e6, 1e8, 1e9)]
+    """(flops, bytes, kernels, seconds, working set, batched flops) of products, batched products and adds from
+    12 B to 48 MiB, timed by `hw`."""
+    out = [(f, 0, 1, hw.compute_time(f, 0, 1), 0, 0.0) for f in (1e6, 1e8, 1e9)]
+    out += [(f, 0, 1, hw.compute_time(f, 0, 1, (), f), 0, f) for f in (1e6, 1e8)]
     for ws in (12 * 4 ** k for k in range(0, 12)):
-        out.append((0.0, ws, 1, hw.compute_time(0.0, ws, 1, ((size_class(ws), ws),)), ws))
+        out.append((0.0, ws, 1, hw.compute_time(0.0, ws, 1, ((size_class(ws), ws),)), ws, 0.0))
     return out
 
 
@@ -116,7 +126,8 @@ def test_calibration_fit_recovers_a_two_level_memory_from_exact_samples():
     got = fit_compute(_samples(TWO))
     # exact data: least squares recovers every rate up to rounding, and the cache size as a power of two
     assert got["cache_bytes"] == 2.0 ** 20
-    for k, v in (("peak_flops", 1e10), ("mem_bw", 5e9), ("cache_bw", 2e10), ("kernel_overhead", 2e-6)):
+    for k, v in (("peak_flops", 1e10), ("bmm_flops", 4e9), ("mem_bw", 5e9), ("cache_bw", 2e10),
+                 ("kernel_overhead", 2e-6)):
         assert got[k] == pytest.approx(v, rel=1e-6), k
     one = fit_compute(_samples(TWO.with_(cache_bw=None)))      # one bandwidth: no cache level is invented
     assert one["cache_bw"] is None and one["mem_bw"] == pytest.approx(5e9, rel=1e-6)
@@ -124,17 +135,23 @@ def test_calibration_fit_recovers_a_two_level_memory_from_exact_samples():
 
 def test_the_meter_records_bytes_by_working_set():
     x, y = torch.ones(1 << 14), torch.ones(1 << 14)
+    q, k = torch.ones(4, 8, 2), torch.ones(4, 2, 8)                  # (b, m, k) @ (b, k, n)
     with recording() as rec:
         with count_costs():
             with region("add"):
                 x + y
             with region("given", nbytes=5):
                 x + y
-    add, given = rec.events
+            with region("products"):
+                q @ k
+                q[0] @ k[0]
+    add, given, products = rec.events
+    assert (products.flops, products.batched_flops) == (2 * 4 * 8 * 8 * 2 + 2 * 8 * 8 * 2, 2 * 4 * 8 * 8 * 2)
     ws = 3 * (1 << 14) * 4                                      # two inputs and the output, float32
     assert (add.nbytes, add.kernels, add.mem_hist) == (ws, 1, ((size_class(ws), ws),))
     assert given.nbytes == 5 and given.mem_hist == ()           # bytes given by hand: no histogram to trust
     assert add.meter_at[:3] == (0.0, ws, 1) and given.meter_at[:3] == (0.0, 2 * ws, 2)
+    assert products.meter_at[4] == products.batched_flops
 
 
 # ---------------------------------------------------------------------- splitting a span by metered work
@@ -161,8 +178,8 @@ def test_a_span_cut_at_its_collective_is_split_by_metered_flops():
 def test_the_split_does_not_depend_on_measured_durations():
     # a span of 10 FLOPs whose collective came after 2 of them (meter totals), measured at 10% or 90% of it
     def trace(cut_at):
-        span = Event(0, "compute", "step", 0.0, 1.0, flops=10.0, kernels=2, meter_at=(10.0, 0, 2, ()))
-        call = Event(0, "collective", "all_reduce", cut_at, cut_at, group=(0,), meter_at=(2.0, 0, 1, ()))
+        span = Event(0, "compute", "step", 0.0, 1.0, flops=10.0, kernels=2, meter_at=(10.0, 0, 2, (), 0.0))
+        call = Event(0, "collective", "all_reduce", cut_at, cut_at, group=(0,), meter_at=(2.0, 0, 1, (), 0.0))
         return Trace([span, call])
     durations = [[e.duration for e in replay(trace(t), FLOPS_ONLY).events if e.op == "step"] for t in (0.1, 0.9)]
     assert durations[0] == durations[1] == [2.0, 8.0]
@@ -174,12 +191,12 @@ def test_the_split_does_not_depend_on_measured_durations():
 def test_scale_work_keeps_the_split_consistent_and_drops_the_size_classes():
     from parlab.scaleup import scale_work
     span = Event(0, "compute", "step", 0.0, 1.0, flops=10.0, nbytes=100, kernels=2, mem_hist=((6, 100),),
-                 meter_at=(10.0, 100, 2, ((6, 100),)))
-    call = Event(0, "collective", "all_reduce", 0.5, 0.5, group=(0,), meter_at=(4.0, 40, 1, ((6, 40),)))
+                 batched_flops=1.0, meter_at=(10.0, 100, 2, ((6, 100),), 1.0))
+    call = Event(0, "collective", "all_reduce", 0.5, 0.5, group=(0,), meter_at=(4.0, 40, 1, ((6, 40),), 0.0))
     big = scale_work(Trace([span, call]), flops=3.0, mem_bytes=2.0)
     s, c = sorted(big.events, key=lambda e: e.kind)[::-1]       # compute first
-    assert (s.flops, s.nbytes, s.mem_hist, s.meter_at) == (30.0, 200, (), (30.0, 200.0, 2, ()))
-    assert c.meter_at == (12.0, 80.0, 1, ())
+    assert (s.flops, s.nbytes, s.mem_hist, s.batched_flops, s.meter_at) == (30.0, 200, (), 3.0, (30.0, 200.0, 2, (), 3.0))
+    assert c.meter_at == (12.0, 80.0, 1, (), 0.0)
     hw = FLOPS_ONLY.with_(mem_bw=1.0)                            # a FLOP and a byte cost a second each
     assert [e.duration for e in replay(big, hw).events if e.op == "step"] == pytest.approx([12 + 80, 18 + 120])
 
