@@ -1,12 +1,15 @@
 """Calibration: measure the machine parlab runs on and write it as a `parlab.hardware.Hardware` description.
 
-``python -m parlab.calibrate --world 4 --out here.json`` (or ``parlab calibrate ...``) measures, on every rank
+``python -m parlab.calibrate --world 2 --out here.json`` (or ``parlab calibrate ...``) measures, on every rank
 at once (so each rank gets the share of the machine it has in a real run):
 
-* compute: single matrix products of several sizes (float32 on a CPU, bf16 on a GPU) and elementwise adds of
-  several sizes, each timed; then a least-squares fit (on relative error) of the replay's compute model
-  t = FLOPs / F + bytes / B + c per kernel gives the sustained FLOP/s F, bytes/s B and per-kernel cost c
-  (on a CPU, c is mostly framework overhead per op);
+* compute: single matrix products of several sizes (float32 on a CPU, bf16 on a GPU) and elementwise adds and
+  copies from cache-sized to memory-sized (12 B .. 100 MB of working set on a CPU), each timed, their work
+  counted by the replay's own meter; then a least-squares fit (on relative error) of the replay's compute model
+  t = FLOPs / F + cached bytes / B_cache + other bytes / B + c per kernel gives the sustained FLOP/s F, the
+  bandwidths of the cache level and of memory with the working-set size that separates them, and the per-kernel
+  cost c (on a CPU, c is mostly framework overhead per op; `fit_compute` keeps one bandwidth when two do not fit
+  clearly better);
 * point to point: every rank sends to the next and receives from the previous at once (isend / irecv, as a ring
   step does), over the same sizes; fitted the same way (t = latency + X / B) into `p2p_latency`, `p2p_bw`;
 * collectives, like nccl-tests: all-reduce over message sizes 4 B .. 16 MiB, median time per size, algorithm
@@ -31,9 +34,16 @@ import torch.distributed as dist
 from . import comm
 from .hardware import Hardware
 
-__all__ = ["measure_rank", "fit_alpha_beta", "fit_roofline", "calibrate", "main", "SIZES"]
+__all__ = ["measure_rank", "fit_alpha_beta", "fit_roofline", "fit_compute", "calibrate", "main", "SIZES",
+           "default_world"]
 
 SIZES = [4 * 4 ** k for k in range(0, 12)]       # 4 B .. 16 MiB
+
+
+def default_world() -> int:
+    """Gloo ranks to calibrate with by default: one per core, 2 to 4. More ranks than cores would measure the
+    operating system handing the cores around (a rank woken by a message waits for a core) on every message."""
+    return max(2, min(4, os.cpu_count() or 2))
 
 
 def _sync(device) -> None:
@@ -59,13 +69,15 @@ def _timeit(fn, device, min_time: float = 0.2, reps: int = 3) -> float:
     return statistics.median(out)
 
 
-def fit_roofline(samples) -> tuple[float, float, float]:
-    """(FLOP/s, bytes/s, seconds per kernel) fitting t = flops / F + bytes / B + kernels x c to (flops, bytes,
-    kernels, t) samples, least squares on relative error, every coefficient >= 0 (the best of the subsets)."""
+def _fit_rates(samples, ncols: int) -> tuple[float, dict[int, float]]:
+    """(relative squared error, {column: seconds per unit}) of t = sum_j x_j c_j fitted to rows (x_1..x_n, t),
+    least squares on relative error, every coefficient >= 0: the best of the column subsets."""
     import itertools
     best = None
-    for keep in itertools.chain.from_iterable(itertools.combinations(range(3), k) for k in (3, 2, 1)):
-        a = torch.tensor([[row[j] / row[3] for j in keep] for row in samples], dtype=torch.float64)
+    for keep in itertools.chain.from_iterable(itertools.combinations(range(ncols), k) for k in range(ncols, 0, -1)):
+        a = torch.tensor([[row[j] / row[ncols] for j in keep] for row in samples], dtype=torch.float64)
+        if not bool((a.abs().sum(0) > 0).all()):                 # a column no sample exercises: not identifiable
+            continue
         coef = torch.linalg.lstsq(a, torch.ones(len(samples), 1, dtype=torch.float64)).solution.flatten()
         if (coef < 0).any():
             continue
@@ -74,22 +86,99 @@ def fit_roofline(samples) -> tuple[float, float, float]:
             best = (err, dict(zip(keep, coef.tolist())))
     if best is None:
         raise ValueError("could not fit the compute model to the measurements; rerun on a quieter machine")
-    c = best[1]
-    inv = lambda j: 1 / c[j] if c.get(j, 0) > 0 else 1e30    # noqa: E731  (a term the fit dropped: free)
-    return inv(0), inv(1), c.get(2, 0.0)
+    return best
 
 
-def _compute_samples(dev, dtype, gpu: bool, min_time: float) -> list[tuple[float, int, int, float]]:
-    """(flops, bytes, kernels, seconds) of single ops of several sizes: products and elementwise adds."""
+def _inv(c: dict, j: int) -> float:
+    return 1 / c[j] if c.get(j, 0) > 0 else 1e30                # a term the fit dropped: free
+
+
+def fit_roofline(samples) -> tuple[float, float, float]:
+    """(FLOP/s, bytes/s, seconds per kernel) fitting t = flops / F + bytes / B + kernels x c to (flops, bytes,
+    kernels, t) samples, least squares on relative error, every coefficient >= 0 (the best of the subsets)."""
+    _, c = _fit_rates(samples, 3)
+    return _inv(c, 0), _inv(c, 1), c.get(2, 0.0)
+
+
+def fit_compute(samples, min_gain: float = 0.8, min_speedup: float = 1.25) -> dict:
+    """The compute model of `parlab.hardware` (module docstring) fitted to (flops, bytes, kernels, t, working
+    set[, batched flops]) samples. One level: t = (flops - F_b) / F + F_b / F_bmm + bytes / B + kernels x c.
+    Two levels: for each candidate cache size C (a power of two between the samples' working sets, with at
+    least two memory-bound samples on each side) the bytes split into cached ones (size class k with
+    2^(k+1) <= C, at B_cache) and the others (at B). The best C is kept when it fits clearly better than one
+    bandwidth (relative squared error below `min_gain` x the one-level fit's) with B_cache > `min_speedup` x B;
+    otherwise the one-level fit, cache_bw None. bmm_flops is None when no sample has batched FLOPs.
+    Returns dict(peak_flops, bmm_flops, mem_bw, kernel_overhead, cache_bw, cache_bytes)."""
+    from .hardware import size_class
+
+    def parts(s):
+        f, b, k, t, ws = s[:5]
+        fb = s[5] if len(s) > 5 else 0.0
+        return f - fb, fb, b, k, t, ws
+
+    rows1 = [(f, fb, b, k, t) for f, fb, b, k, t, _ in map(parts, samples)]
+    err1, c1 = _fit_rates(rows1, 4)
+    out = dict(peak_flops=_inv(c1, 0), bmm_flops=_inv(c1, 1) if c1.get(1, 0) > 0 else None, mem_bw=_inv(c1, 2),
+               kernel_overhead=c1.get(3, 0.0), cache_bw=None, cache_bytes=0.0)
+    mem = [(b, ws) for _, _, b, _, _, ws in map(parts, samples) if b]
+    best = None
+    for top in sorted({size_class(ws) for _, ws in mem}):
+        cache = 2.0 ** (top + 1)                                  # classes <= top are cached
+
+        def fits(ws):
+            return 2.0 ** (size_class(ws) + 1) <= cache
+        if sum(1 for _, ws in mem if fits(ws)) < 2 or sum(1 for _, ws in mem if not fits(ws)) < 2:
+            continue
+        rows = [(f, fb, b if b and fits(ws) else 0, 0 if b and fits(ws) else b, k, t)
+                for f, fb, b, k, t, ws in map(parts, samples)]
+        err, c = _fit_rates(rows, 5)
+        if best is None or err < best[0]:
+            best = (err, c, cache)
+    if best is not None and best[0] < min_gain * err1:
+        err, c, cache = best
+        if c.get(2, 0) > 0 and c.get(3, 0) > 0 and _inv(c, 2) > min_speedup * _inv(c, 3):
+            out = dict(peak_flops=_inv(c, 0), bmm_flops=_inv(c, 1) if c.get(1, 0) > 0 else None, mem_bw=_inv(c, 3),
+                       kernel_overhead=c.get(4, 0.0), cache_bw=_inv(c, 2), cache_bytes=cache)
+    return out
+
+
+def _metered(fn) -> tuple[float, int, int, int, float]:
+    """(FLOPs, bytes, kernels, largest working set, batched FLOPs) of one call of fn, as the replay's meter counts
+    them."""
+    from .replay_meter import CostMeter
+    meter = CostMeter()
+    with meter:
+        fn()
+    f, b, k, hist, fb = meter.state()
+    return f, b, k, max((v for _, v in hist), default=0), fb
+
+
+def _compute_samples(dev, dtype, gpu: bool, min_time: float) -> list[tuple[float, int, int, float, int, float]]:
+    """(flops, bytes, kernels, seconds, working set, batched flops) of single ops of several sizes: products,
+    batched products shaped like attention's (b x m x k) @ (b x k x n), and elementwise adds and copies from
+    cache-sized to memory-sized (work and working sets as the replay's meter counts them, so that the fitted
+    rates apply to metered spans)."""
     out = []
     for n in ((1024, 2048, 4096, 8192) if gpu else (32, 64, 128, 256)):
         a, b = torch.randn(n, n, device=dev, dtype=dtype), torch.randn(n, n, device=dev, dtype=dtype)
         comm.barrier()
-        out.append((2.0 * n ** 3, 0, 1, _timeit(lambda: a @ b, dev, min_time)))
-    for numel in ((1 << 16, 1 << 20, 1 << 24, 1 << 26) if gpu else (1, 1 << 10, 1 << 14, 1 << 16, 1 << 18, 1 << 20)):
-        x, y = torch.randn(numel, device=dev, dtype=dtype), torch.randn(numel, device=dev, dtype=dtype)
+        f, _, k, _, fb = _metered(lambda: a @ b)
+        out.append((f, 0, k, _timeit(lambda: a @ b, dev, min_time), 0, fb))
+    shapes = (((32, 2048, 128, 2048), (32, 2048, 2048, 128)) if gpu
+              else ((4, 256, 32, 256), (4, 256, 256, 32), (16, 64, 32, 64)))
+    for bs, m, k_, n in shapes:                       # scores q k^T (small inner dim k), and weights @ v
+        a, b = torch.randn(bs, m, k_, device=dev, dtype=dtype), torch.randn(bs, k_, n, device=dev, dtype=dtype)
         comm.barrier()
-        out.append((0.0, 3 * numel * x.element_size(), 1, _timeit(lambda: x + y, dev, min_time)))
+        f, _, k, _, fb = _metered(lambda: a @ b)
+        out.append((f, 0, k, _timeit(lambda: a @ b, dev, min_time), 0, fb))
+    sizes = (1 << 16, 1 << 20, 1 << 24, 1 << 26) if gpu else (1, 1 << 10, 1 << 14, 1 << 16, 1 << 17, 1 << 18, 1 << 19,
+                                                              1 << 20, 1 << 21, 1 << 22, 1 << 23)
+    for numel in sizes:
+        x, y = torch.randn(numel, device=dev, dtype=dtype), torch.randn(numel, device=dev, dtype=dtype)
+        for op in ((lambda: x + y), (lambda: y.copy_(x))):
+            comm.barrier()
+            f, nbytes, k, ws, fb = _metered(op)
+            out.append((f, nbytes, k, _timeit(op, dev, min_time), ws, fb))
     return out
 
 
@@ -162,12 +251,14 @@ def describe(per_rank: list[dict], n: int, name: str) -> tuple[Hardware, str]:
                 for i, (size, _) in enumerate(per_rank[0]["p2p"])]
     p2p_lat, p2p_bw = fit_alpha_beta(p2p_rows, n, factor=1.0)
     # the compute model is fitted to each sample's median time over the ranks (all ran it at once)
-    pooled = [(*s[:3], statistics.median(r["samples"][i][3] for r in per_rank))
+    pooled = [(*s[:3], statistics.median(r["samples"][i][3] for r in per_rank), *s[4:])
               for i, s in enumerate(per_rank[0]["samples"])]
-    flops, mem_bw, overhead = fit_roofline(pooled)
-    hw = Hardware(name=name, peak_flops=flops, mem_bw=mem_bw,
+    fit = fit_compute(pooled)
+    hw = Hardware(name=name, peak_flops=fit["peak_flops"], mem_bw=fit["mem_bw"],
                   intra_bw=bw, inter_bw=bw, gpus_per_node=n, efficiency=1.0, mem_efficiency=1.0,
-                  kernel_overhead=overhead, base_latency=0.0,
+                  kernel_overhead=fit["kernel_overhead"], base_latency=0.0, cache_bw=fit["cache_bw"],
+                  bmm_flops=fit["bmm_flops"],
+                  cache_bytes=fit["cache_bytes"],
                   intra_latency=hop, inter_latency=hop, p2p_bw=p2p_bw, p2p_latency=p2p_lat,
                   source=f"parlab.calibrate on {n} ranks, {time.strftime('%Y-%m-%d %H:%M', time.gmtime())} UTC")
     lines = [f"{'size':>10} {'time us':>10} {'algbw GB/s':>11} {'busbw GB/s':>11} {'fit us':>9}"]
@@ -179,11 +270,17 @@ def describe(per_rank: list[dict], n: int, name: str) -> tuple[Hardware, str]:
     lines.append("point to point (every rank sends to the next at once): " + ", ".join(
         f"{size} B {t * 1e6:.0f} us" for size, t in p2p_rows))
     lines.append(f"p2p fit: latency {p2p_lat * 1e6:.1f} us, bandwidth {p2p_bw / 1e9:.3f} GB/s")
-    lines.append(f"compute fit: {hw.peak_flops / 1e9:.2f} GFLOP/s, {hw.mem_bw / 1e9:.2f} GB/s, "
+    cache = (f"{hw.cache_bw / 1e9:.2f} GB/s for ops of working set <= {hw.cache_bytes / 2 ** 20:g} MiB, "
+             if hw.cache_bw else "one memory level: ")
+    bmm = f"batched products {hw.bmm_flops / 1e9:.2f} GFLOP/s, " if hw.bmm_flops else ""
+    lines.append(f"compute fit: {hw.peak_flops / 1e9:.2f} GFLOP/s, {bmm}{cache}{hw.mem_bw / 1e9:.2f} GB/s, "
                  f"{hw.kernel_overhead * 1e6:.2f} us per kernel (median time of {n} ranks per sample)")
-    for f, b, _, t in pooled:
-        model = f / hw.peak_flops + b / hw.mem_bw + hw.kernel_overhead
-        lines.append(f"  {'matmul' if f else 'add':>6} {f:>12.3g} FLOP {b:>10} B  {t * 1e6:>9.1f} us "
+    from .hardware import size_class
+    n_mm = sum(1 for s in pooled if s[0])                       # products first, then an add and a copy per size
+    for i, (f, b, k, t, ws, fb) in enumerate(pooled):
+        model = hw.compute_time(f, b, k, ((size_class(ws), b),) if b else (), fb)
+        what = ("bmm" if fb else "matmul") if f else ("add" if (i - n_mm) % 2 == 0 else "copy")
+        lines.append(f"  {what:>6} {f:>12.3g} FLOP {b:>10} B  {t * 1e6:>9.1f} us "
                      f"measured, {model * 1e6:>9.1f} us fitted")
     return hw, "\n".join(lines)
 
@@ -192,9 +289,11 @@ def _rank_main(sizes, reps, min_time) -> dict:
     return measure_rank("cpu", sizes=sizes, reps=reps, min_time=min_time)
 
 
-def calibrate(world: int = 4, sizes=SIZES, reps: int = 5, min_time: float = 0.2, name: str | None = None):
-    """On this CPU: `world` gloo ranks measure it together. Returns (Hardware, report text)."""
+def calibrate(world: int | None = None, sizes=SIZES, reps: int = 5, min_time: float = 0.2, name: str | None = None):
+    """On this CPU: `world` gloo ranks (default `default_world()`) measure it together. Returns (Hardware, report
+    text). Replay a run on the description calibrated with as many ranks as the run had."""
     import parlab
+    world = default_world() if world is None else world
     if isinstance(world, bool) or not isinstance(world, int) or world < 2:
         raise ValueError(f"world must be an integer >= 2 (ranks measured together), got {world!r}")
     res = parlab.run(_rank_main, world, list(sizes), reps, min_time, backend="gloo", echo=False, timeout=600)
@@ -205,7 +304,8 @@ def main(argv=None) -> int:
     """``parlab calibrate``: measure this machine (or, under torchrun, its GPUs) and write a Hardware JSON."""
     p = argparse.ArgumentParser(prog="parlab calibrate", description="measure collectives and matmul throughput "
                                 "and write a hardware description for parlab.replay")
-    p.add_argument("--world", type=int, default=4, help="gloo ranks on this CPU (ignored under torchrun)")
+    p.add_argument("--world", type=int, default=default_world(),
+                   help="gloo ranks on this CPU (default: one per core, 2 to 4; ignored under torchrun)")
     p.add_argument("--out", default="hardware.json", help="where to write the description (JSON)")
     p.add_argument("--name", default=None, help="name of the description (default: says what was measured)")
     p.add_argument("--reps", type=int, default=5, help="timed calls per message size")

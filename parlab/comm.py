@@ -173,6 +173,9 @@ class TracedWork:
         self._finish()
         if self.event.waited is None:   # where the program first needed the result (for parlab.replay)
             self.event.waited = now()
+            rec = current_recorder()
+            if rec is not None and rec.meter is not None:     # and the work done by then (count_costs)
+                self.event.meter_waited = rec.meter.state()
         if self._device_span is not None:   # cuda-events clock, no callback yet: when the stream is past the wait
             self._device_span.close()
         return out

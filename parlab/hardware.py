@@ -6,10 +6,24 @@ A `Hardware` is a few numbers per GPU (plain data, JSON in and out), enough for 
 * compute, roofline style (Williams, Waterman, Patterson, "Roofline", CACM 2009): a span that did F FLOPs in
   matrix products, moved M bytes in memory-bound ops and launched K kernels takes
 
-      F / (peak_flops x efficiency)  +  M / (mem_bw x mem_efficiency)  +  K x kernel_overhead
+      (F - F_b) / (peak_flops x efficiency)  +  F_b / bmm_flops
+          +  M_cache / (cache_bw x mem_efficiency)  +  (M - M_cache) / (mem_bw x mem_efficiency)  +  K x kernel_overhead
 
-  `efficiency` is the MFU-style factor: the fraction of the datasheet's dense peak that matrix products sustain
-  in a real training run;
+  `efficiency` is kernel-level: the fraction of the datasheet's dense peak that large matrix products (GEMMs)
+  sustain, measured per kernel, not per training step (the replay simulates bubbles and communication itself).
+  `mfu` is the end-to-end model-FLOPs utilisation of a whole training step (bubbles, communication and every
+  other overhead inside it), for models that do not simulate those, e.g. `parlab.planner.estimate`
+  (`end_to_end_mfu`; None: the same as `efficiency`, which is what a description written before the two were
+  split meant by its one `efficiency`).
+
+  F_b are the FLOPs of batched products (bmm, baddbmm, attention kernels; `Event.batched_flops`), which a CPU
+  runs at a rate of its own, `bmm_flops` (optional: None on the GPU presets, where they go at the product rate).
+
+  Two-level memory (optional, a CPU's caches; None on the GPU presets): M_cache are the bytes of the ops whose
+  working set (the bytes an op reads and writes, as `parlab.replay_meter` counts them) fits in `cache_bytes`;
+  they move at `cache_bw`, every other byte at `mem_bw`. The meter records each span's bytes per power-of-two
+  size class of working set (`Event.mem_hist`: (k, bytes) for working sets in [2^k, 2^(k+1))); a class counts
+  as cached when 2^(k+1) <= cache_bytes. Without `cache_bw` (or without a histogram) every byte moves at mem_bw;
 * communication, alpha-beta (Hockney 1994; the ring costs of Patarasuk & Yuan 2009, as nccl-tests'
   PERFORMANCE.md counts them): a collective over N ranks takes ``base_latency + steps x hop_latency +
   factor x X / bandwidth`` on the slowest link its group crosses (NVLink inside a node, InfiniBand across
@@ -24,7 +38,7 @@ import json
 import math
 from dataclasses import asdict, dataclass, fields, replace
 
-__all__ = ["Hardware", "PRESETS", "preset", "load", "COLLECTIVE_FACTORS"]
+__all__ = ["Hardware", "PRESETS", "preset", "load", "COLLECTIVE_FACTORS", "size_class", "hist_add", "hist_sub"]
 
 # NCCL's own latency model (src/graph/tuning.cc, NCCL 2.x, Ring algorithm with the Simple protocol that large
 # messages use): a base latency per collective of 8.4 us and a per-step hardware latency of 5.7 us over NVLink /
@@ -32,6 +46,24 @@ __all__ = ["Hardware", "PRESETS", "preset", "load", "COLLECTIVE_FACTORS"]
 NCCL_BASE_LATENCY = 8.4e-6
 NCCL_NVLINK_HOP = 5.7e-6
 NCCL_NET_HOP = 6.6e-6
+
+
+def size_class(nbytes: int) -> int:
+    """The power-of-two size class k of a working set of `nbytes` (>= 1): 2^k <= nbytes < 2^(k+1)."""
+    return max(int(nbytes), 1).bit_length() - 1
+
+
+def hist_add(a, b, sign: int = 1) -> tuple[tuple[int, int], ...]:
+    """The sum (sign 1) or difference (sign -1) of two size histograms ((k, bytes), ...), zero classes left out."""
+    out = dict((int(k), v) for k, v in a)
+    for k, v in b:
+        out[int(k)] = out.get(int(k), 0) + sign * v
+    return tuple(sorted((k, v) for k, v in out.items() if v))
+
+
+def hist_sub(a, b) -> tuple[tuple[int, int], ...]:
+    """a - b for size histograms (see `hist_add`)."""
+    return hist_add(a, b, -1)
 
 
 @dataclass(frozen=True)
@@ -44,7 +76,7 @@ class Hardware:
     intra_bw: float                 # bytes/s per GPU and direction inside a node (NVLink)
     inter_bw: float                 # bytes/s per GPU and direction between nodes (one NIC per GPU)
     gpus_per_node: int = 8
-    efficiency: float = 0.5         # fraction of peak_flops that matrix products sustain (MFU-style)
+    efficiency: float = 0.8         # kernel level: fraction of peak_flops that large matrix products sustain
     mem_efficiency: float = 0.8     # fraction of mem_bw that memory-bound kernels sustain
     kernel_overhead: float = 0.0    # seconds per kernel (launch and per-op framework cost)
     base_latency: float = NCCL_BASE_LATENCY   # seconds per collective call
@@ -53,6 +85,10 @@ class Hardware:
     source: str = ""                # where the numbers come from
     p2p_bw: float | None = None     # point-to-point messages, when they differ from the link (None: the link's)
     p2p_latency: float | None = None
+    mfu: float | None = None        # end-to-end MFU of a training step (None: = efficiency; module docstring)
+    cache_bw: float | None = None   # bytes/s of ops whose working set fits in cache_bytes (None: one level)
+    cache_bytes: float = 0.0        # working-set size up to which an op runs at cache_bw
+    bmm_flops: float | None = None  # FLOP/s of batched products (bmm, attention); None: peak_flops x efficiency
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -68,6 +104,20 @@ class Hardware:
             v = getattr(self, k)
             if not (isinstance(v, (int, float)) and 0 < v <= 1):
                 raise ValueError(f"hardware {self.name!r}: {k} is a fraction in (0, 1], got {v!r}")
+        if self.mfu is not None and not (isinstance(self.mfu, (int, float)) and not isinstance(self.mfu, bool)
+                                         and 0 < self.mfu <= 1):
+            raise ValueError(f"hardware {self.name!r}: mfu is a fraction in (0, 1] or None, got {self.mfu!r}")
+        if self.cache_bw is not None and (isinstance(self.cache_bw, bool) or not isinstance(self.cache_bw, (int, float))
+                                          or not self.cache_bw > 0):
+            raise ValueError(f"hardware {self.name!r}: cache_bw must be a positive rate (bytes/s) or None, "
+                             f"got {self.cache_bw!r}")
+        cb = self.cache_bytes
+        if isinstance(cb, bool) or not isinstance(cb, (int, float)) or not cb >= 0:
+            raise ValueError(f"hardware {self.name!r}: cache_bytes must be a size >= 0 in bytes, got {cb!r}")
+        if self.bmm_flops is not None and (isinstance(self.bmm_flops, bool)
+                                           or not isinstance(self.bmm_flops, (int, float)) or not self.bmm_flops > 0):
+            raise ValueError(f"hardware {self.name!r}: bmm_flops must be a positive rate (FLOP/s) or None, "
+                             f"got {self.bmm_flops!r}")
         if self.p2p_bw is not None and not (isinstance(self.p2p_bw, (int, float)) and self.p2p_bw > 0):
             raise ValueError(f"hardware {self.name!r}: p2p_bw must be a positive rate or None, got {self.p2p_bw!r}")
         for k in ("kernel_overhead", "base_latency", "intra_latency", "inter_latency"):
@@ -97,15 +147,38 @@ class Hardware:
             json.dump(self.to_dict(), f, indent=2)
 
     def with_(self, **changes) -> "Hardware":
-        """A copy with some fields changed, e.g. ``preset("dgx-h100").with_(efficiency=0.6)``."""
+        """A copy with some fields changed, e.g. ``preset("dgx-h100").with_(efficiency=0.7)``."""
         return replace(self, **changes)
 
     # ------------------------------------------------------------------ models
-    def compute_time(self, flops: float = 0.0, nbytes: float = 0.0, kernels: int = 0) -> float:
-        """Seconds of a compute span: matrix FLOPs at the sustained peak, memory-bound bytes at the sustained
-        bandwidth, plus a fixed cost per kernel (see the module docstring)."""
-        return (flops / (self.peak_flops * self.efficiency) + nbytes / (self.mem_bw * self.mem_efficiency)
-                + kernels * self.kernel_overhead)
+    @property
+    def end_to_end_mfu(self) -> float:
+        """The fraction of peak a whole training step sustains, for models that simulate no bubble or
+        communication (`mfu`, or `efficiency` when no separate MFU is given)."""
+        return self.mfu if self.mfu is not None else self.efficiency
+
+    def cached_bytes(self, mem_hist=()) -> float:
+        """Bytes of a span's memory-bound ops that run at `cache_bw`: those of the size classes (k, bytes) of
+        `mem_hist` whose working sets fit in `cache_bytes` (2^(k+1) <= cache_bytes); 0 without a cache level."""
+        if self.cache_bw is None or not self.cache_bytes:
+            return 0.0
+        return float(sum(b for k, b in mem_hist if 2.0 ** (k + 1) <= self.cache_bytes))
+
+    def compute_time(self, flops: float = 0.0, nbytes: float = 0.0, kernels: int = 0, mem_hist=(),
+                     batched_flops: float = 0.0) -> float:
+        """Seconds of a compute span: matrix FLOPs at the sustained peak (the `batched_flops` among them at
+        `bmm_flops` when given), memory-bound bytes at the sustained bandwidth of their level (cache or memory,
+        by `mem_hist`: (k, bytes) per working-set size class 2^k), plus a fixed cost per kernel (see the module
+        docstring)."""
+        cached = min(self.cached_bytes(mem_hist), float(nbytes))
+        batched = min(float(batched_flops), float(flops)) if self.bmm_flops is not None else 0.0
+        t = ((flops - batched) / (self.peak_flops * self.efficiency)
+             + (nbytes - cached) / (self.mem_bw * self.mem_efficiency))
+        if batched:
+            t += batched / self.bmm_flops
+        if cached:
+            t += cached / (self.cache_bw * self.mem_efficiency)
+        return t + kernels * self.kernel_overhead
 
     def link(self, crosses_nodes: bool) -> tuple[float, float]:
         """(bandwidth in bytes/s, latency per step in s) of the slowest link a group uses."""
@@ -173,7 +246,10 @@ def _dgx_a100() -> Hardware:
         intra_bw=300e9,         # NVLink 3: 600 GB/s bidirectional per GPU (12 links) = 300 GB/s each way
         inter_bw=25e9,          # DGX A100: 8 x 200 Gb/s HDR InfiniBand (ConnectX-6), one per GPU = 25 GB/s
         gpus_per_node=8,        # DGX A100 user guide: 8 GPUs per system
-        efficiency=0.5,         # Megatron-LM on A100: 44-52% of peak (Narayanan et al. SC'21, table 1)
+        # kernel level: "optimized GEMM can reach up to 80-90% of the theoretical maximum device throughput" on
+        # A100 (Dao, FlashAttention-2, arXiv:2307.08691, section 1); we take the low end, 0.8
+        efficiency=0.8,
+        mfu=0.5,                # end to end: Megatron-LM on A100, 44-52% of peak (Narayanan et al. SC'21, table 1)
         source="NVIDIA A100 datasheet, DGX A100 user guide; NCCL tuning.cc latencies")
 
 
@@ -185,7 +261,10 @@ def _dgx_h100() -> Hardware:
         intra_bw=450e9,         # NVLink 4: 900 GB/s bidirectional per GPU (18 links) = 450 GB/s each way
         inter_bw=50e9,          # DGX H100: 8 x 400 Gb/s NDR InfiniBand (ConnectX-7), one per GPU = 50 GB/s
         gpus_per_node=8,        # DGX H100 user guide: 8 GPUs per system
-        efficiency=0.5,         # the same MFU-style factor as the A100 (no published H100 Megatron table here)
+        # kernel level: optimized GEMMs reach 80-90% of the H100's peak (Shah et al., FlashAttention-3,
+        # arXiv:2407.08608, section 1, contrasting FlashAttention-2's 35%); the low end, 0.8
+        efficiency=0.8,
+        mfu=0.5,                # end to end: the A100's figure (no published H100 Megatron table here)
         source="NVIDIA H100 datasheet, DGX H100 user guide; NCCL tuning.cc latencies")
 
 

@@ -3,8 +3,9 @@
 `replay(trace, hardware)` keeps the program every rank ran (its order of compute spans, collectives,
 messages and waits, from `parlab.replay_program.build_programs`) and gives every step a new duration:
 
-* compute spans from their work (`Event.flops`, `nbytes`, `kernels`, metered by `parlab.trace.count_costs`)
-  on the hardware's roofline (`Hardware.compute_time`);
+* compute spans from their work (`Event.flops`, `nbytes`, `kernels`, `mem_hist`, metered by
+  `parlab.trace.count_costs`) on the hardware's roofline (`Hardware.compute_time`: products at the kernel-level
+  efficiency, memory-bound bytes at the cache's or memory's bandwidth by working set);
 * collectives and messages from the alpha-beta model of their algorithm (`Hardware.collective_time`: ring,
   or tree for an all-reduce across nodes where that is faster), on the slowest link the group crosses. Which
   groups cross nodes follows from the placement: rank r sits on node ``r // gpus_per_node`` (torchrun's and
@@ -96,7 +97,7 @@ def default_costs(hardware: Hardware, placement: Placement, compute_scale: float
 
     def compute(e: Event) -> float:
         if e.flops or e.nbytes or e.kernels or (metered and compute_scale is None):
-            return hardware.compute_time(e.flops, e.nbytes, e.kernels)
+            return hardware.compute_time(e.flops, e.nbytes, e.kernels, e.mem_hist, e.batched_flops)
         if compute_scale is not None:
             return e.duration * compute_scale
         raise ReplayError(f"compute span {e.op!r} ({e.label or 'no label'}) of rank {e.rank} carries no work "
@@ -115,14 +116,16 @@ def default_costs(hardware: Hardware, placement: Placement, compute_scale: float
 
 def replay(trace: Trace, hardware: Hardware, *, grid: ParallelGrid | None = None, gpus_per_node: int | None = None,
            nodes=None, compute_scale: float | None = None, compute_time: Callable[[Event], float] | None = None,
-           comm_time: Callable[[Event], float] | None = None) -> Trace:
+           comm_time: Callable[[Event], float] | None = None, untraced: bool = True) -> Trace:
     """The trace re-timed on `hardware` (see the module docstring). Returns a new `Trace`.
 
     grid / gpus_per_node   placement of the ranks on nodes (default: the hardware's GPUs per node)
     nodes                  or an explicit placement: ``nodes[r]`` is the node of rank r (e.g. [0, 1, 0, 1])
     compute_scale          for compute spans without metered work: measured duration x this factor
     compute_time, comm_time  replace the cost models: functions of an `Event`, returning seconds
-                           (`parlab.scaleup` re-costs spans with a big model's shapes this way)"""
+                           (`parlab.scaleup` re-costs spans with a big model's shapes this way)
+    untraced               in a metered trace, also replay the work the meter counted outside every compute
+                           span, as compute steps of op "untraced" (`parlab.replay_program`)"""
     if not isinstance(trace, Trace):
         raise ReplayError(f"replay needs a parlab.Trace (e.g. parlab.run(..., trace=True).trace), "
                           f"got {type(trace).__name__}")
@@ -136,7 +139,7 @@ def replay(trace: Trace, hardware: Hardware, *, grid: ParallelGrid | None = None
     metered = any(e.kind == "compute" and (e.flops or e.nbytes or e.kernels) for e in trace.events)
     compute, comm = default_costs(hardware, placement, compute_scale, metered)
     try:
-        programs = build_programs(trace, compute_time or compute, comm_time or comm)
+        programs = build_programs(trace, compute_time or compute, comm_time or comm, untraced)
     except ReplayError:
         raise
     except ValueError as err:

@@ -4,17 +4,21 @@
 
     FLOPs    of matrix products and attention kernels, with the formulas ``torch.utils.flop_counter``
              registers (mm, addmm, bmm, baddbmm, convolutions, scaled-dot-product attention): 2 m n k for an
-             (m x k) @ (k x n) product
+             (m x k) @ (k x n) product; those of batched products (bmm, baddbmm, attention) also on their own,
+             since a CPU runs them at a rate of their own (`parlab.hardware.Hardware.bmm_flops`)
     bytes    read and written by every other op (the memory-bound ones: elementwise, reductions, norms,
              softmax, copies): the sizes of its tensor inputs and outputs
     kernels  the number of ops counted (views and metadata ops launch nothing and count nothing)
+    mem_hist the same bytes by size class of the op's working set (its bytes read and written): k -> bytes of
+             the ops with working sets in [2^k, 2^(k+1)), so that a two-level memory model
+             (`parlab.hardware.Hardware.cache_bw`) can charge cache-sized ops and DRAM-sized ops differently
 
 Communication ops (namespace c10d) count nothing: the trace times them separately. Use it through
 `parlab.trace.count_costs()`, which hands the totals to each compute span of the active recorder.
 A replay then charges a span max-free roofline time: FLOPs / achieved FLOP/s + bytes / achieved memory
-bandwidth + kernels x launch overhead (`parlab.hardware.Hardware.compute_time`), i.e. matrix products are taken
-as compute-bound and every other op as memory-bound, as in the roofline model (Williams, Waterman, Patterson,
-"Roofline", CACM 2009).
+bandwidth (of the cache or of memory, by working set) + kernels x launch overhead
+(`parlab.hardware.Hardware.compute_time`), i.e. matrix products are taken as compute-bound and every other op as
+memory-bound, as in the roofline model (Williams, Waterman, Patterson, "Roofline", CACM 2009).
 """
 from __future__ import annotations
 
@@ -22,6 +26,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
+
+from .hardware import size_class
 
 __all__ = ["CostMeter"]
 
@@ -34,14 +40,23 @@ def _tensor_bytes(obj) -> int:
 
 
 class CostMeter(TorchDispatchMode):
-    """Running totals of (FLOPs, bytes of memory-bound ops, kernels) of the ops run inside ``with meter:``."""
+    """Running totals of (FLOPs, bytes of memory-bound ops, kernels) of the ops run inside ``with meter:``, and
+    the bytes per working-set size class (`mem_hist`)."""
 
     def __init__(self):
         super().__init__()
         self.flops, self.bytes, self.kernels = 0.0, 0, 0
+        self.hist: dict[int, int] = {}
+        self.batched = 0.0          # the part of flops done by batched products
 
     def totals(self) -> tuple[float, int, int]:
         return self.flops, self.bytes, self.kernels
+
+    def state(self) -> tuple[float, int, int, tuple[tuple[int, int], ...], float]:
+        """The running totals, the size histogram ((k, bytes), ...) and the batched products' FLOPs, as
+        `parlab.trace.Event.meter_at` keeps them: a replay splits a span at its communication by the work done
+        between (`parlab.replay_program`)."""
+        return self.flops, self.bytes, self.kernels, tuple(sorted(self.hist.items())), self.batched
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -51,11 +66,16 @@ class CostMeter(TorchDispatchMode):
         packet = func._overloadpacket
         formula = flop_registry.get(packet)
         if formula is not None:
-            self.flops += float(formula(*args, **kwargs, out_val=out))
+            f = float(formula(*args, **kwargs, out_val=out))
+            self.flops += f
             self.kernels += 1
+            if "bmm" in packet.__name__ or "attention" in packet.__name__:
+                self.batched += f
         else:
             moved = _tensor_bytes(args) + _tensor_bytes(kwargs) + _tensor_bytes(out)
             if moved:
                 self.bytes += moved
                 self.kernels += 1
+                k = size_class(moved)
+                self.hist[k] = self.hist.get(k, 0) + moved
         return out

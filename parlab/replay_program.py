@@ -16,17 +16,30 @@ Matching across ranks (the only cross-rank information a trace has):
   matched in order; parlab sends no tags).
 
 A compute span that contains communication or waits (e.g. a region around a step that all-reduces inside) is
-cut at them; its cost is shared among the pieces in proportion to their measured durations. A compute span
-inside another compute span of the same rank is dropped: the outer one's cost already includes it.
+cut at them. In a metered trace (`parlab.trace.count_costs`) each piece costs the work done in it: every event
+carries the meter's running totals when it was recorded (`Event.meter_at`), so the work between two cuts is
+their difference, and the piece costs ``compute_cost`` of that work; this does not depend on how long the
+pieces happened to take, so replaying two runs of the same program gives the same times. Otherwise (no meter,
+or a cost callback that is not additive over work, e.g. `parlab.scaleup`'s, which costs a span by its label)
+the span's cost is shared among the pieces in proportion to their measured durations. A compute span inside
+another compute span of the same rank is dropped: the outer one's cost already includes it.
+
+Work outside every compute span (ops run between regions, e.g. a gradient accumulation between two ring
+steps): in a metered trace the running totals show it, between two consecutive metered moments of a rank (its
+calls, waits, marks, span starts and ends, ordered by the kernels counted) that no span covers. It becomes a
+compute step of its own (op "untraced"), placed after the first of the two moments. Work before a rank's first
+metered event is not seen.
 Pure Python: no torch.
 """
 from __future__ import annotations
 
 import bisect
+import dataclasses
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Callable
 
+from .hardware import hist_sub
 from .trace import Event, Trace
 
 __all__ = ["Step", "build_programs"]
@@ -52,19 +65,20 @@ def _at(e: Event) -> float:
 
 
 def build_programs(trace: Trace, compute_cost: Callable[[Event], float],
-                   comm_cost: Callable[[Event], float]) -> dict[int, list[Step]]:
-    """Per-rank lists of `Step`s in program order, with costs from the two callbacks (seconds)."""
+                   comm_cost: Callable[[Event], float], untraced: bool = True) -> dict[int, list[Step]]:
+    """Per-rank lists of `Step`s in program order, with costs from the two callbacks (seconds). `untraced`:
+    add compute steps for the metered work done outside every compute span (module docstring)."""
     by_rank: dict[int, list[Event]] = defaultdict(list)
     for e in trace.events:
         by_rank[e.rank].append(e)
     programs: dict[int, list[Step]] = {}
     for r, evs in by_rank.items():
-        programs[r] = _program(r, evs, compute_cost, comm_cost)
+        programs[r] = _program(r, evs, compute_cost, comm_cost, untraced)
     _check_matching(programs)
     return programs
 
 
-def _program(rank: int, evs: list[Event], compute_cost, comm_cost) -> list[Step]:
+def _program(rank: int, evs: list[Event], compute_cost, comm_cost, untraced: bool = True) -> list[Step]:
     computes = sorted((e for e in evs if e.kind == "compute"), key=lambda e: (e.start, -e.end))
     outer: list[Event] = []
     for e in computes:                           # drop spans nested in an earlier, longer one
@@ -116,13 +130,83 @@ def _program(rank: int, evs: list[Event], compute_cost, comm_cost) -> list[Step]
             blocking = st.kind in ("coll", "send", "recv") and not st.asynchronous
             t = max(at, min(st.event.end, c.end)) if blocking else at
         cuts.append((t, c.end))
-        total = sum(max(b - a, 0.0) for a, b in cuts)
-        for a, b in cuts:
-            share = (max(b - a, 0.0) / total) if total > 0 else 1.0 / len(cuts)
-            piece = Step("compute", c, cost * share, extra={"piece": True})
-            steps.append((a, _LAST, piece))
+        costs = _piece_costs(c, [_state(st) for _, _, st in inside], cost, compute_cost)
+        if costs is None:                        # not metered: share the cost by measured durations
+            total = sum(max(b - a, 0.0) for a, b in cuts)
+            costs = [cost * ((max(b - a, 0.0) / total) if total > 0 else 1.0 / len(cuts)) for a, b in cuts]
+        for (a, b), piece_cost in zip(cuts, costs):
+            steps.append((a, _LAST, Step("compute", c, piece_cost, extra={"piece": True})))
+    if untraced:
+        steps += _untraced_work(rank, outer, points, compute_cost)
     steps.sort(key=lambda p: (p[0], p[1]))
     return [s for _, _, s in steps]
+
+
+def _state(st: Step) -> tuple:
+    """The meter's running totals where a point step happened (at a wait: when the program waited)."""
+    return st.event.meter_waited if st.kind == "wait" else st.event.meter_at
+
+
+def _minus(b: tuple, a: tuple) -> tuple:
+    """Work between two running totals (flops, bytes, kernels, size histogram, batched flops)."""
+    return b[0] - a[0], b[1] - a[1], b[2] - a[2], hist_sub(b[3], a[3]), b[4] - a[4]
+
+
+def _span_start(c: Event) -> tuple:
+    """The meter's running totals when span `c` began: its end totals less its own work."""
+    end = c.meter_at
+    return (end[0] - c.flops, end[1] - c.nbytes, end[2] - c.kernels, hist_sub(end[3], c.mem_hist),
+            end[4] - c.batched_flops)
+
+
+def _untraced_work(rank: int, outer: list[Event], points, compute_cost) -> list[tuple[float, int, Step]]:
+    """Compute steps for the work the meter counted outside every compute span (module docstring): between
+    two consecutive metered moments of the rank (its calls, waits, marks, the starts and ends of its spans, in
+    the order of the kernels counted) that no span covers, placed after the first of the two."""
+    marks = [(at, _state(st)) for at, _, st in points if len(_state(st)) == 5]
+    spans = [(_span_start(c), c.meter_at) for c in outer if len(c.meter_at) == 5]
+    marks += [(c.start, s) for c, (s, _) in zip((c for c in outer if len(c.meter_at) == 5), spans)]
+    marks += [(c.end, c.meter_at) for c in outer if len(c.meter_at) == 5]
+    marks.sort(key=lambda m: (m[1][2], m[0]))                 # kernels counted so far: the program's order
+    covered = sorted((s[2], e[2]) for s, e in spans)          # the kernels each span ran (spans do not nest)
+    starts = [s for s, _ in covered]
+    out = []
+    for (t, a), (t_next, b) in zip(marks, marks[1:]):
+        work = _minus(b, a)
+        if work[2] <= 0 or work[0] < 0 or work[1] < 0 or any(v < 0 for _, v in work[3]):
+            continue                                          # nothing ran (or the totals are inconsistent)
+        i = bisect.bisect_right(starts, a[2]) - 1
+        if i >= 0 and b[2] <= covered[i][1]:
+            continue                                          # inside a span: its own cost covers it
+        ev = Event(rank, "compute", "untraced", t, max(t, t_next), flops=work[0], nbytes=work[1], kernels=work[2],
+                   mem_hist=work[3], batched_flops=max(work[4], 0.0), label="metered work outside any traced region")
+        out.append((t, _LAST, Step("compute", ev, compute_cost(ev))))
+    return out
+
+
+def _piece_costs(c: Event, states: list[tuple], cost: float, compute_cost) -> list[float] | None:
+    """The cost of each piece of span `c` cut at points with the meter's running totals `states`, from the work
+    counted between the cuts (module docstring); None when the trace does not say (no running totals, work given
+    by hand that the totals do not match) or the cost model is not additive over work (the pieces would not sum
+    to `cost`)."""
+    if len(c.meter_at) != 5 or any(len(s) != 5 for s in states):
+        return None
+    end = c.meter_at
+    marks = [_span_start(c), *states, end]
+    pieces = []
+    for a, b in zip(marks, marks[1:]):
+        work = _minus(b, a)
+        # a negative piece: the totals are not this span's work (e.g. flops= given to the region by hand)
+        # (tolerances: float rounding of running sums, and of bytes scaled by parlab.scaleup.scale_work)
+        if (work[0] < -1e-9 * max(abs(end[0]), 1.0) or work[1] < -1e-9 * max(abs(end[1]), 1.0) - 1 or work[2] < 0
+                or any(v < 0 for _, v in work[3])):
+            return None
+        pieces.append(dataclasses.replace(c, flops=max(work[0], 0.0), nbytes=max(work[1], 0), kernels=work[2],
+                                          mem_hist=work[3], batched_flops=min(max(work[4], 0.0), max(work[0], 0.0))))
+    costs = [compute_cost(p) for p in pieces]
+    if abs(sum(costs) - cost) > 1e-9 * max(abs(cost), 1e-300):
+        return None
+    return costs
 
 
 def _check_matching(programs: dict[int, list[Step]]) -> None:

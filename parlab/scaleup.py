@@ -20,11 +20,12 @@ every step with the big model's shapes (`parlab.costs.ModelSpec`), then replays 
 Each traced rank stands for one stage's tp x cp GPUs. Placement is Megatron's order on a grid of
 tp x cp x dp x pp GPUs (`parlab.topology.ParallelGrid`) with the hardware's GPUs per node, so the pp and dp
 groups cross nodes when tp x cp (x dp) fills a node. The compute model is FLOPs only (big matrix products are
-compute-bound), at the hardware's efficiency; the optimizer step is left out.
+compute-bound), at the hardware's kernel-level efficiency (the replay adds the bubble and the communication
+itself; `compare` gives the planner the end-to-end MFU instead); the optimizer step is left out.
 
 `scale_work(trace, flops=k, comm_bytes=j)` is the blunt tool for any other run (DDP, ring attention): every
-compute span's metered work times k (its memory-bound bytes too, or `mem_bytes`), every message and collective
-times j, e.g. k = (c_big / c)^2 and j = c_big / c to give a ring-attention run c_big tokens per rank.
+compute span's metered work times k (its memory-bound bytes too, or `mem_bytes`, all of them then at the memory's
+bandwidth), every message and collective times j, e.g. k = (c_big / c)^2 and j = c_big / c to give a ring-attention run c_big tokens per rank.
 
 `compare(...)` puts the replay next to `parlab.planner.estimate` for the same layout (and a published time).
 """
@@ -163,13 +164,15 @@ def _stage_of_rank(trace: Trace, rank: int) -> int:
 def compare(trace: Trace, model: ModelSpec, hardware: Hardware, layout: Layout, global_batch: int,
             published_s: float | None = None) -> dict:
     """The replayed step time next to the planner's estimate (`parlab.planner.estimate`) for the same layout,
-    model, batch and hardware (and, when given, a published step time; errors are relative to it)."""
+    model, batch and hardware (and, when given, a published step time; errors are relative to it). The replay
+    computes at the hardware's kernel-level `efficiency` and adds bubbles and communication itself; the planner,
+    which adds less of them, at its end-to-end MFU (`Hardware.end_to_end_mfu`)."""
     from .planner import estimate
     rep = step_time(scaleup(trace, model, hardware, layout))
     nodes = max(1, layout.gpus // hardware.gpus_per_node)
     cluster = Cluster(nodes=nodes, gpus_per_node=min(hardware.gpus_per_node, layout.gpus),
                       intra_gbps=hardware.intra_bw / 1e9, inter_gbps=hardware.inter_bw / 1e9,
-                      peak_tflops=hardware.peak_flops / 1e12, mfu=hardware.efficiency)
+                      peak_tflops=hardware.peak_flops / 1e12, mfu=hardware.end_to_end_mfu)
     est = estimate(model, cluster, global_batch, tp=layout.tp, pp=layout.pp, cp=layout.cp,
                    micro_batch=layout.micro_batch, zero=1 if layout.dp > 1 else 0,
                    recompute=layout.recompute == "full")
@@ -192,10 +195,16 @@ def scale_work(trace: Trace, flops: float = 1.0, comm_bytes: float = 1.0, mem_by
     mem = flops if mem_bytes is None else mem_bytes
     out = []
     for e in trace.events:
+        # the meter's running totals are scaled alike (a replay splits spans by them); the size classes of the
+        # memory-bound ops are dropped: the bigger model's ops do not fit any cache, every byte goes at mem_bw
+        at = ((e.meter_at[0] * flops, e.meter_at[1] * mem, e.meter_at[2], (), e.meter_at[4] * flops)
+              if len(e.meter_at) == 5 else e.meter_at)
         if e.kind == "compute":
-            out.append(dataclasses.replace(e, flops=e.flops * flops, nbytes=round(e.nbytes * mem)))
+            out.append(dataclasses.replace(e, flops=e.flops * flops, nbytes=round(e.nbytes * mem), mem_hist=(),
+                                           batched_flops=e.batched_flops * flops, meter_at=at))
         elif e.kind in ("collective", "p2p"):
-            out.append(dataclasses.replace(e, nbytes=round(e.nbytes * comm_bytes), numel=round(e.numel * comm_bytes)))
+            out.append(dataclasses.replace(e, nbytes=round(e.nbytes * comm_bytes), numel=round(e.numel * comm_bytes),
+                                           meter_at=at))
         else:
-            out.append(e)
+            out.append(dataclasses.replace(e, meter_at=at))
     return Trace(out, trace.hardware)

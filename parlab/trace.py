@@ -81,6 +81,14 @@ class Event:
     flops: float = 0.0
     kernels: int = 0
     waited: float | None = None
+    # Metered runs (count_costs) only: a compute span's memory-bound bytes per working-set size class,
+    # ((k, bytes), ...) for working sets in [2^k, 2^(k+1)); and on every event the meter's running totals when
+    # it was recorded, (flops, bytes, kernels, size histogram, batched flops), so a replay can split a span
+    # by the work done.
+    mem_hist: tuple = ()
+    batched_flops: float = 0.0  # the part of flops done by batched products (bmm, attention), metered runs only
+    meter_at: tuple = ()
+    meter_waited: tuple = ()    # an asynchronous call: the meter's running totals when it was first waited for
 
     @property
     def duration(self) -> float:
@@ -132,16 +140,20 @@ class Recorder:
         self.rank = rank
         self.events: list[Event] = []
         self.meter = None          # a cost meter while `count_costs()` is active
-        self._stamp = (0.0, 0, 0)  # the meter's totals when the last event was added
+        self._stamp = (0.0, 0, 0, (), 0.0)  # the meter's state (CostMeter.state) when the last event was added
         self.clock = clock
         self.device = DeviceClock() if clock == "cuda-events" else None   # CUDA events to retime at the end
 
     def add(self, event: Event) -> Event:
         if self.meter is not None:   # a compute span added by hand gets the work metered since the last event
-            totals = self.meter.totals()
+            state = self.meter.state()
             if event.kind == "compute" and not (event.flops or event.nbytes or event.kernels):
-                event.flops, event.nbytes, event.kernels = (a - b for a, b in zip(totals, self._stamp))
-            self._stamp = totals
+                from .hardware import hist_sub
+                event.flops, event.nbytes, event.kernels = (a - b for a, b in zip(state[:3], self._stamp[:3]))
+                event.mem_hist = hist_sub(state[3], self._stamp[3])
+                event.batched_flops = state[4] - self._stamp[4]
+            event.meter_at = state
+            self._stamp = state
         self.events.append(event)
         return event
 
@@ -206,17 +218,21 @@ def region(name: str, label: str = "", flops: float | None = None, nbytes: int |
         yield
         return
     start, device_start = now(), rec.device_mark()
-    before = rec.meter.totals() if rec.meter is not None else None
+    before = rec.meter.state() if rec.meter is not None else None
     try:
         yield
     finally:
         ev = Event(rank=rec.rank, kind="compute", op=name, start=start, end=now(), label=label)
-        if before is not None:
-            ev.flops, ev.nbytes, ev.kernels = (a - b for a, b in zip(rec.meter.totals(), before))
+        if before is not None and rec.meter is not None:
+            from .hardware import hist_sub
+            after = rec.meter.state()
+            ev.flops, ev.nbytes, ev.kernels = (a - b for a, b in zip(after[:3], before[:3]))
+            ev.mem_hist = hist_sub(after[3], before[3])
+            ev.batched_flops = after[4] - before[4]
         if flops is not None:
-            ev.flops = float(flops)
+            ev.flops, ev.batched_flops = float(flops), 0.0
         if nbytes is not None:
-            ev.nbytes = int(nbytes)
+            ev.nbytes, ev.mem_hist = int(nbytes), ()
         rec.add(ev)
         rec.device_span(ev, device_start)
 
@@ -234,7 +250,7 @@ def count_costs() -> Iterator[None]:
         return
     from .replay_meter import CostMeter   # torch only when metering
     meter, previous = CostMeter(), rec.meter
-    rec.meter, rec._stamp = meter, meter.totals()
+    rec.meter, rec._stamp = meter, meter.state()
     try:
         with meter:
             yield

@@ -1,0 +1,263 @@
+"""The virtual cluster's compute model: kernel-level efficiency vs end-to-end MFU, the two-level memory model and
+its calibration fit, JSON back-compatibility, and the split of a span at its communication by metered work."""
+import dataclasses
+import json
+
+import pytest
+import torch
+
+import parlab
+from parlab import comm
+from parlab.calibrate import fit_compute
+from parlab.hardware import Hardware, hist_add, hist_sub, load, preset, size_class
+from parlab.replay import replay
+from parlab.trace import Event, Trace, count_costs, recording, region
+
+# Round numbers: 10 GFLOP/s (batched products 4), 20 GB/s for ops whose working set fits in 1 MiB, 5 GB/s beyond,
+# 2 us per kernel.
+TWO = Hardware("two-level", peak_flops=1e10, mem_bw=5e9, intra_bw=1e9, inter_bw=1e9, efficiency=1.0,
+               mem_efficiency=1.0, kernel_overhead=2e-6, cache_bw=2e10, cache_bytes=2.0 ** 20, bmm_flops=4e9)
+# Only FLOPs cost time (one FLOP per second); memory, kernels and communication are free.
+FLOPS_ONLY = Hardware("flops", peak_flops=1.0, mem_bw=1e300, intra_bw=1e300, inter_bw=1e300, efficiency=1.0,
+                      mem_efficiency=1.0, base_latency=0.0, intra_latency=0.0, inter_latency=0.0)
+
+
+def _pipeline_pattern(p, m):
+    """On every rank: one tiny 1F1B step (the program a scale-up replays)."""
+    from parlab import schedules as sch
+    from parlab.models import GPT, GPTConfig
+    from parlab.pipeline_parallel import PipelineParallel
+    cfg = GPTConfig(vocab_size=32, seq_len=8, n_layer=2 * p, n_head=2, n_embd=16)
+    x = torch.randint(32, (m, 8), generator=torch.Generator().manual_seed(0))     # (m, S)
+    PipelineParallel(GPT(cfg, seed=0), sch.one_f_one_b(p, m)).step(x, x)
+
+
+# ---------------------------------------------------------------------- efficiency vs MFU
+def test_presets_split_kernel_efficiency_from_end_to_end_mfu():
+    for name in ("dgx-a100", "dgx-h100"):
+        h = preset(name)
+        assert (h.efficiency, h.mfu, h.end_to_end_mfu) == (0.8, 0.5, 0.5)
+        # the replay's products run at the kernel-level rate
+        assert h.compute_time(1e12) == pytest.approx(1e12 / (h.peak_flops * 0.8), rel=1e-12)
+    assert preset("dgx-h100").with_(mfu=None).end_to_end_mfu == 0.8        # no MFU given: the one efficiency
+
+
+def test_an_old_description_with_one_efficiency_loads_meaning_what_it_meant(tmp_path):
+    old = {"name": "old A100", "peak_flops": 312e12, "mem_bw": 2.039e12, "intra_bw": 300e9, "inter_bw": 25e9,
+           "gpus_per_node": 8, "efficiency": 0.5, "mem_efficiency": 0.8, "kernel_overhead": 0.0,
+           "base_latency": 8.4e-6, "intra_latency": 5.7e-6, "inter_latency": 6.6e-6, "source": "",
+           "p2p_bw": None, "p2p_latency": None}                 # the fields a file had before the split
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(old))
+    h = load(str(path))
+    # the one factor meant both: the replay's compute rate and the planner's MFU
+    assert h.efficiency == 0.5 and h.end_to_end_mfu == 0.5 and h.mfu is None and h.cache_bw is None
+    F, M, K = 3e12, 4e9, 7
+    assert h.compute_time(F, M, K) == F / (312e12 * 0.5) + M / (2.039e12 * 0.8)        # the old formula, exactly
+    h.save(str(path))
+    assert load(str(path)) == h                                 # and it round-trips with the new fields
+    new = TWO.with_(mfu=0.4)
+    new.save(str(path))
+    assert load(str(path)) == new
+
+
+@pytest.mark.parametrize("change, words", [
+    (dict(mfu=0.0), "mfu is a fraction"),
+    (dict(mfu=True), "mfu is a fraction"),
+    (dict(cache_bw=-1.0), "cache_bw must be a positive rate"),
+    (dict(cache_bytes=-4), "cache_bytes must be a size >= 0"),
+    (dict(bmm_flops=0), "bmm_flops must be a positive rate"),
+])
+def test_bad_mfu_and_cache_fields_are_refused_with_the_field_named(change, words):
+    with pytest.raises(ValueError, match=words):
+        TWO.with_(**change)
+
+
+def test_compare_gives_the_planner_the_mfu_and_the_replay_the_kernel_efficiency():
+    from parlab.costs import preset as model_preset
+    from parlab.scaleup import Layout, compare
+    tr = parlab.run(_pipeline_pattern, 2, 2, 4, trace=True, echo=False).trace
+    model, lay, a100 = model_preset("llama-7b"), Layout(tp=8, pp=2), preset("dgx-a100")
+    base = compare(tr, model, a100, lay, 4)
+    faster = compare(tr, model, a100.with_(efficiency=0.9), lay, 4)     # faster kernels: only the replay moves
+    assert faster["planner_s"] == base["planner_s"] and faster["replay_s"] < base["replay_s"]
+    lower = compare(tr, model, a100.with_(mfu=0.25), lay, 4)            # a lower MFU: only the planner moves
+    assert lower["replay_s"] == base["replay_s"] and lower["planner_s"] > base["planner_s"]
+
+
+# ---------------------------------------------------------------------- two-level memory
+def test_size_classes_and_histograms():
+    assert [size_class(n) for n in (1, 2, 3, 1023, 1024, 12 << 20)] == [0, 1, 1, 9, 10, 23]
+    a, b = ((3, 10), (5, 4)), ((3, 10), (7, 1))
+    assert hist_add(a, b) == ((3, 20), (5, 4), (7, 1)) and hist_sub(a, b) == ((5, 4), (7, -1))
+    assert hist_sub(a, a) == ()
+
+
+def test_two_level_memory_charges_cache_sized_ops_at_the_cache_rate():
+    small, big = 12 << 10, 12 << 20                              # working sets of 12 KiB and 12 MiB
+    hist = ((size_class(small), small), (size_class(big), big))
+    # exact to float rounding: small at 20 GB/s (its class 2^13..2^14 fits in 1 MiB), big at 5 GB/s, 2 kernels
+    assert TWO.compute_time(0.0, small + big, 2, hist) == pytest.approx(small / 2e10 + big / 5e9 + 4e-6, rel=1e-12)
+    # a class counts as cached only when all of it fits: [2^20, 2^21) does not fit in 2^20 bytes
+    assert TWO.cached_bytes(((19, 5), (20, 7))) == 5
+    # without a histogram (an unmetered span, a scaled-up one) or without a cache level: every byte at mem_bw
+    assert TWO.compute_time(0.0, small, 1) == pytest.approx(small / 5e9 + 2e-6, rel=1e-12)
+    assert TWO.with_(cache_bw=None).compute_time(0.0, small, 1, hist[:1]) == pytest.approx(small / 5e9 + 2e-6,
+                                                                                          rel=1e-12)
+
+
+def test_batched_products_run_at_their_own_rate():
+    # exact to float rounding: 1e9 plain FLOPs at 10 GFLOP/s, 4e8 batched at 4 GFLOP/s, one kernel
+    assert TWO.compute_time(1.4e9, 0, 1, (), 4e8) == pytest.approx(0.1 + 0.1 + 2e-6, rel=1e-12)
+    assert TWO.with_(bmm_flops=None).compute_time(1.4e9, 0, 1, (), 4e8) == pytest.approx(0.14 + 2e-6, rel=1e-12)
+
+
+def _samples(hw):
+    """(flops, bytes, kernels, seconds, working set, batched flops) of products, batched products and adds from
+    12 B to 48 MiB, timed by `hw`."""
+    out = [(f, 0, 1, hw.compute_time(f, 0, 1), 0, 0.0) for f in (1e6, 1e8, 1e9)]
+    out += [(f, 0, 1, hw.compute_time(f, 0, 1, (), f), 0, f) for f in (1e6, 1e8)]
+    for ws in (12 * 4 ** k for k in range(0, 12)):
+        out.append((0.0, ws, 1, hw.compute_time(0.0, ws, 1, ((size_class(ws), ws),)), ws, 0.0))
+    return out
+
+
+def test_calibration_fit_recovers_a_two_level_memory_from_exact_samples():
+    got = fit_compute(_samples(TWO))
+    # exact data: least squares recovers every rate up to rounding, and the cache size as a power of two
+    assert got["cache_bytes"] == 2.0 ** 20
+    for k, v in (("peak_flops", 1e10), ("bmm_flops", 4e9), ("mem_bw", 5e9), ("cache_bw", 2e10),
+                 ("kernel_overhead", 2e-6)):
+        assert got[k] == pytest.approx(v, rel=1e-6), k
+    one = fit_compute(_samples(TWO.with_(cache_bw=None)))      # one bandwidth: no cache level is invented
+    assert one["cache_bw"] is None and one["mem_bw"] == pytest.approx(5e9, rel=1e-6)
+
+
+def test_the_meter_records_bytes_by_working_set():
+    x, y = torch.ones(1 << 14), torch.ones(1 << 14)
+    q, k = torch.ones(4, 8, 2), torch.ones(4, 2, 8)                  # (b, m, k) @ (b, k, n)
+    with recording() as rec:
+        with count_costs():
+            with region("add"):
+                x + y
+            with region("given", nbytes=5):
+                x + y
+            with region("products"):
+                q @ k
+                q[0] @ k[0]
+    add, given, products = rec.events
+    assert (products.flops, products.batched_flops) == (2 * 4 * 8 * 8 * 2 + 2 * 8 * 8 * 2, 2 * 4 * 8 * 8 * 2)
+    ws = 3 * (1 << 14) * 4                                      # two inputs and the output, float32
+    assert (add.nbytes, add.kernels, add.mem_hist) == (ws, 1, ((size_class(ws), ws),))
+    assert given.nbytes == 5 and given.mem_hist == ()           # bytes given by hand: no histogram to trust
+    assert add.meter_at[:3] == (0.0, ws, 1) and given.meter_at[:3] == (0.0, 2 * ws, 2)
+    assert products.meter_at[4] == products.batched_flops
+
+
+# ---------------------------------------------------------------------- splitting a span by metered work
+def _span_around_collective(n_before, n_after):
+    """On every rank: one region that multiplies (n_before)^3, all-reduces, multiplies (n_after)^3."""
+    a, b = torch.ones(n_before, n_before), torch.ones(n_after, n_after)
+    with count_costs():
+        with region("step"):
+            a @ a
+            comm.all_reduce(torch.ones(4))
+            b @ b
+    return None
+
+
+def test_a_span_cut_at_its_collective_is_split_by_metered_flops():
+    tr = parlab.run(_span_around_collective, 2, 16, 8, trace=True, echo=False).trace
+    out = replay(tr, FLOPS_ONLY)
+    for r in range(2):
+        pieces = [e for e in out.events if e.rank == r and e.op == "step"]
+        # one FLOP per second: each piece lasts exactly the FLOPs of its product, however long it took here
+        assert [p.duration for p in pieces] == [2 * 16 ** 3, 2 * 8 ** 3]
+
+
+def test_the_split_does_not_depend_on_measured_durations():
+    # a span of 10 FLOPs whose collective came after 2 of them (meter totals), measured at 10% or 90% of it
+    def trace(cut_at):
+        span = Event(0, "compute", "step", 0.0, 1.0, flops=10.0, kernels=2, meter_at=(10.0, 0, 2, (), 0.0))
+        call = Event(0, "collective", "all_reduce", cut_at, cut_at, group=(0,), meter_at=(2.0, 0, 1, (), 0.0))
+        return Trace([span, call])
+    durations = [[e.duration for e in replay(trace(t), FLOPS_ONLY).events if e.op == "step"] for t in (0.1, 0.9)]
+    assert durations[0] == durations[1] == [2.0, 8.0]
+    # without the meter's totals the measured durations decide (the old rule, still used for unmetered traces)
+    bare = Trace([dataclasses.replace(e, meter_at=()) for e in trace(0.1).events])
+    assert [e.duration for e in replay(bare, FLOPS_ONLY).events if e.op == "step"] == pytest.approx([1.0, 9.0])
+
+
+def test_scale_work_keeps_the_split_consistent_and_drops_the_size_classes():
+    from parlab.scaleup import scale_work
+    span = Event(0, "compute", "step", 0.0, 1.0, flops=10.0, nbytes=100, kernels=2, mem_hist=((6, 100),),
+                 batched_flops=1.0, meter_at=(10.0, 100, 2, ((6, 100),), 1.0))
+    call = Event(0, "collective", "all_reduce", 0.5, 0.5, group=(0,), meter_at=(4.0, 40, 1, ((6, 40),), 0.0))
+    big = scale_work(Trace([span, call]), flops=3.0, mem_bytes=2.0)
+    s, c = sorted(big.events, key=lambda e: e.kind)[::-1]       # compute first
+    assert (s.flops, s.nbytes, s.mem_hist, s.batched_flops, s.meter_at) == (30.0, 200, (), 3.0, (30.0, 200.0, 2, (), 3.0))
+    assert c.meter_at == (12.0, 80.0, 1, (), 0.0)
+    hw = FLOPS_ONLY.with_(mem_bw=1.0)                            # a FLOP and a byte cost a second each
+    assert [e.duration for e in replay(big, hw).events if e.op == "step"] == pytest.approx([12 + 80, 18 + 120])
+
+
+# ---------------------------------------------------------------------- work outside every region
+def _work_between_regions(n_in, n_out):
+    """On every rank: a product in a region, another outside any region, then an all-reduce and a wait."""
+    a, b = torch.ones(n_in, n_in), torch.ones(n_out, n_out)
+    with count_costs():
+        with region("inside"):
+            a @ a
+        b @ b                                                   # no region: only the meter sees it
+        work = comm.all_reduce(torch.ones(4), async_op=True)
+        b @ b @ b                                               # two more products before the wait
+        work.wait()
+
+
+def test_metered_work_outside_every_region_is_replayed_where_it_ran():
+    tr = parlab.run(_work_between_regions, 2, 16, 8, trace=True, echo=False).trace
+    out = replay(tr, FLOPS_ONLY)
+    for r in range(2):
+        evs = [e for e in out.events if e.rank == r and e.kind == "compute"]
+        # one FLOP per second: the region's product, the product before the call, the two before the wait
+        assert [(e.op, e.duration) for e in evs] == [("inside", 2 * 16 ** 3), ("untraced", 2 * 8 ** 3),
+                                                     ("untraced", 2 * 2 * 8 ** 3)]
+        assert evs[1].end <= next(e for e in out.events if e.rank == r and e.op == "all_reduce").start
+    kept = replay(tr, FLOPS_ONLY, untraced=False)                 # the old rule: only the regions' work
+    assert [e.op for e in kept.events if e.kind == "compute"] == ["inside", "inside"]
+
+
+def _two_metered_fsdp_steps():
+    """On every rank: a warm-up step, then two metered ZeRO-3 steps, each in its own recorder."""
+    from parlab.fsdp import FullyShardedDataParallel
+    from parlab.models import GPT, GPTConfig
+    model = FullyShardedDataParallel(GPT(GPTConfig(vocab_size=32, seq_len=8, n_layer=2, n_head=2, n_embd=16), seed=0))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    x = torch.randint(32, (2, 8), generator=torch.Generator().manual_seed(comm.get_rank()))   # (B, S)
+    out = []
+    for i in range(3):
+        with recording() as rec:
+            with count_costs():
+                with region("forward"):                       # its all-gathers cut it into pieces
+                    _, loss = model(x, x)
+                with region("backward"):
+                    loss.backward()
+                with region("optimizer"):
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
+        out.append([dataclasses.asdict(e) for e in rec.events])
+    return out[1:]
+
+
+def test_two_runs_of_the_same_program_replay_to_the_same_time():
+    res = parlab.run(_two_metered_fsdp_steps, 2, echo=False)
+    steps = [Trace([Event(**{**d, "group": tuple(d["group"])}) for rank in res.results for d in rank[i]])
+             for i in range(2)]
+    assert sum(1 for e in steps[0].events if e.kind == "collective") > 4      # spans are cut by communication
+    a, b = (replay(t, preset("dgx-h100")) for t in steps)
+    # the same work in the same order: the same replayed times (float rounding of the running sums only),
+    # although the two steps took different times here
+    assert [(e.rank, e.op) for e in a.events] == [(e.rank, e.op) for e in b.events]
+    for ea, eb in zip(a.events, b.events):
+        assert ea.start == pytest.approx(eb.start, rel=1e-9, abs=1e-15)
+        assert ea.end == pytest.approx(eb.end, rel=1e-9, abs=1e-15)
