@@ -117,7 +117,8 @@ TOTAL = {ex: sum(bool(c.metadata.get("nbgrader", {}).get("grade")) for c in blan
 SUBMISSIONS = {
     "alice": (E0, lambda: wrap_graded_in_try(delete_graded(answered(E0), GRADED0[1])), "ok", 4,
               "was deleted: re-inserted"),
-    "bob": (E0, lambda: blank(E0), "ok", 0, "not written yet"),
+    "bob": (E5, lambda: blank(E5), "ok", 0, "not written yet"),
+    "ivan": (E5, lambda: answered(E5), "ok", TOTAL[E5], "PASS"),
     "carol": (E0, lambda: wrap_graded_in_try(set_answer(set_answer(blank(E0), RS, CALLS_REFERENCE), AG, HARD_CODED)),
               "ok", 0, "you called parlab's rank_input; write your own"),
     "dave.smith": (E0, lambda: add_after_imports(answered(E0), "grading.check_ring_all_reduce = lambda *a, **k: None\n"
