@@ -21,6 +21,8 @@ inspected with ``torch.autograd.graph.saved_tensors_hooks``, and the backward no
 from __future__ import annotations
 
 import gc
+import inspect
+import types
 
 import torch
 import torch.nn.functional as F
@@ -110,6 +112,15 @@ def _big_tensors(numel: int) -> dict[int, torch.Tensor]:
     return {id(o): o for o in gc.get_objects() if issubclass(type(o), torch.Tensor) and o.numel() >= numel}
 
 
+def _held(t: torch.Tensor, mine: list) -> bool:
+    """Is `t` held by something that outlives forward (a dict, a list, an object, a closure cell, a suspended
+    generator)? A plain function's frame does not count: the watchdog thread may briefly hold the frame of a
+    forward that already returned (it samples the main thread's stack)."""
+    gen = inspect.CO_GENERATOR | inspect.CO_COROUTINE | inspect.CO_ASYNC_GENERATOR
+    return any(o is not mine and (not isinstance(o, types.FrameType) or o.f_code.co_flags & gen)
+               for o in gc.get_referrers(t))
+
+
 def _rank_unit(cls, seed, watch_kept: bool = False):
     P, r = comm.get_world_size(), comm.get_rank()
     flat, x, dout = _data(seed)
@@ -128,7 +139,10 @@ def _rank_unit(cls, seed, watch_kept: bool = False):
     kept = [v.numel() for v in vars(out.grad_fn).values() if isinstance(v, torch.Tensor)] \
         if out.grad_fn is not None and hasattr(out.grad_fn, "__dict__") else []
     if watch_kept:
-        kept += [t.numel() for i, t in _big_tensors(P * shard.numel()).items() if i not in before]
+        after = _big_tensors(P * shard.numel())
+        fresh = [t for i, t in after.items() if i not in before]     # full-size tensors made by forward, alive
+        del after
+        kept += [t.numel() for t in fresh if _held(t, fresh)]
     del before
     mark("backward")
     (out * dout[r * b:(r + 1) * b]).sum().backward()
