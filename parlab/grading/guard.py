@@ -414,8 +414,9 @@ def _key(code: types.CodeType) -> tuple:
 def _fingerprint(code: types.CodeType) -> tuple:
     """What a copy of a function keeps, wherever it was compiled (importlib.reload, exec of inspect.getsource,
     types.FunctionType): its instructions (method calls normalised: the compiler may emit LOAD_METHOD or
-    LOAD_ATTR for the same source), names and constants, nested functions included; not the file, the line
-    numbers or the qualified name."""
+    LOAD_ATTR for the same source), names and constants (the docstring included, so that a student's own
+    function written the same natural way is not taken for a copy), nested functions included; not the file,
+    the line numbers or the qualified name."""
     import dis
     ops = []
     for ins in dis.get_instructions(code):
@@ -428,7 +429,8 @@ def _fingerprint(code: types.CodeType) -> tuple:
         elif "JUMP" in name or name.startswith(("POP_JUMP", "FOR_ITER", "SEND")):
             arg = ""                                                # offsets shift with the instructions
         ops.append((name, arg))
-    return _key(code), tuple(ops)
+    consts = tuple(repr(c) for c in code.co_consts if not isinstance(c, types.CodeType))   # the docstring too:
+    return _key(code), tuple(ops), consts       # a student's own function that happens to match has another
 
 
 def _watched(targets) -> dict[tuple, str]:
