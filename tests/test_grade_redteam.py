@@ -3,9 +3,12 @@ right status; answered exercises get full marks, blank ones zero (blank notebook
 tests/test_notebooks.py).
 
 The submissions are made here from the released exercises and their solutions (so they follow the course as it
-is): a lecturer's folder of twelve notebooks for exercises 00 and 01, graded by ``parlab grade --jobs 2``
-exactly as exercises/README.md says. Calling parlab's own answer is also tried against every exercise's checks (00-09)
-in process (`test_calling_the_reference_fails_in_every_exercise`).
+is): a lecturer's folder of notebooks for exercises 00, 01 and 05, graded by ``parlab grade --jobs 2`` exactly as
+exercises/README.md says. Calling parlab's own answer is also tried against every exercise's checks (00-09)
+in process (`test_calling_the_reference_fails_in_every_exercise`); the cheats specific to exercises 02-09 (another
+route to parlab's answer, untraced torch.distributed, one-rank computation from public inputs, hard-coded answers,
+rebound tolerances) are a table in tests/test_grade_redteam_checks.py, also in process (a notebook each would cost
+~30 s).
 """
 import csv
 import json
@@ -106,14 +109,16 @@ LOCAL_SUM = """def all_reduce_in_dp_group(x, tp, pp):
     return x
 """
 
-E0, E1 = "00_ring_allreduce", "01_process_groups"
+E0, E1, E5 = "00_ring_allreduce", "01_process_groups", "05_pipeline_schedules"
 GRADED0 = [c.metadata["nbgrader"]["grade_id"] for c in blank(E0).cells if c.metadata["nbgrader"]["grade"]]
+TOTAL = {ex: sum(bool(c.metadata.get("nbgrader", {}).get("grade")) for c in blank(ex).cells) for ex in (E0, E1, E5)}
 
 # student -> (exercise, notebook, expected status, expected points, text the feedback must contain)
 SUBMISSIONS = {
     "alice": (E0, lambda: wrap_graded_in_try(delete_graded(answered(E0), GRADED0[1])), "ok", 4,
               "was deleted: re-inserted"),
-    "bob": (E0, lambda: blank(E0), "ok", 0, "not written yet"),
+    "bob": (E5, lambda: blank(E5), "ok", 0, "not written yet"),
+    "ivan": (E5, lambda: answered(E5), "ok", TOTAL[E5], "PASS"),
     "carol": (E0, lambda: wrap_graded_in_try(set_answer(set_answer(blank(E0), RS, CALLS_REFERENCE), AG, HARD_CODED)),
               "ok", 0, "you called parlab's rank_input; write your own"),
     "dave.smith": (E0, lambda: add_after_imports(answered(E0), "grading.check_ring_all_reduce = lambda *a, **k: None\n"
@@ -169,7 +174,7 @@ def test_each_submission_gets_its_status_and_points(graded, student):
     out, rows = graded
     ex, _make, status, points, says = SUBMISSIONS[student]
     row = rows[student.strip(), ex]
-    assert (row["status"], int(row["passed"]), row["total"]) == (status, points, "4"), row
+    assert (row["status"], int(row["passed"]), row["total"]) == (status, points, str(TOTAL[ex])), row
     feedback = (out / "feedback" / f"{student.strip()}.md").read_text(encoding="utf-8")
     assert says in feedback, feedback[:3000]
 
@@ -177,7 +182,7 @@ def test_each_submission_gets_its_status_and_points(graded, student):
 def test_missing_exercises_count_zero_against_the_released_total(graded):
     out, rows = graded
     row = rows["alice", E1]
-    assert (row["status"], row["passed"], row["total"], row["points"]) == ("missing", "0", "4", "0")
+    assert (row["status"], row["passed"], row["total"], row["points"]) == ("missing", "0", str(TOTAL[E1]), "0")
 
 
 def test_summary_and_json_record(graded):

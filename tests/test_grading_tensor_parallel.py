@@ -186,7 +186,9 @@ def test_reference_solutions_pass(capsys):
     assert out.count("\n") == 4 and "ColumnParallelLinearFn: output and all gradients equal" in out
 
 
-def test_the_library_cross_entropy_passes_too():
+def test_the_library_cross_entropy_is_refused_as_parlab_s_own():
+    """parlab's private autograd Function would pass (it is correct: tests/test_vocab_parallel_cross_entropy.py),
+    but while the check runs it is unavailable to the student's class (issue 14)."""
     from parlab.tensor_parallel import _VocabParallelCrossEntropy
 
     class Lib(torch.autograd.Function):     # same interface, label added
@@ -198,8 +200,9 @@ def test_the_library_cross_entropy_passes_too():
         def backward(ctx, grad):
             return _VocabParallelCrossEntropy.backward(ctx, grad)[:3]
 
-    grading.check_vocab_parallel_cross_entropy(Lib)
-    grading.check_vocab_parallel_cross_entropy_traffic(Lib)
+    for check in (grading.check_vocab_parallel_cross_entropy, grading.check_vocab_parallel_cross_entropy_traffic):
+        with pytest.raises(AssertionError, match="you called parlab's _VocabParallelCrossEntropy; write your own"):
+            check(Lib)
 
 
 WRONG = [

@@ -350,7 +350,18 @@ def check_dp_all_reduce(fn, world_size: int = 8, tp: int = 2, pp: int = 2, timeo
 
 
 guard.protect(__name__)
-for _mod in ("parlab.launch", "parlab.comm", "parlab.trace"):
+for _mod in ("parlab.launch", "parlab.comm", "parlab.trace", "parlab.models", "parlab.schedules",
+             "parlab.ring_attention", "parlab.topology", "parlab.memory", "parlab.planner", "parlab.dp_comm"):
     guard.protect(_mod)
-guard.protect("torch", ["equal", "allclose", "isclose"])
+# what the checks compare with: torch's functions and the Tensor methods a comparison goes through
+guard.protect("torch", ["equal", "allclose", "isclose", "softmax", "logsumexp", "logaddexp", "exp", "cat", "stack",
+                        "zeros", "randn", "randint", "count_nonzero", "sort", "as_tensor", "isfinite", "maximum",
+                        "Tensor.__eq__", "Tensor.__ne__", "Tensor.__sub__", "Tensor.__gt__", "Tensor.__lt__",
+                        "Tensor.__le__", "Tensor.__ge__", "Tensor.__bool__", "Tensor.__mul__", "Tensor.__matmul__",
+                        "Tensor.abs", "Tensor.max", "Tensor.min", "Tensor.sum", "Tensor.item", "Tensor.tolist",
+                        "Tensor.equal", "Tensor.allclose", "Tensor.all", "Tensor.any", "Tensor.clone",
+                        "Tensor.detach", "Tensor.reshape", "Tensor.to", "Tensor.double", "Tensor.float",
+                        "Tensor.backward", "Tensor.chunk", "Tensor.numel", "Tensor.argmax"])
+guard.protect("torch.nn.functional", ["linear", "cross_entropy", "pad", "gelu", "scaled_dot_product_attention"])
+guard.protect("math", ["isclose"])
 guard.install_ipython_hooks()

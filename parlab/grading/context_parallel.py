@@ -22,8 +22,10 @@ from .. import comm
 from .. import ring_attention as ra
 from ..models import causal_attention
 from . import TIMEOUT, call_student, run_student
-from .guard import graded, protect
+from .guard import fresh_seed, graded, protect
 
+RING_REFS = ("parlab.ring_attention:merge_partials", "parlab.ring_attention:ring_attention",
+             "parlab.ring_attention:RingAttention")
 ZIGZAG_REFS = (   # parlab's own answers: unavailable to the student's code while these checks run
     "parlab.ring_attention:chunk_ids",
     "parlab.ring_attention:shard_positions",
@@ -65,7 +67,7 @@ def _explain_merge(out, o1, l1, o2, l2) -> str:
     return "Your out is none of the usual mistakes; compare it with the formula term by term."
 
 
-@graded("parlab.ring_attention:merge_partials", "parlab.ring_attention:ring_attention")
+@graded(*RING_REFS)
 def check_merge_partials(fn) -> None:
     """``fn(out1, lse1, out2, lse2) -> (out, lse)``: the attention over the union of the two key sets."""
     formula = "lse = log(exp(lse1) + exp(lse2)) (torch.logaddexp); out = exp(lse1 - lse) out1 + exp(lse2 - lse) out2"
@@ -125,15 +127,15 @@ def ring_forward_with(ring_step, q, k, v):
     return out
 
 
-def _rank_ring(ring_step):
+def _rank_ring(ring_step, seed):
     P, r = comm.get_world_size(), comm.get_rank()
-    q, k, v = (ra.shard_sequence(t, P, r, "contiguous", dim=2) for t in qkv(C * P, seed=P))
+    q, k, v = (ra.shard_sequence(t, P, r, "contiguous", dim=2) for t in qkv(C * P, seed=seed))
     out = ring_forward_with(ring_step, q, k, v)
     return out.detach().clone() if isinstance(out, torch.Tensor) else out
 
 
-def _explain_ring(got, r, P) -> str:
-    q, k, v = qkv(C * P, seed=P)
+def _explain_ring(got, r, P, seed) -> str:
+    q, k, v = qkv(C * P, seed=seed)
     qr = q[..., r * C:(r + 1) * C, :]
     for m in range(P - 1, 0, -1):
         for srcs in combinations(range(P), m):
@@ -149,15 +151,16 @@ def _explain_ring(got, r, P) -> str:
     return "It is not attention over any subset of the blocks (check the merge and which block you attend to)."
 
 
-@graded("parlab.ring_attention:merge_partials", "parlab.ring_attention:ring_attention")
+@graded(*RING_REFS)
 def check_ring_step(ring_step, world_sizes=WORLD_SIZES, timeout: float = TIMEOUT) -> None:
     """The ring forward driven by ``ring_step`` gives every rank its rows of full (non-causal) attention."""
     hint = ("at each step: if step < P-1, start comm.isend(kv, (r+1) % P) and comm.irecv(buf, (r-1) % P); attend q "
             "to kv (ra.attention_block(q, kv[0], kv[1])); merge into (out, lse) (at step 0 just take it); wait for "
             "both requests; return (out, lse, buf) (or kv itself on the last step).")
     for P in world_sizes:
-        res = run_student(_rank_ring, P, ring_step, timeout=timeout, what="ring_step")
-        q, k, v = qkv(C * P, seed=P)
+        seed = fresh_seed()                                             # drawn now: no rank can rebuild q, k, v
+        res = run_student(_rank_ring, P, ring_step, seed, timeout=timeout, what="ring_step")
+        q, k, v = qkv(C * P, seed=seed)
         full = causal_attention(q, k, v, causal=False)                  # (B, nh, S, hd)
         for r, got in enumerate(res.results):
             want = full[..., r * C:(r + 1) * C, :]
@@ -167,15 +170,15 @@ def check_ring_step(ring_step, world_sizes=WORLD_SIZES, timeout: float = TIMEOUT
                                      f"{tuple(want.shape)} (B, nh, c, hd).\nHint: {hint}")
             if _err(got, want) > 1e-10:
                 raise AssertionError(f"ring_step on {P} ranks: rank {r}'s output differs from full attention by up "
-                                     f"to {_err(got, want):.2e}. {_explain_ring(got, r, P)}\nHint: {hint}")
+                                     f"to {_err(got, want):.2e}. {_explain_ring(got, r, P, seed)}\nHint: {hint}")
     print(f"ring attention built from ring_step equals full attention on {', '.join(map(str, world_sizes))} ranks")
 
 
-@graded("parlab.ring_attention:merge_partials", "parlab.ring_attention:ring_attention")
+@graded(*RING_REFS)
 def check_ring_traffic(ring_step, world_size: int = 4, timeout: float = TIMEOUT) -> None:
     """From the trace: only send/recv, each rank sends only to rank r+1, exactly P-1 messages of one K/V block."""
     P = world_size
-    res = run_student(_rank_ring, P, ring_step, timeout=timeout, what="ring_step")
+    res = run_student(_rank_ring, P, ring_step, fresh_seed(), timeout=timeout, what="ring_step")
     events = res.trace.comm().events
     collectives = sorted({e.op for e in events if e.kind == "collective"})
     if collectives:

@@ -20,6 +20,8 @@ layout, reverse registration order) for the buckets.
 """
 from __future__ import annotations
 
+import random
+
 import torch
 
 from .. import comm
@@ -28,7 +30,7 @@ from ..dp_comm import assign_buckets
 from ..models import GPT, GPTConfig
 from ..trace import mark
 from . import TIMEOUT, call_student, run_student
-from .guard import graded, protect
+from .guard import fresh_seed, graded, protect
 
 __all__ = ["CFG", "FROZEN", "grader_model", "global_batch", "reference_grads", "check_hook_grads",
            "check_hook_all_reduce_calls", "check_make_buckets", "check_bucketed_grads",
@@ -42,6 +44,15 @@ WORLD_SIZES = (2, 4)
 # float64 everywhere; the ranks sum the same per-sample gradients in another order than one process does,
 # so results agree to rounding (~1e-16 relative), far below any real mistake (a factor N, a missing rank)
 TOL = dict(rtol=1e-9, atol=1e-12)
+
+GRADER_REFS = (   # the grader's own answers: unavailable to the student's code while a check runs
+    "parlab.grading.data_parallel:reference_grads",
+    "parlab.grading.data_parallel:local_grads",
+    "parlab.grading.data_parallel:bucket_layout",
+)
+HOOK_REFS = ("parlab.data_parallel:DistributedDataParallel", "parlab.data_parallel:NaiveDataParallel", *GRADER_REFS)
+BUCKET_REFS = ("parlab.dp_comm:assign_buckets", "parlab.dp_comm:GradBucket",
+               "parlab.data_parallel:DistributedDataParallel", *GRADER_REFS)
 
 HOOK_HINT = ("in the hook, comm.all_reduce(p.grad) sums the gradient over the ranks in place; then divide it by "
              "comm.get_world_size() so that every rank holds the average, the gradient of the whole batch.")
@@ -63,32 +74,34 @@ def trainable_names(model: torch.nn.Module) -> list[str]:
     return [n for n, p in model.named_parameters() if p.requires_grad]   # a tied weight appears once
 
 
-def global_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    return BatchSampler(load_corpus(20_000), BATCH, CFG.seq_len, seed=2).global_batch(step)   # (B, S) each
+def global_batch(step: int, seed: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
+    """The global batch of a step; the checks pass a `seed` drawn at grading time, so that the whole batch's
+    gradients cannot be recomputed on one rank from public data instead of being communicated."""
+    return BatchSampler(load_corpus(20_000), BATCH, CFG.seq_len, seed=seed).global_batch(step)   # (B, S) each
 
 
-def reference_grads(steps: int = STEPS) -> list[dict[str, torch.Tensor]]:
+def reference_grads(steps: int = STEPS, seed: int = 2) -> list[dict[str, torch.Tensor]]:
     """One process, the whole batch: the gradients of each step (the weights do not change between steps)."""
     model = grader_model()
     out = []
     for step in range(steps):
         model.zero_grad(set_to_none=True)
-        model(*global_batch(step))[1].backward()
+        model(*global_batch(step, seed))[1].backward()
         out.append({n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad})
     return out
 
 
-def local_grads(rank: int, world: int, step: int = 0) -> dict[str, torch.Tensor]:
+def local_grads(rank: int, world: int, step: int = 0, seed: int = 2) -> dict[str, torch.Tensor]:
     """The gradients rank `rank` computes on its own slice, before any communication."""
     model = grader_model()
-    x, y = global_batch(step)
+    x, y = global_batch(step, seed)
     b = BATCH // world
     model(x[rank * b:(rank + 1) * b], y[rank * b:(rank + 1) * b])[1].backward()
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
 
 
 # ---------------------------------------------------------------------- what runs on every rank
-def _rank_train(setup, bucketed: bool, steps: int, *setup_args):
+def _rank_train(setup, bucketed: bool, steps: int, seed: int, *setup_args):
     """Build the model, let the student's code attach to it, run `steps` backward passes on this rank's slice.
     Returns {"grads": [per step {name: grad}], "error": (step, type, message) or None}."""
     rank, world = comm.get_rank(), comm.get_world_size()
@@ -97,7 +110,7 @@ def _rank_train(setup, bucketed: bool, steps: int, *setup_args):
     b = BATCH // world
     grads, error = [], None
     for step in range(steps):
-        x, y = global_batch(step)
+        x, y = global_batch(step, seed)
         try:
             model(x[rank * b:(rank + 1) * b], y[rank * b:(rank + 1) * b])[1].backward()
             mark("backward done")
@@ -127,13 +140,13 @@ def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and torch.allclose(a, b, **TOL)
 
 
-def _explain_grad(got, want, rank, world, step, name, hint, what) -> str:
+def _explain_grad(got, want, rank, world, step, name, hint, what, seed) -> str:
     where = f"{what} on {world} ranks, step {step}: rank {rank}, gradient of {name}"
     if got is None:
         return (f"{where} is None: nothing was written into p.grad (or it was set to None).\nHint: {hint}")
     if got.shape != want.shape:
         return f"{where} has shape {tuple(got.shape)}, expected {tuple(want.shape)}.\nHint: {hint}"
-    mine = local_grads(rank, world, step)[name]
+    mine = local_grads(rank, world, step, seed)[name]
     diagnosis = "It is not the average of the ranks' gradients."
     if _close(got, want * world):
         diagnosis = "It is the SUM over the ranks, not the average: divide by the world size."
@@ -156,13 +169,13 @@ def _show(t: torch.Tensor, k: int = 4) -> str:
     return f"[{vals}{', ...' if flat.numel() > k else ''}]"
 
 
-def _compare_runs(results, world, want_steps, hint, what, label="") -> None:
+def _compare_runs(results, world, want_steps, hint, what, seed, label="") -> None:
     for rank, res in enumerate(results):
         for step, (got, want) in enumerate(zip(res["grads"], want_steps)):
             for name, w in want.items():
                 g = got.get(name)
                 if g is None or not _close(g, w):
-                    msg = _explain_grad(g, w, rank, world, step, name, hint, what + label)
+                    msg = _explain_grad(g, w, rank, world, step, name, hint, what + label, seed)
                     if step > 0:
                         msg += ("\nStep 0 was right, so something kept from the previous step is wrong: reset the "
                                 "per-step state (arrival counters, pending works) at the end of finish(), and "
@@ -176,13 +189,14 @@ def _compare_runs(results, world, want_steps, hint, what, label="") -> None:
 
 
 # ---------------------------------------------------------------------- part 1: a hook per parameter
-@graded("parlab.data_parallel:DistributedDataParallel", "parlab.data_parallel:NaiveDataParallel")
+@graded(*HOOK_REFS)
 def check_hook_grads(fn, world_sizes=WORLD_SIZES, timeout: float = TIMEOUT) -> None:
     """After ``fn(model)`` and a backward on each rank's slice, every p.grad equals the whole-batch gradient."""
-    want = reference_grads()
     for n in world_sizes:
-        res = run_student(_rank_train, n, _hooks, False, STEPS, fn, timeout=timeout, what="attach_grad_hooks")
-        _compare_runs(res.results, n, want, HOOK_HINT, "attach_grad_hooks")
+        seed = fresh_seed()
+        want = reference_grads(STEPS, seed)
+        res = run_student(_rank_train, n, _hooks, False, STEPS, seed, fn, timeout=timeout, what="attach_grad_hooks")
+        _compare_runs(res.results, n, want, HOOK_HINT, "attach_grad_hooks", seed)
     print(f"attach_grad_hooks: every rank holds the whole-batch gradient on {', '.join(map(str, world_sizes))} ranks")
 
 
@@ -190,13 +204,14 @@ def _payloads(events) -> list[int]:
     return sorted(e.nbytes for e in events)
 
 
-@graded("parlab.data_parallel:DistributedDataParallel", "parlab.data_parallel:NaiveDataParallel")
+@graded(*HOOK_REFS)
 def check_hook_all_reduce_calls(fn, world_size: int = 2, timeout: float = TIMEOUT) -> None:
     """From the trace: one all-reduce per trainable parameter per backward, of that parameter's size; the frozen
     parameter is never reduced, and nothing else is communicated."""
     model = grader_model()
     sizes = sorted(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
-    res = run_student(_rank_train, world_size, _hooks, False, 1, fn, timeout=timeout, what="attach_grad_hooks")
+    res = run_student(_rank_train, world_size, _hooks, False, 1, fresh_seed(), fn, timeout=timeout,
+                      what="attach_grad_hooks")
     n_params = len(sizes)
     for r in range(world_size):
         events = res.trace.filter(rank=r).comm().events
@@ -230,10 +245,17 @@ BUCKET_CASES = (      # (nbytes, cap): what a greedy bucketing must do, edge cas
 )
 
 
-@graded("parlab.dp_comm:assign_buckets")
+def _random_bucket_cases(k: int = 3) -> list[tuple[list[int], int]]:
+    """`k` cases drawn at grading time (so the answers cannot be copied from a run): 3-12 items of 1-64 bytes."""
+    rng = random.Random(fresh_seed())
+    return [([rng.randint(1, 64) for _ in range(rng.randint(3, 12))], rng.randint(1, 100)) for _ in range(k)]
+
+
+@graded("parlab.dp_comm:assign_buckets", *GRADER_REFS)
 def check_make_buckets(fn) -> None:
-    """``make_buckets(nbytes, cap_bytes)`` equals the greedy layout of `parlab.dp_comm.assign_buckets`."""
-    for nbytes, cap in BUCKET_CASES:
+    """``make_buckets(nbytes, cap_bytes)`` equals the greedy layout of `parlab.dp_comm.assign_buckets`, on the
+    edge cases and on cases drawn at grading time."""
+    for nbytes, cap in list(BUCKET_CASES) + _random_bucket_cases():
         want = assign_buckets(nbytes, ["same dtype"] * len(nbytes), cap)
         got = call_student(fn, list(nbytes), cap, what="make_buckets")
         try:
@@ -247,7 +269,7 @@ def check_make_buckets(fn) -> None:
                 f"the items in order and keep adding to the current bucket while its total stays <= cap_bytes; "
                 f"start a new bucket when the next item would go over (an item bigger than the cap gets a bucket "
                 f"of its own). Every index appears once, in order.")
-    print(f"make_buckets matches the greedy layout on {len(BUCKET_CASES)} cases")
+    print(f"make_buckets matches the greedy layout on {len(BUCKET_CASES)} edge cases and 3 random ones")
 
 
 def bucket_layout(cap_bytes: int) -> list[list[str]]:
@@ -263,26 +285,27 @@ def _caps() -> dict[str, int]:
     return {"one bucket": 2 * total, "a few buckets": total // 3, "one bucket per parameter": 1}
 
 
-def _rank_caps(student_cls, caps):
-    return {name: _rank_train(_bucketed, True, STEPS, student_cls, cap) for name, cap in caps.items()}
+def _rank_caps(student_cls, caps, seed):
+    return {name: _rank_train(_bucketed, True, STEPS, seed, student_cls, cap) for name, cap in caps.items()}
 
 
-@graded("parlab.dp_comm:assign_buckets", "parlab.dp_comm:GradBucket", "parlab.data_parallel:DistributedDataParallel")
+@graded(*BUCKET_REFS)
 def check_bucketed_grads(cls, world_sizes=WORLD_SIZES, timeout: float = TIMEOUT) -> None:
     """With one bucket, a few, and one per parameter: after backward and ``finish()`` every p.grad equals the
     whole-batch gradient, on every rank, two steps in a row."""
-    want = reference_grads()
     caps = _caps()
     for n in world_sizes:
-        res = run_student(_rank_caps, n, cls, caps, timeout=timeout, what="BucketedGradSync")
+        seed = fresh_seed()
+        want = reference_grads(STEPS, seed)
+        res = run_student(_rank_caps, n, cls, caps, seed, timeout=timeout, what="BucketedGradSync")
         for name, cap in caps.items():
-            _compare_runs([r[name] for r in res.results], n, want, BUCKET_HINT, "BucketedGradSync",
+            _compare_runs([r[name] for r in res.results], n, want, BUCKET_HINT, "BucketedGradSync", seed,
                           f" (bucket_cap_bytes={cap}: {name})")
     print(f"BucketedGradSync: whole-batch gradients on {', '.join(map(str, world_sizes))} ranks with one bucket, "
           f"a few, and one per parameter, two steps each")
 
 
-@graded("parlab.dp_comm:assign_buckets", "parlab.dp_comm:GradBucket", "parlab.data_parallel:DistributedDataParallel")
+@graded(*BUCKET_REFS)
 def check_bucketed_all_reduce_calls(cls, world_size: int = 2, timeout: float = TIMEOUT) -> None:
     """From the trace: one asynchronous all-reduce per bucket per step, of the bucket's size, launched during
     backward (from the hooks), bucket 0 first."""
@@ -291,7 +314,7 @@ def check_bucketed_all_reduce_calls(cls, world_size: int = 2, timeout: float = T
     model = grader_model()
     size = {n: p.numel() * p.element_size() for n, p in model.named_parameters()}
     want = [sum(size[n] for n in bucket) for bucket in layout]            # bytes of each bucket, in order
-    res = run_student(_rank_train, world_size, _bucketed, True, STEPS, cls, cap, timeout=timeout,
+    res = run_student(_rank_train, world_size, _bucketed, True, STEPS, fresh_seed(), cls, cap, timeout=timeout,
                       what="BucketedGradSync")
     for r in range(world_size):
         tr = res.trace.filter(rank=r)

@@ -20,6 +20,10 @@ inspected with ``torch.autograd.graph.saved_tensors_hooks``, and the backward no
 """
 from __future__ import annotations
 
+import gc
+import inspect
+import types
+
 import torch
 import torch.nn.functional as F
 
@@ -31,7 +35,7 @@ from .guard import fresh_seed, graded, protect
 __all__ = ["unit_forward", "shard_of", "flat_numel", "check_gather_full", "check_fsdp_unit_grads",
            "check_fsdp_unit_trace", "H"]
 
-REFS = ("parlab.fsdp:FullyShardedDataParallel", "parlab.zero:ShardedOptimizer")
+REFS = ("parlab.fsdp:FullyShardedDataParallel", "parlab.zero:ShardedOptimizer", "parlab.fsdp:_GatherParams")
 H, BATCH = 8, 12                     # the unit: MLP H -> 4H -> H; 12 rows split over 2 or 4 ranks
 SHAPES = ((4 * H, H), (4 * H,), (H, 4 * H), (H,))
 WORLD_SIZES = (2, 4)
@@ -101,7 +105,23 @@ def check_gather_full(fn, world_sizes=WORLD_SIZES, timeout: float = TIMEOUT) -> 
 
 
 # ---------------------------------------------------------------------- part 2: the unit
-def _rank_unit(cls, seed):
+def _big_tensors(numel: int) -> dict[int, torch.Tensor]:
+    """The tensors of at least `numel` elements alive in this process (torch tensors are tracked by the garbage
+    collector), by id: one kept outside autograd (a global, a closure, an attribute) shows up here."""
+    gc.collect()
+    return {id(o): o for o in gc.get_objects() if issubclass(type(o), torch.Tensor) and o.numel() >= numel}
+
+
+def _held(t: torch.Tensor, mine: list) -> bool:
+    """Is `t` held by something that outlives forward (a dict, a list, an object, a closure cell, a suspended
+    generator)? A plain function's frame does not count: the watchdog thread may briefly hold the frame of a
+    forward that already returned (it samples the main thread's stack)."""
+    gen = inspect.CO_GENERATOR | inspect.CO_COROUTINE | inspect.CO_ASYNC_GENERATOR
+    return any(o is not mine and (not isinstance(o, types.FrameType) or o.f_code.co_flags & gen)
+               for o in gc.get_referrers(t))
+
+
+def _rank_unit(cls, seed, watch_kept: bool = False):
     P, r = comm.get_world_size(), comm.get_rank()
     flat, x, dout = _data(seed)
     b = BATCH // P
@@ -113,10 +133,17 @@ def _rank_unit(cls, seed):
         saved.append(t.numel())
         return t
 
+    before = _big_tensors(P * shard.numel()) if watch_kept else {}   # the grader's own full `flat` among them
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = cls.apply(xr, shard)                                      # (b, H)
     kept = [v.numel() for v in vars(out.grad_fn).values() if isinstance(v, torch.Tensor)] \
         if out.grad_fn is not None and hasattr(out.grad_fn, "__dict__") else []
+    if watch_kept:
+        after = _big_tensors(P * shard.numel())
+        fresh = [t for i, t in after.items() if i not in before]     # full-size tensors made by forward, alive
+        del after
+        kept += [t.numel() for t in fresh if _held(t, fresh)]
+    del before
     mark("backward")
     (out * dout[r * b:(r + 1) * b]).sum().backward()
     return {"out": out.detach().clone(), "x_grad": None if xr.grad is None else xr.grad.clone(),
@@ -170,16 +197,16 @@ def check_fsdp_unit_trace(cls, world_size: int = 4, timeout: float = TIMEOUT) ->
     """From the trace: gather in forward, gather + reduce-scatter in backward, 1.5x DDP's bytes; and nothing
     full-size kept between forward and backward."""
     P = world_size
-    res = run_student(_rank_unit, P, cls, fresh_seed(), timeout=timeout, what="FSDPUnitFn")
+    res = run_student(_rank_unit, P, cls, fresh_seed(), True, timeout=timeout, what="FSDPUnitFn")
     for r in range(P):
         got = res.results[r]
         full = got["shard_numel"] * P
         big = [n for n in got["saved"] if n >= full]
         if big:
             raise AssertionError(f"rank {r} kept a tensor of {big[0]} elements from forward to backward, the size "
-                                 f"of the full flat parameters ({full}): ZeRO-3 frees them after forward. Save "
-                                 f"only x and the shard (ctx.save_for_backward(x, shard)) and all-gather again in "
-                                 f"backward.")
+                                 f"of the full flat parameters ({full}): ZeRO-3 frees them after forward (in ctx, "
+                                 f"a global or an attribute alike). Save only x and the shard "
+                                 f"(ctx.save_for_backward(x, shard)) and all-gather again in backward.")
         tr = res.trace.filter(rank=r)
         back = next((e.start for e in tr.events if e.kind == "mark" and e.op == "backward"), None)
         events = tr.comm().events

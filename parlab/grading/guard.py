@@ -2,15 +2,20 @@
 
 Every ``check_*`` of `parlab.grading` is wrapped by `graded` (a decorator), which, each time the check runs:
 
-* **verifies nothing was rebound** (`tampered`): the identities of the grading functions and of the parlab
-  internals a check relies on (``parlab.launch.run``, ``parlab.comm``, ``parlab.trace``, ``torch.equal`` ...)
-  are snapshotted when ``parlab.grading`` is imported; a check that finds one replaced fails as *tampered*;
+* **verifies nothing was rebound** (`tampered`): the identities of the grading functions and constants, of the
+  parlab internals a check relies on (``parlab.launch.run``, ``parlab.comm``, ``parlab.trace`` and their classes'
+  methods ...) and of the torch functions a comparison goes through (``torch.equal``, ``Tensor.__sub__`` ...) are
+  snapshotted when ``parlab.grading`` is imported; a check that finds one replaced, before or after it runs,
+  fails as *tampered*;
 * **makes parlab's own answer unavailable** (`references`): while it runs, parlab's implementation of the
   piece under test (``ParallelGrid`` in the group exercises, ``assign_buckets`` in the bucket exercise, ...)
-  is replaced, in every parlab module and in the student's namespace, by a stub that lets parlab's own code
-  through (a caller whose file lies inside the parlab package) and fails the check when student code calls
-  it: "you called parlab's X; write your own". A call is also recorded in a file, so catching the stub's
-  exception does not help, in forked ranks either;
+  refuses to run for the student: its code is swapped in place (so every alias of the function is covered), a
+  copy of its code (reload, exec of its source) is recognised by a profile hook, and a call counts as the
+  student's when student code stands between it and the check on the stack (`student_call`), so reaching it
+  through another parlab function or a subclass fails too: "you called parlab's X; write your own". The
+  collectives of ``torch.distributed`` called from student code fail the same way (they would bypass the
+  trace). A call is also recorded in a file, so catching the stub's exception does not help, in forked ranks
+  either;
 * **draws fresh inputs** (`fresh_seed`): the seed comes from ``os.urandom`` at check time, so an answer
   precomputed from a public seed fails;
 * **bounds CPU time** (`cpu_limit`): a runaway loop in the student's code is stopped by a CPU-time timer
@@ -29,7 +34,9 @@ nbgrader's locked cells + checksums and otter-grader's separate grading run.
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
+import inspect
 import json
 import os
 import signal
@@ -38,6 +45,7 @@ import tempfile
 import threading
 import time
 import traceback
+import types
 from pathlib import Path
 
 __all__ = ["CheckFailed", "ReferenceUsed", "CpuTimeExceeded", "graded", "references", "fresh_seed", "cpu_limit",
@@ -130,28 +138,79 @@ def cpu_message(what: str, seconds: float | None = None) -> str:
 
 # ---------------------------------------------------------------------- tamper detection
 _SNAPSHOT: dict[tuple[str, str], object] = {}
+_CONTENTS: dict[tuple[str, str], object] = {}          # copies of protected containers (a dict of tolerances ...)
 
 
-def protect(module_name: str, names=None) -> None:
-    """Remember the current identity of `names` (default: every public function and class) of a module."""
-    mod = sys.modules[module_name]
-    for name in names if names is not None else [n for n in vars(mod) if not n.startswith("__")]:
-        obj = getattr(mod, name, None)
-        if names is not None or callable(obj):
+def _lookup(obj, dotted: str):
+    for part in dotted.split("."):
+        obj = getattr(obj, part, None)
+    return obj
+
+
+def protect(module_name: str, names=None, constants: bool | None = None) -> None:
+    """Remember the current identity of `names` (dotted, e.g. 'Tensor.abs'; default: every public function and
+    class, and the methods of the classes defined there) of a module. Grading modules (`constants`, default for
+    parlab.grading.*) also keep their constants: a tolerance rebound or a dict of tolerances edited is tampering."""
+    import importlib
+    mod = importlib.import_module(module_name)
+    if names is not None:
+        for name in names:
+            _SNAPSHOT[(module_name, name)] = _lookup(mod, name)
+        return
+    constants = module_name.startswith("parlab.grading") if constants is None else constants
+    for name, obj in list(vars(mod).items()):
+        if name.startswith("__") or isinstance(obj, type(sys)):
+            continue
+        if callable(obj):
             _SNAPSHOT[(module_name, name)] = obj
+            if isinstance(obj, type) and obj.__module__ == module_name:      # its methods too (Trace.filter ...)
+                for meth, value in vars(obj).items():
+                    if callable(getattr(value, "__func__", value)) and not meth.startswith("__"):
+                        _SNAPSHOT[(module_name, f"{name}.{meth}")] = getattr(obj, meth, None)
+        elif constants:
+            _SNAPSHOT[(module_name, name)] = obj
+            if isinstance(obj, (dict, list, set)):
+                with contextlib.suppress(Exception):
+                    _CONTENTS[(module_name, name)] = copy.deepcopy(obj)
+
+
+def _same(now, obj) -> bool:
+    if now is obj or getattr(now, "__parlab_stub__", None) is obj:           # a guard's own stub is fine
+        return True
+    return isinstance(now, types.MethodType) and isinstance(obj, types.MethodType) and now == obj  # classmethods
 
 
 def tampered() -> list[str]:
-    """The protected names whose current value is not the one snapshotted at import."""
+    """The protected names whose current value is not the one snapshotted at import (or whose contents changed)."""
     bad = []
     for (mod, name), obj in _SNAPSHOT.items():
-        now = getattr(sys.modules.get(mod), name, None)
-        if now is not obj and getattr(now, "__parlab_stub__", None) is not obj:   # a guard's own stub is fine
+        now = _lookup(sys.modules.get(mod), name)
+        changed = not _same(now, obj)
+        if not changed and (mod, name) in _CONTENTS:
+            try:
+                changed = bool(now != _CONTENTS[(mod, name)])
+            except Exception:                                               # noqa: BLE001  (uncomparable: skip)
+                changed = False
+        if changed:
             bad.append(f"{mod}.{name}")
     return bad
 
 
 # ---------------------------------------------------------------------- parlab's answer made unavailable
+GUARD_FILE = str(Path(__file__).resolve())
+_LIBRARY = tuple(p for p in {str(f(p)).rstrip(os.sep) + os.sep
+                              for p in (sys.prefix, sys.base_prefix, sys.exec_prefix, os.path.dirname(os.__file__))
+                              for f in (Path, lambda q: Path(q).resolve())}
+                 if p != os.sep)          # a Python installed at / would otherwise make every file a library's
+_GENERATED = ("parlab", "torch", "dataclasses", "collections", "typing")   # modules whose code may be exec'd
+#: the data-moving collectives of torch.distributed: called from student code they bypass parlab.comm's trace
+UNTRACED = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor",
+            "broadcast", "reduce", "all_to_all", "all_to_all_single", "gather", "scatter", "send", "recv", "isend",
+            "irecv", "batch_isend_irecv", "all_gather_object", "broadcast_object_list", "gather_object",
+            "scatter_object_list", "send_object_list", "recv_object_list", "all_reduce_coalesced")
+UNTRACED_PREFIX = "torch.distributed."
+
+
 def _resolve(target: str):
     """'parlab.topology:ParallelGrid.groups' -> (owner object, attribute name, original value)."""
     import importlib
@@ -168,14 +227,43 @@ def _from_parlab(frame) -> bool:
     return f.startswith(PARLAB_DIR)
 
 
+def _is_check_entry(frame) -> bool:
+    return frame.f_code.co_filename == GUARD_FILE and frame.f_code.co_name == "run_check"
+
+
+def student_call(frame) -> bool:
+    """Does student code stand between `frame` (the caller of a guarded function) and the check running it?
+    Walks up the stack to the `graded` wrapper: parlab's own frames and library frames (torch, the standard
+    library, IPython) are looked through; any other frame (a notebook cell, a test, exec'd code) is the student's.
+    So the grader computing its reference passes, while student code calling parlab's answer, directly or through
+    another parlab function (a wrapper, a subclass, an autograd Function), fails."""
+    while frame is not None:
+        if _is_check_entry(frame):
+            return False
+        f = frame.f_code.co_filename
+        if f.startswith("<") and not f.startswith("<frozen"):           # exec'd: a dataclass __init__, or a cheat
+            if str(frame.f_globals.get("__name__", "")).split(".")[0] not in _GENERATED:
+                return True
+        elif not (f.startswith(PARLAB_DIR) or f.startswith(_LIBRARY) or f.startswith("<frozen")):
+            return True
+        frame = frame.f_back
+    return False
+
+
 class _Usage:
     """Where stubs record a call: a file, so forked ranks' calls are seen by the parent too."""
 
     def __init__(self):
         fd, self.path = tempfile.mkstemp(prefix="parlab-guard-")
         os.close(fd)
+        self.originals: dict[int, str] = {}         # id of a guarded function or class -> its name
+        self.classes: dict[type, str] = {}          # guarded classes (a subclass handed in counts as the class)
+        self.added: set[str] = set()
 
     def add(self, name: str) -> None:
+        if name in self.added:                      # once per process is enough (a copy called in a loop)
+            return
+        self.added.add(name)
         with open(self.path, "a") as f:
             f.write(name + "\n")
 
@@ -185,60 +273,242 @@ class _Usage:
         except OSError:
             return []
 
+    def handed_in(self, obj) -> str | None:
+        """The guarded name if `obj` is parlab's answer itself (or a subclass of a guarded class)."""
+        if id(obj) in self.originals:
+            return self.originals[id(obj)]
+        if isinstance(obj, type):
+            return next((n for c, n in self.classes.items() if issubclass(obj, c)), None)
+        return None
+
     def close(self) -> None:
         with contextlib.suppress(OSError):
             os.unlink(self.path)
 
 
-def _stub(original, name: str, usage: _Usage):
+def _refuse(name: str, usage: _Usage):
+    usage.add(name)
+    if name.startswith(UNTRACED_PREFIX):
+        raise ReferenceUsed(f"you called {name} directly; communicate through parlab.comm so that it is traced")
+    raise ReferenceUsed(f"you called parlab's {name}; write your own")
+
+
+def _stub(original, name: str, usage: _Usage, direct: bool = False):
+    """A wrapper around `original` that refuses student callers (`direct`: judge only the immediate caller)."""
     @functools.wraps(original)
     def stub(*args, **kwargs):
-        if _from_parlab(sys._getframe(1)):
-            return original(*args, **kwargs)
-        usage.add(name)
-        raise ReferenceUsed(f"you called parlab's {name}; write your own")
+        caller = sys._getframe(1)
+        if (not _from_parlab(caller)) if direct else student_call(caller):
+            _refuse(name, usage)
+        return original(*args, **kwargs)
     stub.__parlab_stub__ = original
     return stub
 
 
+_SWAPPED: dict[int, tuple] = {}                 # key -> (a copy running the original code, name, usage)
+_STUB_CODES: set = set()
+
+
+def _dispatch(key: int, args, kwargs):
+    """Body of a swapped function: refuse a student caller, else run the original code."""
+    original, name, usage = _SWAPPED[key]
+    if student_call(sys._getframe(2)):          # 0: here, 1: the swapped function, 2: its caller
+        _refuse(name, usage)
+    return original(*args, **kwargs)
+
+
+def _stub_code(fn: types.FunctionType, key: int) -> types.CodeType:
+    """Code for `fn` that calls `_dispatch(key, ...)`; it has as many free variables as fn's (Python requires it)."""
+    free = [f"_free{i}" for i in range(len(fn.__code__.co_freevars))]
+    src = ("def outer():\n" + "".join(f"    {v} = None\n" for v in free)
+           + "    def stub(*args, **kwargs):\n"
+           + (f"        if args is None:\n            ({', '.join(free)},)\n" if free else "")
+           + "        import sys\n"
+           + f"        return sys.modules['parlab.grading.guard']._dispatch({key}, args, kwargs)\n"
+           + "    return stub\n")
+    ns: dict = {}
+    exec(compile(src, GUARD_FILE, "exec"), ns)                              # noqa: S102  (a fixed template)
+    code = ns["outer"]().__code__
+    return code.replace(co_name=fn.__code__.co_name, co_qualname=fn.__code__.co_qualname)
+
+
+def _swap(fn: types.FunctionType, name: str, usage: _Usage, undo: list) -> None:
+    """Guard `fn` in place by swapping its code: every alias of it (a default argument, a partial, a list, a
+    private name) runs the guard; `undo` puts the original code back."""
+    if fn.__code__ in _STUB_CODES:                                          # already guarded (a nested check)
+        return
+    code = fn.__code__
+    copy_ = types.FunctionType(code, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+    copy_.__kwdefaults__ = fn.__kwdefaults__
+    copy_.__qualname__ = fn.__qualname__
+    copy_.__dict__.update(fn.__dict__)
+    key = id(fn)
+    _SWAPPED[key] = (copy_, name, usage)
+    stub = _stub_code(fn, key)
+    _STUB_CODES.add(stub)
+    fn.__code__ = stub
+
+    def restore(fn=fn, code=code, stub=stub, key=key):
+        fn.__code__ = code
+        _STUB_CODES.discard(stub)
+        _SWAPPED.pop(key, None)
+    undo.append(restore)
+
+
+def _set_attr(owner, attr: str, value, undo: list) -> None:
+    had = attr in vars(owner)
+    old = vars(owner).get(attr)
+    setattr(owner, attr, value)
+    undo.append(lambda: setattr(owner, attr, old) if had else delattr(owner, attr))
+
+
+def _guard_class(cls: type, short: str, usage: _Usage, undo: list) -> None:
+    """A class: its constructor; an autograd Function: its apply, forward and backward."""
+    usage.classes[cls] = short
+    import torch
+    if issubclass(cls, torch.autograd.Function):
+        apply = getattr(cls.apply, "__func__", None)           # torch's classmethod, bound at each call
+        if apply is not None:
+            _set_attr(cls, "apply", classmethod(_stub(apply, short, usage)), undo)
+        for meth in ("forward", "backward"):
+            fn = vars(cls).get(meth)
+            fn = getattr(fn, "__func__", fn)
+            if isinstance(fn, types.FunctionType):
+                _swap(fn, short, usage, undo)
+        return
+    init = vars(cls).get("__init__")
+    if not isinstance(init, types.FunctionType):
+        _set_attr(cls, "__init__", _stub(cls.__init__, short, usage), undo)
+    for value in list(vars(cls).values()):      # the constructor and every method: an instance made before the
+        fn = getattr(value, "__func__", value)  # check (or a bare object.__new__) is refused too
+        if isinstance(fn, types.FunctionType):
+            _swap(fn, short, usage, undo)
+
+
+def _block_untraced(usage: _Usage, namespaces, undo: list) -> None:
+    """torch.distributed's collectives, called from outside parlab, fail (they would bypass the trace)."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is None:
+        return
+    for op in UNTRACED:
+        original = getattr(dist, op, None)
+        if original is None or getattr(original, "__parlab_stub__", None) is not None:
+            continue
+        stub = _stub(original, UNTRACED_PREFIX + op, usage, direct=True)
+        _set_attr(dist, op, stub, undo)
+        for ns in namespaces:
+            for key, value in list(ns.items()):
+                if value is original:
+                    ns[key] = stub
+                    undo.append(lambda ns=ns, key=key, original=original: ns.__setitem__(key, original))
+
+
+_SKIP_OPS = {"CACHE", "PRECALL", "PUSH_NULL", "RESUME", "NOP", "EXTENDED_ARG", "KW_NAMES"}
+
+
+def _key(code: types.CodeType) -> tuple:
+    """A cheap first filter: the names a function uses."""
+    return (code.co_names, code.co_varnames, code.co_argcount, code.co_kwonlyargcount)
+
+
+def _fingerprint(code: types.CodeType) -> tuple:
+    """What a copy of a function keeps, wherever it was compiled (importlib.reload, exec of inspect.getsource,
+    types.FunctionType): its instructions (method calls normalised: the compiler may emit LOAD_METHOD or
+    LOAD_ATTR for the same source), names and constants (the docstring included, so that a student's own
+    function written the same natural way is not taken for a copy), nested functions included; not the file,
+    the line numbers or the qualified name."""
+    import dis
+    ops = []
+    for ins in dis.get_instructions(code):
+        if ins.opname in _SKIP_OPS:
+            continue
+        name = "LOAD_ATTR" if ins.opname == "LOAD_METHOD" else ins.opname
+        arg = ins.argrepr.replace("NULL + ", "").replace(" + NULL", "") if isinstance(ins.argrepr, str) else ""
+        if isinstance(ins.argval, types.CodeType):
+            arg = _fingerprint(ins.argval)
+        elif "JUMP" in name or name.startswith(("POP_JUMP", "FOR_ITER", "SEND")):
+            arg = ""                                                # offsets shift with the instructions
+        ops.append((name, arg))
+    consts = tuple(repr(c) for c in code.co_consts if not isinstance(c, types.CodeType))   # the docstring too:
+    return _key(code), tuple(ops), consts       # a student's own function that happens to match has another
+
+
+def _watched(targets) -> dict[tuple, str]:
+    """fingerprint -> name, for the code of every guarded function (a class: its constructor or its autograd
+    forward and backward)."""
+    out = {}
+    for target in targets:
+        _, _, original = _resolve(target)
+        short = target.split(":")[1]
+        fns = [original]
+        if isinstance(original, type):          # its methods, but not the trivial ones a student's may equal
+            fns = [f for k, f in ((k, getattr(v, "__func__", v)) for k, v in vars(original).items())
+                   if isinstance(f, types.FunctionType)
+                   and (k in ("__init__", "forward", "backward") or len(f.__code__.co_code) >= 60)]
+        for fn in fns:
+            fn = getattr(fn, "__func__", fn)
+            with contextlib.suppress(ValueError):                   # a decorator's wrapper: the function inside
+                fn = inspect.unwrap(fn)
+            if (isinstance(fn, types.FunctionType) and fn.__code__ not in _STUB_CODES
+                    and fn.__code__.co_filename.startswith(PARLAB_DIR)):   # not torch's shared wrapper code
+                out[_fingerprint(fn.__code__)] = short
+    return out
+
+
+@contextlib.contextmanager
+def _copies_watched(watch: dict, usage: _Usage):
+    """A profile hook (this thread, and the ranks forked from it) that records any run of code equal to a guarded
+    function's, called from student code: copies the code swap cannot reach (importlib.reload, exec of the
+    source, types.FunctionType). The copy runs, but the check fails."""
+    if not watch:
+        yield
+        return
+    seen: dict[int, tuple] = {}
+    keys = {fp[0] for fp in watch}
+
+    def profile(frame, event, arg):
+        if event != "call":
+            return
+        code = frame.f_code
+        hit = seen.get(id(code))
+        if hit is None or hit[0] is not code:
+            hit = seen[id(code)] = (code, watch.get(_fingerprint(code)) if _key(code) in keys else None)
+        if hit[1] is not None and student_call(frame.f_back):
+            usage.add(hit[1])
+
+    old = sys.getprofile()
+    sys.setprofile(profile)
+    try:
+        yield
+    finally:
+        sys.setprofile(old)
+
+
 @contextlib.contextmanager
 def references(targets, namespaces=(), cells=()):
-    """While inside, each target ('module:name' or 'module:Class.method'; a class means its constructor)
-    is unavailable to code outside the parlab package: replaced in every parlab module, in `namespaces`
-    (dicts) and in `cells` (closure cells of the student's functions). Yields the usage record (`.names()`,
-    `.originals`)."""
+    """While inside, each target ('module:name' or 'module:Class.method'; a class means its constructor, an
+    autograd Function its apply, forward and backward) is unavailable to student code (`student_call`), however
+    it is reached: the function's code is swapped in place, so every alias of it is guarded too. The data-moving
+    collectives of torch.distributed are unavailable to code outside parlab (use parlab.comm, which is traced).
+    `namespaces` (dicts) are searched for aliases of those collectives; `cells` is kept for compatibility.
+    Yields the usage record (`.names()`, `.handed_in(obj)`)."""
     usage = _Usage()
-    usage.originals = {}
-    undo = []
+    undo: list = []
+    watch = _watched(targets)
     try:
         for target in targets:
             owner, attr, original = _resolve(target)
             short = target.split(":")[1]
             usage.originals[id(original)] = short
-            if isinstance(original, type):                       # a class: guard its constructor
-                cls = original
-                had = "__init__" in vars(cls)
-                init = cls.__init__
-                setattr(cls, "__init__", _stub(init, short, usage))
-                undo.append(lambda cls=cls, had=had, init=init:
-                            setattr(cls, "__init__", init) if had else delattr(cls, "__init__"))
-                continue
-            stub = _stub(original, short, usage)
-            if isinstance(owner, type):                         # a method
-                setattr(owner, attr, stub)
-                undo.append(lambda owner=owner, attr=attr, original=original: setattr(owner, attr, original))
-                continue
-            spaces = [vars(m) for n, m in list(sys.modules.items()) if n.startswith("parlab") and m is not None]
-            for ns in spaces + [ns for ns in namespaces if isinstance(ns, dict)]:
-                for key, value in list(ns.items()):
-                    if value is original:
-                        ns[key] = stub
-                        undo.append(lambda ns=ns, key=key, original=original: ns.__setitem__(key, original))
-            for cell in cells:
-                if _cell_value(cell) is original:
-                    cell.cell_contents = stub
-                    undo.append(lambda cell=cell, original=original: setattr(cell, "cell_contents", original))
-        yield usage
+            if isinstance(original, type):
+                _guard_class(original, short, usage, undo)
+            elif isinstance(original, types.FunctionType):
+                _swap(original, short, usage, undo)
+            else:                                                           # a bound or builtin method
+                _set_attr(owner, attr, _stub(original, short, usage), undo)
+        _block_untraced(usage, [ns for ns in namespaces if isinstance(ns, dict)], undo)
+        with _copies_watched(watch, usage):
+            yield usage
     finally:
         for u in reversed(undo):
             u()
@@ -303,34 +573,53 @@ def _record(check: str, passed: bool, kind: str, message: str, tb: str) -> None:
             f.write(json.dumps(rec) + "\n")
 
 
+def _tamper_message(bad: list[str]) -> str:
+    return (f"tampered: {', '.join(bad)} no longer is parlab's own; the grading code or parlab was rebound in this "
+            f"notebook. Restart the kernel, remove the code that rebinds it, and run the notebook from the top.")
+
+
+def _used_message(name: str, used: list[str]) -> str:
+    untraced = [u for u in used if u.startswith(UNTRACED_PREFIX)]
+    mine = [u for u in used if not u.startswith(UNTRACED_PREFIX)]
+    parts = []
+    if mine:
+        parts.append(f"{name}: you called parlab's {', '.join(mine)}; write your own. This part asks you to compute "
+                     f"it yourself, so parlab's version is unavailable while the check runs.")
+    if untraced:
+        ops = ", ".join(u[len(UNTRACED_PREFIX):] for u in untraced)
+        parts.append(f"{name}: you called {', '.join(untraced)} directly; communicate through parlab.comm "
+                     f"(comm.{ops.split(', ')[0]} ...), which records every message in the trace the check reads.")
+    return "\n".join(parts)
+
+
 def graded(*targets: str):
-    """Decorate a check: tamper check, parlab's `targets` unavailable to the student's code, failures as
-    CheckFailed, one record per run. The check's first argument is the student's function or class."""
+    """Decorate a check: tamper check (before and after), parlab's `targets` unavailable to the student's code,
+    failures as CheckFailed, one record per run. The check's first argument is the student's function or class."""
     def wrap(check):
         @functools.wraps(check)
-        def run(*args, **kwargs):
+        def run_check(*args, **kwargs):
             __tracebackhide__ = True                            # noqa: F841  (pytest: hide this frame)
             name = check.__name__
             try:
                 bad = tampered()
                 if bad:
-                    raise CheckFailed(f"tampered: {', '.join(bad)} no longer is parlab's own; the grading code "
-                                      f"or parlab was rebound in this notebook. Restart the kernel, remove the "
-                                      f"code that rebinds it, and run the notebook from the top.", "tampered")
+                    raise CheckFailed(_tamper_message(bad), "tampered")
                 out, err = None, None
                 with references(targets, student_namespaces(*args[:1]), student_cells(*args[:1])) as usage:
                     try:
-                        if args and id(args[0]) in usage.originals:   # parlab's own function handed in
-                            usage.add(usage.originals[id(args[0])])
+                        handed = usage.handed_in(args[0]) if args else None
+                        if handed:                                  # parlab's own function or class handed in
+                            usage.add(handed)
                             raise ReferenceUsed()
                         out = check(*args, **kwargs)
                     except (AssertionError, ReferenceUsed, CpuTimeExceeded) as e:
                         err = e
                     used = usage.names()
+                bad = tampered()                                    # rebound by the student's code during the check
+                if bad:
+                    raise CheckFailed(_tamper_message(bad), "tampered")
                 if used:
-                    raise CheckFailed(f"{name}: you called parlab's {', '.join(used)}; write your own. This part "
-                                      f"asks you to compute it yourself, so parlab's version is unavailable "
-                                      f"while the check runs.", "reference")
+                    raise CheckFailed(_used_message(name, used), "reference")
                 if err is not None:
                     raise err
             except CheckFailed as e:
@@ -348,6 +637,6 @@ def graded(*targets: str):
                 raise
             _record(name, True, "ok", "", "")
             return out
-        run.__parlab_check__ = check
-        return run
+        run_check.__parlab_check__ = check
+        return run_check
     return wrap

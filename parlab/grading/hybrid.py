@@ -24,12 +24,13 @@ arXiv:2104.04473, section 3; Megatron-LM ``parallel_state``.
 from __future__ import annotations
 
 import itertools
+import random
 
 from .. import planner
 from ..costs import Cluster, ModelSpec, preset
 from ..topology import DIMS, ParallelGrid
 from . import call_student
-from .guard import graded, protect
+from .guard import fresh_seed, graded, protect
 
 __all__ = ["check_groups_4d", "check_layout", "check_layout_search", "judge_layout", "LAYOUTS_4D",
            "LAYOUT_TASK", "SEARCH_TASKS"]
@@ -43,6 +44,8 @@ LAYOUT_TASK = dict(model="llama-65b", cluster=Cluster(nodes=4), global_batch=128
 SEARCH_TASKS = (("llama-7b", Cluster(nodes=1, gpu_mem_gb=40.0), 32),
                 ("llama-13b", Cluster(nodes=2, gpu_mem_gb=40.0), 64),
                 ("gpt3-175b", Cluster(nodes=16), 256))
+#: one more task is drawn at grading time from this pool (so that layouts copied from a run do not pass)
+RANDOM_TASKS = (("llama-7b", "llama-13b"), (1, 2), (40.0, 80.0), (32, 64, 128))   # models, nodes, GB, batches
 LAYOUT_KEYS = ("tp", "pp", "cp", "dp", "micro_batch", "zero", "recompute")
 
 ORDER_HINT = ("Megatron's order is tp-cp-dp-pp, fastest first: rank = tp_rank + tp * (cp_rank + cp * (dp_rank + "
@@ -204,7 +207,7 @@ def judge_layout(layout, model, cluster: Cluster, global_batch: int, tolerance: 
     return e, best
 
 
-@graded("parlab.planner:enumerate_layouts")     # plan: the search check guards it itself
+@graded("parlab.planner:enumerate_layouts", "parlab.planner:plan")
 def check_layout(fn, model=LAYOUT_TASK["model"], cluster: Cluster = LAYOUT_TASK["cluster"],
                  global_batch: int = LAYOUT_TASK["global_batch"], tolerance: float = LAYOUT_TASK["tolerance"]) -> None:
     """``fn()`` returns a layout dict for `model` on `cluster`; it must fit, keep TP in a node and be within
@@ -215,10 +218,22 @@ def check_layout(fn, model=LAYOUT_TASK["model"], cluster: Cluster = LAYOUT_TASK[
           f"{100 * (e.step_s / best.step_s - 1):.1f}% from the planner's best ({best.layout}, {best.step_s:.2f} s)")
 
 
-@graded("parlab.planner:enumerate_layouts")     # plan: the search check guards it itself
+def _random_task() -> tuple[str, Cluster, int]:
+    """A task from the RANDOM_TASKS pool, drawn at grading time, never one of the public SEARCH_TASKS."""
+    rng = random.Random(fresh_seed())
+    models, nodes, mem, batches = RANDOM_TASKS
+    public = {(m, c.nodes, c.gpu_mem_gb, b) for m, c, b in SEARCH_TASKS}
+    pool = [t for t in itertools.product(models, nodes, mem, batches) if t not in public]
+    model, n, gb, batch = rng.choice(pool)
+    return model, Cluster(nodes=n, gpu_mem_gb=gb), batch
+
+
+@graded("parlab.planner:enumerate_layouts", "parlab.planner:plan")
 def check_layout_search(fn, tasks=SEARCH_TASKS, tolerance: float = 0.05) -> None:
-    """``fn(model, cluster, global_batch)`` returns a layout dict; on each task it must fit, keep TP in a node
-    and be within `tolerance` (default 5%) of the planner's best. The planner's own search is switched off."""
+    """``fn(model, cluster, global_batch)`` returns a layout dict; on each task (and one drawn at grading time) it
+    must fit, keep TP in a node and be within `tolerance` (default 5%) of the planner's best. The planner's own
+    search is switched off."""
+    tasks = list(tasks) + [_random_task()]
     blocked = {"plan": planner.plan, "enumerate_layouts": planner.enumerate_layouts}
 
     def refuse(*args, **kwargs):

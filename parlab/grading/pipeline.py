@@ -19,13 +19,14 @@ References: PipeDream-Flush / 1F1B, arXiv:2006.09503; Megatron-LM interleaving, 
 from __future__ import annotations
 
 import math
+import random
 
 import torch
 
 from .. import schedules as sch
 from ..models import GPT, GPTConfig
 from . import call_student, run_student
-from .guard import graded, protect
+from .guard import fresh_seed, graded, protect
 
 __all__ = ["check_1f1b_valid", "check_1f1b_reference", "check_1f1b_bubble", "check_bubble_of_step",
            "check_bubble_over_ideal", "CASES", "BUBBLE_CASES"]
@@ -35,6 +36,20 @@ BUBBLE_CASES = ((2, 4, 1), (4, 4, 1), (4, 8, 1), (8, 16, 1), (4, 8, 2), (4, 16, 
 RUN_CASE = (4, 6)                                                  # run on the executor: 4 ranks, 6 micro-batches
 CFG = GPTConfig(vocab_size=32, seq_len=8, n_layer=4, n_head=2, n_embd=16)
 BATCH = 12
+
+def _random_case() -> tuple[int, int]:
+    """A (p, m) drawn at grading time, so that schedules copied from a run of the public CASES do not pass."""
+    rng = random.Random(fresh_seed())
+    return rng.choice([(p, m) for p in range(2, 7) for m in range(1, 13) if (p, m) not in CASES])
+
+
+def _random_bubble_cases() -> list[tuple[int, int, int]]:
+    """One 1F1B and one interleaved (p, m, v) drawn at grading time (interleaving needs m a multiple of p)."""
+    rng = random.Random(fresh_seed())
+    plain = [(p, m, 1) for p in range(2, 9) for m in range(1, 17)]
+    interleaved = [(p, p * k, v) for p in range(2, 5) for k in range(1, 5) for v in (2, 3)]
+    return [rng.choice([c for c in cases if c not in BUBBLE_CASES]) for cases in (plain, interleaved)]
+
 
 HINT_1F1B = ("rank r runs min(p - r - 1, m) warm-up forwards F0, F1, ...; then, while forwards are left, one "
              "forward and one backward (F(warm + i), then B(i)); then the remaining backwards in order.")
@@ -132,8 +147,9 @@ def check_1f1b_valid(fn, cases=CASES, run_case=RUN_CASE) -> None:
 
 @graded("parlab.schedules:one_f_one_b", "parlab.schedules:interleaved_1f1b")
 def check_1f1b_reference(fn, cases=CASES) -> None:
-    """one_f_one_b_rank(p, m, r) equals parlab.schedules.one_f_one_b(p, m).actions[r], action by action."""
-    for p, m in cases:
+    """one_f_one_b_rank(p, m, r) equals parlab.schedules.one_f_one_b(p, m).actions[r], action by action, on the
+    public cases and one drawn at grading time."""
+    for p, m in list(cases) + [_random_case()]:
         ref = sch.one_f_one_b(p, m)
         for r in range(p):
             got, want = _actions(fn, p, m, r), list(ref.actions[r])
@@ -155,14 +171,14 @@ def check_1f1b_reference(fn, cases=CASES) -> None:
                 f"(p - r - 1 warm-up forwards, then the steady state's first F).")
             raise AssertionError(f"{where}: {why}{more}\n  expected {show(want)}\n  got      {show(got)}\n"
                                  f"Hint: {HINT_1F1B}")
-    print(f"one_f_one_b_rank equals parlab's 1F1B for (p, m) in {list(cases)}, every rank")
+    print(f"one_f_one_b_rank equals parlab's 1F1B for (p, m) in {list(cases)} and one drawn at random, every rank")
 
 
 @graded("parlab.schedules:one_f_one_b", "parlab.schedules:interleaved_1f1b")
 def check_1f1b_bubble(fn, cases=CASES) -> None:
     """The simulated bubble of your schedule is 1F1B's, (p-1)/(m+p-1) of the step, and rank r keeps at most
-    min(p - r, m) micro-batches of activations alive."""
-    for p, m in cases:
+    min(p - r, m) micro-batches of activations alive (the public cases and one drawn at grading time)."""
+    for p, m in list(cases) + [_random_case()]:
         sim = _simulate(fn, p, m)
         want = (p - 1) / (m + p - 1)
         if not math.isclose(sim.bubble_fraction, want, abs_tol=1e-9):
@@ -178,7 +194,7 @@ def check_1f1b_bubble(fn, cases=CASES) -> None:
                     f"alive at once; 1F1B keeps at most min(p - r, m) = {min(p - r, m)}. Run each backward as "
                     f"soon as possible instead of more forwards (GPipe keeps all m).\nHint: {HINT_1F1B}")
     print(f"your schedule has 1F1B's bubble (p-1)/(m+p-1) and at most p - r micro-batches alive on rank r, for "
-          f"(p, m) in {list(cases)}")
+          f"(p, m) in {list(cases)} and one drawn at random")
 
 
 # ---------------------------------------------------------------------- checks: the bubble formulas
@@ -187,7 +203,7 @@ def _reference_sim(p: int, m: int, v: int) -> sch.Simulation:
 
 
 def _check_formula(fn, name: str, attr: str, cases, hint: str, other: tuple[str, str]) -> None:
-    for p, m, v in cases:
+    for p, m, v in list(cases) + _random_bubble_cases():
         sim = _reference_sim(p, m, v)
         want = getattr(sim, attr)
         got = call_student(fn, p, m, v, what=name)
@@ -209,7 +225,7 @@ def _check_formula(fn, name: str, attr: str, cases, hint: str, other: tuple[str,
         raise AssertionError(f"{name}(p={p}, m={m}, v={v}) returned {got:.6f}; the simulation of {kind} (step "
                              f"{sim.makespan:g} units, one rank busy {max(sim.busy):g}) gives {want:.6f}.{extra}\n"
                              f"Hint: {hint}")
-    print(f"{name} matches the simulation for (p, m, v) in {list(cases)}")
+    print(f"{name} matches the simulation for (p, m, v) in {list(cases)} and 2 cases drawn at random")
 
 
 @graded("parlab.schedules:simulate", "parlab.schedules:bubble_formula")

@@ -35,6 +35,8 @@ REFS = (   # parlab's own answers: unavailable to the student's code while these
     "parlab.sequence_parallel:ulysses_attention",
     "parlab.sequence_parallel:_a2a_seq_to_head",
     "parlab.sequence_parallel:_a2a_head_to_seq",
+    "parlab.sequence_parallel:_SeqToHead",
+    "parlab.sequence_parallel:_HeadToSeq",
 )
 B, NH, C, HD = 2, 4, 3, 5          # batch, heads (divisible by 2 and 4), positions per rank, head size
 WORLD_SIZES = (2, 4)

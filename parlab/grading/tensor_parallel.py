@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from .. import comm
 from ..trace import mark
 from . import TIMEOUT, _show, run_student
-from .guard import graded, protect
+from .guard import fresh_seed, graded, protect
 
 LAYER_REFS = (   # parlab's own answers: unavailable to the student's code while these checks run
     "parlab.tp_comm:copy_to_tp",
@@ -35,7 +35,13 @@ LAYER_REFS = (   # parlab's own answers: unavailable to the student's code while
     "parlab.tp_comm:scatter_to_tp",
     "parlab.tensor_parallel:ColumnParallelLinear",
     "parlab.tensor_parallel:RowParallelLinear",
+    "parlab.tp_comm:_CopyToTP",            # the private autograd Functions behind copy_to_tp ...
+    "parlab.tp_comm:_ReduceFromTP",
+    "parlab.tp_comm:_GatherFromTP",
+    "parlab.tp_comm:_ScatterToTP",
 )
+CE_REFS = ("parlab.tensor_parallel:vocab_parallel_cross_entropy", "parlab.tp_comm:reduce_from_tp",
+           "parlab.tp_loss:_VocabParallelCrossEntropy", "parlab.tp_comm:_ReduceFromTP")
 
 __all__ = ["check_column_parallel_linear", "check_row_parallel_linear", "check_vocab_parallel_cross_entropy",
            "check_vocab_parallel_cross_entropy_traffic", "TP_SIZES"]
@@ -49,9 +55,11 @@ def _ints(shape, seed):
     return torch.randint(-3, 4, shape, generator=g).to(torch.float64)
 
 
-def _dense_linear():
-    """The unsplit problem: x (B, S, IN), W (OUT, IN) as nn.Linear stores it, b (OUT,), dL/dy (B, S, OUT)."""
-    return _ints((B, S, IN), 1), _ints((OUT, IN), 2), _ints((OUT,), 3), _ints((B, S, OUT), 4)
+def _dense_linear(seed: int = 0):
+    """The unsplit problem: x (B, S, IN), W (OUT, IN) as nn.Linear stores it, b (OUT,), dL/dy (B, S, OUT).
+    The checks pass a `seed` drawn at grading time, so that no rank can rebuild the full problem locally."""
+    return (_ints((B, S, IN), seed + 1), _ints((OUT, IN), seed + 2), _ints((OUT,), seed + 3),
+            _ints((B, S, OUT), seed + 4))
 
 
 def _apply(fn, *args):
@@ -63,9 +71,9 @@ def _out(t):
 
 
 # ---------------------------------------------------------------------- what each rank runs
-def _rank_column(fn):
+def _rank_column(fn, seed):
     n, r = comm.get_world_size(), comm.get_rank()
-    x, w, b, gy = _dense_linear()
+    x, w, b, gy = _dense_linear(seed)
     x = x.requires_grad_()
     w_r = w.chunk(n, 0)[r].clone().requires_grad_()         # (OUT/tp, IN): this rank's rows of the weight
     b_r = b.chunk(n, 0)[r].clone().requires_grad_()         # (OUT/tp,)
@@ -77,9 +85,9 @@ def _rank_column(fn):
                 db=_out(b_r.grad))
 
 
-def _rank_row(fn):
+def _rank_row(fn, seed):
     n, r = comm.get_world_size(), comm.get_rank()
-    x, w, b, gy = _dense_linear()
+    x, w, b, gy = _dense_linear(seed)
     x_r = x.chunk(n, -1)[r].clone().requires_grad_()        # (B, S, IN/tp): this rank's columns of x
     w_r = w.chunk(n, 1)[r].clone().requires_grad_()         # (OUT, IN/tp): this rank's columns of the weight
     b = b.clone().requires_grad_()                          # (OUT,): the whole bias on every rank
@@ -91,9 +99,9 @@ def _rank_row(fn):
                 db=_out(b.grad))
 
 
-def _logits():
+def _logits(seed: int = 7):
     """Large logits (about 800 +- 200): exp() of them overflows float64 unless the max is subtracted first."""
-    g = torch.Generator().manual_seed(7)
+    g = torch.Generator().manual_seed(seed)
     logits = 800 + 200 * torch.randn(B, S, V, generator=g, dtype=torch.float64)
     targets = torch.randint(0, V, (B, S), generator=g)
     targets[0, 0], targets[-1, -1] = 0, V - 1               # the first and the last rank own a target
@@ -101,9 +109,9 @@ def _logits():
     return logits, targets, upstream
 
 
-def _rank_cross_entropy(fn):
+def _rank_cross_entropy(fn, seed):
     n, r = comm.get_world_size(), comm.get_rank()
-    logits, targets, upstream = _logits()
+    logits, targets, upstream = _logits(seed)
     mine = logits.chunk(n, -1)[r].clone().requires_grad_()  # (B, S, V/tp)
     loss = _apply(fn, mine, targets.clone(), None)            # (B, S)
     mark("backward")
@@ -168,11 +176,12 @@ def check_column_parallel_linear(fn, tp_sizes=TP_SIZES, timeout: float = TIMEOUT
     hint = ("forward: y = x @ weight.t() + bias, no communication (f is the identity); backward: grad_x = "
             "grad_y @ weight is only this rank's share, so comm.all_reduce(grad_x, group=ctx.group); grad_weight = "
             "grad_y^T x and grad_bias = grad_y summed over (B, S), both local.")
-    x, w, b, gy = _dense_linear()
-    y_full, dx_full = F.linear(x, w, b), gy @ w
-    dw_full, db_full = gy.flatten(0, 1).t() @ x.flatten(0, 1), gy.sum((0, 1))
     for n in tp_sizes:
-        res = run_student(_rank_column, n, fn, timeout=timeout, what="ColumnParallelLinearFn")
+        seed = fresh_seed()
+        x, w, b, gy = _dense_linear(seed)
+        y_full, dx_full = F.linear(x, w, b), gy @ w
+        dw_full, db_full = gy.flatten(0, 1).t() @ x.flatten(0, 1), gy.sum((0, 1))
+        res = run_student(_rank_column, n, fn, seed, timeout=timeout, what="ColumnParallelLinearFn")
         for r, got in enumerate(res.results):
             where = f"ColumnParallelLinearFn on {n} ranks, rank {r}"
             w_r, gy_r = w.chunk(n, 0)[r], gy.chunk(n, -1)[r]
@@ -201,11 +210,12 @@ def check_row_parallel_linear(fn, tp_sizes=TP_SIZES, timeout: float = TIMEOUT) -
     hint = ("forward: partial = x_r @ weight_r.t(), comm.all_reduce(partial, group=ctx.group), then + bias (once, "
             "after the sum); backward: grad_x_r = grad_y @ weight_r, grad_weight_r = grad_y^T x_r, grad_bias = "
             "grad_y summed over (B, S): no communication (g's backward is the identity).")
-    x, w, b, gy = _dense_linear()
-    y_full, dx_full = F.linear(x, w, b), gy @ w
-    dw_full, db_full = gy.flatten(0, 1).t() @ x.flatten(0, 1), gy.sum((0, 1))
     for n in tp_sizes:
-        res = run_student(_rank_row, n, fn, timeout=timeout, what="RowParallelLinearFn")
+        seed = fresh_seed()
+        x, w, b, gy = _dense_linear(seed)
+        y_full, dx_full = F.linear(x, w, b), gy @ w
+        dw_full, db_full = gy.flatten(0, 1).t() @ x.flatten(0, 1), gy.sum((0, 1))
+        res = run_student(_rank_row, n, fn, seed, timeout=timeout, what="RowParallelLinearFn")
         for r, got in enumerate(res.results):
             where = f"RowParallelLinearFn on {n} ranks, rank {r}"
             x_r, w_r = x.chunk(n, -1)[r], w.chunk(n, 1)[r]
@@ -235,18 +245,19 @@ CE_HINT = ("m = all-reduce MAX of the per-token max; z = logits_r - m; the targe
            "z_target. backward: grad = (softmax_r - one_hot_r) * grad_loss, softmax_r = exp(z) / sum_exp.")
 
 
-@graded("parlab.tensor_parallel:vocab_parallel_cross_entropy", "parlab.tp_comm:reduce_from_tp")
+@graded(*CE_REFS)
 def check_vocab_parallel_cross_entropy(fn, tp_sizes=TP_SIZES, timeout: float = TIMEOUT) -> None:
     """The per-token loss equals F.cross_entropy on the full logits (values near 800, so exp needs the max
     subtracted), and logits_r.grad equals the dense gradient's vocabulary slice r, on 2 and 4 ranks."""
-    logits, targets, upstream = _logits()
-    full = logits.clone().requires_grad_()
-    want = F.cross_entropy(full.flatten(0, 1), targets.flatten(), reduction="none").view(B, S)
-    (want * upstream).sum().backward()
-    want = want.detach()
     tol = 1e-9                                               # float64, the same sums in another order
     for n in tp_sizes:
-        res = run_student(_rank_cross_entropy, n, fn, timeout=timeout, what="VocabParallelCrossEntropyFn")
+        seed = fresh_seed()
+        logits, targets, upstream = _logits(seed)
+        full = logits.clone().requires_grad_()
+        want = F.cross_entropy(full.flatten(0, 1), targets.flatten(), reduction="none").view(B, S)
+        (want * upstream).sum().backward()
+        want = want.detach()
+        res = run_student(_rank_cross_entropy, n, fn, seed, timeout=timeout, what="VocabParallelCrossEntropyFn")
         for r, got in enumerate(res.results):
             where = f"VocabParallelCrossEntropyFn on {n} ranks, rank {r}"
             loss = got["loss"]
@@ -272,11 +283,12 @@ def check_vocab_parallel_cross_entropy(fn, tp_sizes=TP_SIZES, timeout: float = T
           f"{', '.join(map(str, tp_sizes))} ranks")
 
 
-@graded("parlab.tensor_parallel:vocab_parallel_cross_entropy", "parlab.tp_comm:reduce_from_tp")
+@graded(*CE_REFS)
 def check_vocab_parallel_cross_entropy_traffic(fn, tp: int = 4, timeout: float = TIMEOUT) -> None:
     """From the trace: forward = exactly 3 all-reduces of one value per token (B*S each), never the logits;
     backward communicates nothing."""
-    res = run_student(_rank_cross_entropy, tp, fn, timeout=timeout, what="VocabParallelCrossEntropyFn")
+    res = run_student(_rank_cross_entropy, tp, fn, fresh_seed(), timeout=timeout,
+                      what="VocabParallelCrossEntropyFn")
     for r in range(tp):
         fwd, bwd = _phases(res.trace, r)
         big = [e for e in fwd + bwd if e.numel > B * S]

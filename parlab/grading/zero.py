@@ -20,6 +20,7 @@ References: Rajbhandari et al., "ZeRO", arXiv:1910.02054, sections 3, 5 and 7; t
 from __future__ import annotations
 
 import math
+import random
 
 import torch
 
@@ -30,12 +31,13 @@ from ..memory import STAGES, measure, model_state_bytes
 from ..models import GPT, GPTConfig
 from ..zero import ShardedOptimizer
 from . import TIMEOUT, call_student, run_student
-from .guard import graded, protect
+from .guard import fresh_seed, graded, protect
 
 ZERO1_REFS = (   # parlab's own answers: unavailable to the student's code while these checks run
     "parlab.zero:ShardedOptimizer",
     "parlab.fsdp:FullyShardedDataParallel",
     "parlab.grading.zero:reference_partition",
+    "parlab.grading.zero:reference_adamw",
 )
 
 __all__ = ["check_partition", "check_zero1_step", "check_zero1_memory_and_traffic", "check_memory_formulas",
@@ -51,8 +53,9 @@ ATOL = 1e-10
 PARTS = ("params", "grads", "optimizer")
 
 
-def _sampler() -> BatchSampler:
-    return BatchSampler(load_corpus(4000), batch_size=BATCH, seq_len=CFG.seq_len, seed=1)
+def _sampler(seed: int = 1) -> BatchSampler:
+    """The checks pass a `seed` drawn at grading time: the full batch's AdamW steps cannot be precomputed."""
+    return BatchSampler(load_corpus(4000), batch_size=BATCH, seq_len=CFG.seq_len, seed=seed)
 
 
 def _model() -> GPT:
@@ -72,9 +75,9 @@ def reference_partition(flat: torch.Tensor, rank: int, world_size: int) -> torch
     return padded[rank * s:(rank + 1) * s]
 
 
-def reference_adamw(steps: int = STEPS, grad_scale: float = 1.0) -> list[torch.Tensor]:
+def reference_adamw(steps: int = STEPS, grad_scale: float = 1.0, seed: int = 1) -> list[torch.Tensor]:
     """Flat parameters after each step of single-process AdamW on the full batch (grad_scale: a wrong variant)."""
-    model, sampler = _model(), _sampler()
+    model, sampler = _model(), _sampler(seed)
     opt = torch.optim.AdamW(model.parameters(), **ADAMW)
     out = []
     for step in range(steps):
@@ -90,7 +93,8 @@ def reference_adamw(steps: int = STEPS, grad_scale: float = 1.0) -> list[torch.T
 
 
 # ---------------------------------------------------------------------- part 1: partition
-@graded("parlab.zero:partition_parameters", "parlab.grading.zero:reference_partition")
+@graded("parlab.zero:partition_parameters", "parlab.grading.zero:reference_partition",
+        "parlab.grading.fsdp:shard_of")
 def check_partition(fn) -> None:
     """``fn(flat, rank, world_size)`` returns rank's shard: equal lengths ceil(numel / N), zero padding at the end."""
     hint = ("s = ceil(numel / N) (in Python: -(-numel // N)); pad flat with zeros to N * s elements "
@@ -127,9 +131,9 @@ def _optimizers(opt) -> list[torch.optim.Optimizer]:
     return [v for v in vars(opt).values() if isinstance(v, torch.optim.Optimizer)]
 
 
-def _rank_zero1(student_cls, steps):
+def _rank_zero1(student_cls, steps, seed):
     rank, n = comm.get_rank(), comm.get_world_size()
-    model, sampler = _model(), _sampler()
+    model, sampler = _model(), _sampler(seed)
     opt = student_cls(model.parameters(), **ADAMW)
     flats = []
     for step in range(steps):
@@ -146,9 +150,9 @@ def _rank_zero1(student_cls, steps):
     return {"flats": flats, "n_optimizers": len(optims), "state_elements": state, "stepped_elements": stepped}
 
 
-def _compare_training(results, n, what):
+def _compare_training(results, n, what, seed):
     """Every rank's parameters after every step equal single-process AdamW's; else say what went wrong."""
-    ref = reference_adamw(len(results[0]["flats"]))
+    ref = reference_adamw(len(results[0]["flats"]), seed=seed)
     init = _flat(_model().parameters())
     names = [(name, p.numel()) for name, p in _model().named_parameters()]
     for step in range(len(ref)):
@@ -173,7 +177,7 @@ def _compare_training(results, n, what):
                                      f"others never received it.\nHint: after self.optim.step(), comm.all_gather the "
                                      f"updated shard of every rank into a flat vector of N * s elements and copy it "
                                      f"into the parameters (unflatten_into).")
-            if step == 0 and reference_adamw(1, grad_scale=n)[0].sub(got).abs().max() <= ATOL:
+            if step == 0 and reference_adamw(1, grad_scale=n, seed=seed)[0].sub(got).abs().max() <= ATOL:
                 raise AssertionError(msg + "Your update equals AdamW with gradients summed over the ranks, not "
                                      "averaged.\nHint: comm.reduce_scatter(shard_grad, flat_grads, "
                                      "op=comm.ReduceOp.AVG): the mean of the per-rank mean losses is the global mean.")
@@ -188,8 +192,9 @@ def check_zero1_step(cls, world_sizes=(2, 3), steps: int = STEPS, timeout: float
     """``Zero1(params, lr=..., weight_decay=...)`` trains a tiny float64 GPT on N ranks (each on its share of the
     batch) to the same parameters as one process running torch.optim.AdamW on the whole batch."""
     for n in world_sizes:
-        res = run_student(_rank_zero1, n, cls, steps, timeout=timeout, what="Zero1")
-        _compare_training(res.results, n, "Zero1")
+        seed = fresh_seed()
+        res = run_student(_rank_zero1, n, cls, steps, seed, timeout=timeout, what="Zero1")
+        _compare_training(res.results, n, "Zero1", seed)
     print(f"Zero1 matches single-process AdamW to {ATOL:g} after {steps} steps on "
           f"{', '.join(map(str, world_sizes))} ranks (psi = {CFG.param_count():,})")
 
@@ -199,8 +204,9 @@ def check_zero1_memory_and_traffic(cls, world_size: int = 4, steps: int = 2, tim
     """On 4 ranks: each rank's AdamW holds state for only its shard, psi / N elements (m and v), and each rank
     sends about 2 (N-1)/N psi elements per step, what one DP all-reduce sends (from the trace)."""
     n, psi = world_size, CFG.param_count()
-    res = run_student(_rank_zero1, n, cls, steps, timeout=timeout, what="Zero1")
-    _compare_training(res.results, n, "Zero1")
+    seed = fresh_seed()
+    res = run_student(_rank_zero1, n, cls, steps, seed, timeout=timeout, what="Zero1")
+    _compare_training(res.results, n, "Zero1", seed)
     s = -(-psi // n)
     for r, out in enumerate(res.results):
         if out["n_optimizers"] == 0:
@@ -229,6 +235,15 @@ def check_zero1_memory_and_traffic(cls, world_size: int = 4, steps: int = 2, tim
                 f"2 (N-1)/N x {n * s:,} x 8 bytes = {want / steps:,.0f} bytes, the same as one DP all-reduce. "
                 f"Operations used: {ops}.{extra}\nHint: comm.reduce_scatter(shard_grad, flat_grads, "
                 f"op=comm.ReduceOp.AVG), then comm.all_gather(flat, shard).")
+    for r in range(n):                     # under the budget, but not ZeRO-1's collectives (a DDP in disguise)
+        got = sorted(e.op for e in res.trace.filter(rank=r).comm().events)
+        if got != sorted(["reduce_scatter", "all_gather"] * steps):
+            raise AssertionError(
+                f"rank {r} called {', '.join(f'comm.{op} x{got.count(op)}' for op in sorted(set(got))) or 'nothing'} "
+                f"in {steps} steps; ZeRO-1 makes one comm.reduce_scatter (the averaged gradients of this rank's "
+                f"shard) and one comm.all_gather (the updated shards) per step, and nothing else.\nHint: "
+                f"comm.reduce_scatter(shard_grad, flat_grads, op=comm.ReduceOp.AVG), then comm.all_gather(flat, "
+                f"shard).")
     print(f"Zero1 on {n} ranks: AdamW state for {s:,} of {psi:,} parameters per rank; "
           f"{max(sent.values()) / steps:,.0f} bytes sent per rank per step = 2 (N-1)/N x psi x 8 B, as DP")
 
@@ -254,8 +269,12 @@ def _student_bytes(fn, psi, nd, stage, **widths) -> dict:
 def check_memory_formulas(fn) -> None:
     """``fn(psi, nd, stage, param_bytes=2, grad_bytes=2, k=12)`` equals the ZeRO formulas for every stage, and
     reproduces the paper's figure 1 (psi = 7.5B, Nd = 64: 120, 31.4, 16.6, 1.9 GB)."""
+    rng = random.Random(fresh_seed())                 # two cases drawn at grading time: not copied from a run
     cases = [(7.5e9, 64, {}), (1e6, 4, {}), (3e5, 8, dict(param_bytes=4, grad_bytes=4, k=8)),
-             (1000, 1, {}), (5e9, 16, dict(param_bytes=2, grad_bytes=4, k=12))]
+             (1000, 1, {}), (5e9, 16, dict(param_bytes=2, grad_bytes=4, k=12))] + [
+        (float(rng.randint(10 ** 5, 10 ** 10)), 2 ** rng.randint(0, 10),
+         dict(param_bytes=rng.choice((1, 2, 4)), grad_bytes=rng.choice((2, 4)), k=rng.choice((4, 8, 12, 16))))
+        for _ in range(2)]
     for psi, nd, widths in cases:
         for stage in STAGES:
             got = _student_bytes(fn, psi, nd, stage, **widths)
