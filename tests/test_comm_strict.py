@@ -1,10 +1,9 @@
 """Strict mode of parlab.comm: each tensor NCCL would refuse or mishandle is stopped with a clear error."""
-import pytest
 import torch
 import torch.distributed as dist
 
 import parlab
-from parlab import comm
+from parlab import comm, comm_strict
 
 
 def _violations():
@@ -60,8 +59,8 @@ def test_strict_mode_stops_each_kind_of_bad_tensor_with_a_clear_message():
 
 
 def test_strict_mode_is_a_scoped_context_not_a_global_switch():
-    assert comm._STRICT, "tests/conftest.py runs every test in strict mode"
-    depth = len(comm._STRICT)
+    assert comm_strict._STRICT, "tests/conftest.py runs every test in strict mode"
+    depth = len(comm_strict._STRICT)
     with comm.strict(device="cpu") as s:
-        assert comm._STRICT[-1] is s and s.device == torch.device("cpu")
-    assert len(comm._STRICT) == depth
+        assert comm_strict._STRICT[-1] is s and s.device == torch.device("cpu")
+    assert len(comm_strict._STRICT) == depth
