@@ -223,21 +223,17 @@ def measure_rank(device: str = "cpu", sizes=SIZES, reps: int = 5, min_time: floa
 
 
 def fit_alpha_beta(rows, n: int, factor: float | None = None) -> tuple[float, float]:
-    """Least-squares (alpha seconds, bandwidth bytes/s) of t = alpha + factor X / B over (X, t) rows; factor
-    defaults to the ring all-reduce's 2 (n-1)/n."""
+    """(alpha seconds, bandwidth bytes/s) of t = alpha + factor X / B over (X, t) rows, least squares on relative
+    error with alpha, 1/B >= 0 (the sizes span six orders of magnitude: on absolute error the largest messages
+    alone would set alpha, and their noise with it); factor defaults to the ring all-reduce's 2 (n-1)/n."""
     if n < 2:
         raise ValueError("fitting a link needs at least 2 ranks: pass --world 2 or more")
     factor = 2 * (n - 1) / n if factor is None else factor
-    xs = [factor * size for size, _ in rows]
-    ts = [t for _, t in rows]
-    mx, mt = sum(xs) / len(xs), sum(ts) / len(ts)
-    sxx = sum((x - mx) ** 2 for x in xs)
-    slope = sum((x - mx) * (t - mt) for x, t in zip(xs, ts)) / sxx
-    if slope <= 0:
+    _, c = _fit_rates([(1.0, factor * size, t) for size, t in rows], 2)
+    if not c.get(1, 0) > 0:
         raise ValueError("all-reduce time does not grow with message size in these measurements; "
                          "the machine is too noisy: rerun with larger --sizes or more --reps")
-    alpha = max(mt - slope * mx, 0.0)
-    return alpha, 1.0 / slope
+    return c.get(0, 0.0), 1.0 / c[1]
 
 
 def describe(per_rank: list[dict], n: int, name: str) -> tuple[Hardware, str]:
