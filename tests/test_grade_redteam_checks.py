@@ -562,6 +562,27 @@ class FSDPPrivate:
     apply = staticmethod(fsdp_private)
 
 
+# ---------------------------------------------------------------------- any exercise: rebinding what a check uses
+def _patch_trace_method():
+    from parlab.trace import Trace
+    Trace.filter = lambda self, **k: self                              # every filter lets everything through
+
+
+def _patch_tensor_sub():
+    torch.Tensor.__sub__ = lambda a, b: torch.zeros_like(a)            # every difference is zero
+
+
+def buckets_patch_during_the_check(nbytes, cap_bytes):
+    """Rebinds a comparison from inside the student's function, while the check runs."""
+    import math
+    math.isclose = lambda *a, **k: True
+    return [list(range(len(nbytes)))]
+
+
+def head_to_seq_private(x):
+    return sp._a2a_head_to_seq(x, None, "mine")
+
+
 # ---------------------------------------------------------------------- the table
 CALLED = "you called parlab's {}; write your own"
 UNTRACED = r"you called torch\.distributed\.{} directly; communicate through parlab\.comm"
@@ -672,23 +693,33 @@ CHEATS = [
      lambda: g08.check_ulysses_attention(ulysses_private_function, world_sizes=(2,)), CALLED.format("_SeqToHead")),
     ("08", "attention: all-gather the whole sequence and attend locally",
      lambda: g08.check_ulysses_traffic(ulysses_gathers_everything), r"called comm\.all_gather"),
+    ("08", "head_to_seq: parlab's private _a2a_head_to_seq",
+     lambda: g08.check_head_to_seq(head_to_seq_private, world_sizes=(2,)), CALLED.format("_a2a_head_to_seq")),
     ("09", "gather: torch.distributed.all_gather_into_tensor (untraced)",
      lambda: g09.check_gather_full(gather_full_untraced, world_sizes=(2,)), UNTRACED.format("all_gather_into_tensor")),
     ("09", "unit: the full parameters kept in a global between forward and backward",
      lambda: g09.check_fsdp_unit_trace(FSDPKeepsFullInAGlobal), r"kept .* full"),
     ("09", "unit: parlab's private _GatherParams",
      lambda: g09.check_fsdp_unit_grads(FSDPPrivate, world_sizes=(2,)), CALLED.format("_GatherParams")),
+    ("any", "parlab.trace.Trace.filter rebound in an earlier cell",
+     lambda: (_patch_trace_method(), g09.check_gather_full(gather_full_untraced)), TAMPERED.format("Trace.filter")),
+    ("any", "torch.Tensor.__sub__ rebound in an earlier cell",
+     lambda: (_patch_tensor_sub(), g06.check_merge_partials(merge_copy_of_parlab)), TAMPERED.format("Tensor.__sub__")),
+    ("any", "math.isclose rebound from inside the student's function, during the check",
+     lambda: g02.check_make_buckets(buckets_patch_during_the_check), TAMPERED.format("math.isclose")),
 ]
 
 
 @pytest.fixture
 def untouched():
     """Undo what a cheat rebinds in the grading modules or torch, so the next test starts clean."""
-    saved = (dict(g02.TOL), g03.ATOL, F.cross_entropy)
+    import math
+    from parlab.trace import Trace
+    saved = (dict(g02.TOL), g03.ATOL, F.cross_entropy, Trace.filter, torch.Tensor.__sub__, math.isclose)
     yield
     g02.TOL.clear()
     g02.TOL.update(saved[0])
-    g03.ATOL, F.cross_entropy = saved[1], saved[2]
+    g03.ATOL, F.cross_entropy, Trace.filter, torch.Tensor.__sub__, math.isclose = saved[1:]
     assert guard.tampered() == []
 
 
