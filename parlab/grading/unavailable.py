@@ -108,6 +108,8 @@ class _Usage:
         self.originals: dict[int, str] = {}         # id of a guarded function or class -> its name
         self.classes: dict[type, str] = {}          # guarded classes (a subclass handed in counts as the class)
         self.added: set[str] = set()
+        self.watch: dict[tuple, str] = {}           # fingerprints of the guarded code (`_watched`)
+        self.keys: set = set()
 
     def add(self, name: str) -> None:
         if name in self.added:                      # once per process is enough (a copy called in a loop)
@@ -123,12 +125,24 @@ class _Usage:
             return []
 
     def handed_in(self, obj) -> str | None:
-        """The guarded name if `obj` is parlab's answer itself (or a subclass of a guarded class)."""
+        """The guarded name if `obj` is parlab's answer itself, handed to the check as the student's: the
+        function or class, a functools.partial of it, a subclass, or a copy of its code (fingerprint)."""
+        while isinstance(obj, functools.partial):
+            obj = obj.func
+        obj = getattr(obj, "__func__", obj)                                 # a bound method
         if id(obj) in self.originals:
             return self.originals[id(obj)]
         if isinstance(obj, type):
-            return next((n for c, n in self.classes.items() if issubclass(obj, c)), None)
-        return None
+            found = next((n for c, n in self.classes.items() if issubclass(obj, c)), None)
+            fns = [getattr(v, "__func__", v) for v in vars(obj).values()]
+        else:
+            found, fns = None, [obj]
+        for fn in fns:
+            with contextlib.suppress(ValueError):
+                fn = inspect.unwrap(fn)
+            if found is None and isinstance(fn, types.FunctionType) and _key(fn.__code__) in self.keys:
+                found = self.watch.get(_fingerprint(fn.__code__))
+        return found
 
     def close(self) -> None:
         with contextlib.suppress(OSError):
@@ -344,6 +358,7 @@ def references(targets, namespaces=(), cells=()):
     usage = _Usage()
     undo: list = []
     watch = _watched(targets)
+    usage.watch, usage.keys = watch, {fp[0] for fp in watch}
     try:
         for target in targets:
             owner, attr, original = _resolve(target)
