@@ -492,6 +492,11 @@ def seq_to_head_untraced(x):
     return recv.movedim(0, -3).reshape(*L, nh // P, P * s, hd)
 
 
+def seq_to_head_fresh_module(x):
+    """A freshly imported copy of parlab.sequence_parallel, made inside the rank while the check runs."""
+    return _fresh_module("parlab.sequence_parallel").seq_to_head(x)
+
+
 def ulysses_private_function(q, k, v):
     """parlab's private autograd Functions, reached under their private names."""
     qkv = sp._SeqToHead.apply(torch.stack([q, k, v]), None, "x")
@@ -694,6 +699,9 @@ CHEATS = [
      r"search_layout\("),
     ("08", "seq_to_head: torch.distributed.all_to_all_single (untraced)",
      lambda: g08.check_seq_to_head(seq_to_head_untraced, world_sizes=(2,)), UNTRACED.format("all_to_all_single")),
+    ("08", "seq_to_head: a freshly imported parlab.sequence_parallel, inside the ranks",
+     lambda: g08.check_seq_to_head(seq_to_head_fresh_module, world_sizes=(2,)),
+     r"you called parlab's .*\bseq_to_head; write your own"),
     ("08", "attention: parlab's private _SeqToHead / _HeadToSeq",
      lambda: g08.check_ulysses_attention(ulysses_private_function, world_sizes=(2,)), CALLED.format("_SeqToHead")),
     ("08", "attention: all-gather the whole sequence and attend locally",
