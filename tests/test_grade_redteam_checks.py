@@ -506,7 +506,7 @@ def ulysses_private_function(q, k, v):
 
 def ulysses_gathers_everything(q, k, v):
     """All-gather the whole sequence and attend locally (correct output; not Ulysses)."""
-    P, r = comm.get_world_size(), comm.get_rank()
+    r = comm.get_rank()
     full = []
     for t in (q, k, v):
         buf = comm.all_gather_dim(t.detach().unsqueeze(0).contiguous(), 0)   # (P, B, nh, S/P, hd)
@@ -586,6 +586,33 @@ def buckets_patch_during_the_check(nbytes, cap_bytes):
 
 def head_to_seq_private(x):
     return sp._a2a_head_to_seq(x, None, "mine")
+
+
+class CrossEntropyHidesItsGather(CrossEntropyGathersLogits):
+    """Gathers the logits, then deletes the all-gather's event from the trace."""
+
+    @staticmethod
+    def forward(ctx, logits, targets, group):
+        from parlab.trace import _ACTIVE
+        rec = _ACTIVE[-1]
+        n = len(rec.events)
+        out = CrossEntropyGathersLogits.forward(ctx, logits, targets, group)
+        del rec.events[n:]                                             # no trace of the gather
+        for _ in range(3):                                             # and the 3 all-reduces the check expects
+            comm.all_reduce(torch.zeros(targets.shape, dtype=logits.dtype))
+        return out
+
+
+def ring_step_fake_trace(q, kv, out, lse, step):
+    """All-gathers K/V, then writes the sends the check wants straight into the trace."""
+    from parlab.trace import _ACTIVE, Event
+    P, r = comm.get_world_size(), comm.get_rank()
+    rec = _ACTIVE[-1]
+    if step < P - 1:
+        rec.events.append(Event(rank=r, kind="p2p", op="send", start=0.0, end=0.0, group=tuple(range(P)),
+                                peer=(r + 1) % P, numel=kv.numel(), nbytes=kv.numel() * 8, dtype="float64"))
+    o, l = ra.attention_block(q, kv[0], kv[1])                          # no ring at all: this rank's block only
+    return o, l, kv
 
 
 # ---------------------------------------------------------------------- the table
@@ -714,6 +741,11 @@ CHEATS = [
      lambda: g09.check_fsdp_unit_trace(FSDPKeepsFullInAGlobal), r"kept .* full"),
     ("09", "unit: parlab's private _GatherParams",
      lambda: g09.check_fsdp_unit_grads(FSDPPrivate, world_sizes=(2,)), CALLED.format("_GatherParams")),
+    ("04", "cross-entropy: the logits all-gathered, then the event deleted from the trace",
+     lambda: g04.check_vocab_parallel_cross_entropy_traffic(CrossEntropyHidesItsGather, tp=2),
+     r"tampered: .*trace was edited by hand"),
+    ("06", "ring step: the sends written into the trace by hand",
+     lambda: g06.check_ring_traffic(ring_step_fake_trace), r"tampered: .*trace was edited by hand"),
     ("any", "parlab.trace.Trace.filter rebound in an earlier cell",
      lambda: (_patch_trace_method(), g09.check_gather_full(gather_full_untraced)), TAMPERED.format("Trace.filter")),
     ("any", "torch.Tensor.__sub__ rebound in an earlier cell",
