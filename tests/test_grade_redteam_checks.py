@@ -6,7 +6,8 @@ package, so the guard treats its code as the student's): parlab's answer reached
 argument, a partial, a copy made before the check, importlib.reload, inspect.getsource + exec, a subclass, a
 private autograd Function), torch.distributed called directly so that nothing is traced, the computation done
 on one rank from public inputs or from the grader's own helpers, answers hard-coded from the public cases,
-tolerances or comparisons of the grading code rebound. `CHEATS` is the table: (exercise, what, run, message).
+tolerances or comparisons of the grading code rebound, the trace edited by hand. `CHEATS` is the table:
+(exercise, what, run, message). Each must fail; none of them may leave anything rebound (`untouched`).
 
 The folder-level red team (parlab grade on notebooks: try/except, deleted cells, loops, deadlocks, os._exit,
 memory) is tests/test_grade_redteam.py.
