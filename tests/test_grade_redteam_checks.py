@@ -6,7 +6,8 @@ package, so the guard treats its code as the student's): parlab's answer reached
 argument, a partial, a copy made before the check, importlib.reload, inspect.getsource + exec, a subclass, a
 private autograd Function), torch.distributed called directly so that nothing is traced, the computation done
 on one rank from public inputs or from the grader's own helpers, answers hard-coded from the public cases,
-tolerances or comparisons of the grading code rebound. `CHEATS` is the table: (exercise, what, run, message).
+tolerances or comparisons of the grading code rebound, the trace edited by hand. `CHEATS` is the table:
+(exercise, what, run, message). Each must fail; none of them may leave anything rebound (`untouched`).
 
 The folder-level red team (parlab grade on notebooks: try/except, deleted cells, loops, deadlocks, os._exit,
 memory) is tests/test_grade_redteam.py.
@@ -492,6 +493,11 @@ def seq_to_head_untraced(x):
     return recv.movedim(0, -3).reshape(*L, nh // P, P * s, hd)
 
 
+def seq_to_head_fresh_module(x):
+    """A freshly imported copy of parlab.sequence_parallel, made inside the rank while the check runs."""
+    return _fresh_module("parlab.sequence_parallel").seq_to_head(x)
+
+
 def ulysses_private_function(q, k, v):
     """parlab's private autograd Functions, reached under their private names."""
     qkv = sp._SeqToHead.apply(torch.stack([q, k, v]), None, "x")
@@ -501,7 +507,7 @@ def ulysses_private_function(q, k, v):
 
 def ulysses_gathers_everything(q, k, v):
     """All-gather the whole sequence and attend locally (correct output; not Ulysses)."""
-    P, r = comm.get_world_size(), comm.get_rank()
+    r = comm.get_rank()
     full = []
     for t in (q, k, v):
         buf = comm.all_gather_dim(t.detach().unsqueeze(0).contiguous(), 0)   # (P, B, nh, S/P, hd)
@@ -560,6 +566,54 @@ def fsdp_private(x, shard):
 
 class FSDPPrivate:
     apply = staticmethod(fsdp_private)
+
+
+# ---------------------------------------------------------------------- any exercise: rebinding what a check uses
+def _patch_trace_method():
+    from parlab.trace import Trace
+    Trace.filter = lambda self, **k: self                              # every filter lets everything through
+
+
+def _patch_tensor_sub():
+    torch.Tensor.__sub__ = lambda a, b: torch.zeros_like(a)            # every difference is zero
+
+
+def buckets_patch_during_the_check(nbytes, cap_bytes):
+    """Rebinds a comparison from inside the student's function, while the check runs."""
+    import math
+    math.isclose = lambda *a, **k: True
+    return [list(range(len(nbytes)))]
+
+
+def head_to_seq_private(x):
+    return sp._a2a_head_to_seq(x, None, "mine")
+
+
+class CrossEntropyHidesItsGather(CrossEntropyGathersLogits):
+    """Gathers the logits, then deletes the all-gather's event from the trace."""
+
+    @staticmethod
+    def forward(ctx, logits, targets, group):
+        from parlab.trace import _ACTIVE
+        rec = _ACTIVE[-1]
+        n = len(rec.events)
+        out = CrossEntropyGathersLogits.forward(ctx, logits, targets, group)
+        del rec.events[n:]                                             # no trace of the gather
+        for _ in range(3):                                             # and the 3 all-reduces the check expects
+            comm.all_reduce(torch.zeros(targets.shape, dtype=logits.dtype))
+        return out
+
+
+def ring_step_fake_trace(q, kv, out, lse, step):
+    """All-gathers K/V, then writes the sends the check wants straight into the trace."""
+    from parlab.trace import _ACTIVE, Event
+    P, r = comm.get_world_size(), comm.get_rank()
+    rec = _ACTIVE[-1]
+    if step < P - 1:
+        rec.events.append(Event(rank=r, kind="p2p", op="send", start=0.0, end=0.0, group=tuple(range(P)),
+                                peer=(r + 1) % P, numel=kv.numel(), nbytes=kv.numel() * 8, dtype="float64"))
+    o, l = ra.attention_block(q, kv[0], kv[1])                          # no ring at all: this rank's block only
+    return o, l, kv
 
 
 # ---------------------------------------------------------------------- the table
@@ -649,6 +703,11 @@ CHEATS = [
      lambda: g05.check_bubble_of_step(bubble_simulated_by_copy), CALLED.format("simulate")),
     ("06", "merge: a copy of merge_partials by inspect.getsource + exec",
      lambda: g06.check_merge_partials(merge_copy_of_parlab), CALLED.format("merge_partials")),
+    ("06", "merge: a copy of merge_partials handed in as the answer itself",
+     lambda: g06.check_merge_partials(_MERGE), CALLED.format("merge_partials")),
+    ("06", "zigzag positions: a functools.partial of parlab's shard_positions handed in",
+     lambda: g06.check_zigzag_positions(functools.partial(ra.shard_positions, layout="zigzag")),
+     CALLED.format("shard_positions")),
     ("06", "ring step: full attention from the grader's public inputs, sends for show",
      lambda: g06.check_ring_step(ring_step_from_public_inputs, world_sizes=(2,)), r"output differs"),
     ("06", "ring step: torch.distributed isend/irecv (untraced)",
@@ -668,27 +727,45 @@ CHEATS = [
      r"search_layout\("),
     ("08", "seq_to_head: torch.distributed.all_to_all_single (untraced)",
      lambda: g08.check_seq_to_head(seq_to_head_untraced, world_sizes=(2,)), UNTRACED.format("all_to_all_single")),
+    ("08", "seq_to_head: a freshly imported parlab.sequence_parallel, inside the ranks",
+     lambda: g08.check_seq_to_head(seq_to_head_fresh_module, world_sizes=(2,)),
+     r"you called parlab's .*\bseq_to_head; write your own"),
     ("08", "attention: parlab's private _SeqToHead / _HeadToSeq",
      lambda: g08.check_ulysses_attention(ulysses_private_function, world_sizes=(2,)), CALLED.format("_SeqToHead")),
     ("08", "attention: all-gather the whole sequence and attend locally",
      lambda: g08.check_ulysses_traffic(ulysses_gathers_everything), r"called comm\.all_gather"),
+    ("08", "head_to_seq: parlab's private _a2a_head_to_seq",
+     lambda: g08.check_head_to_seq(head_to_seq_private, world_sizes=(2,)), CALLED.format("_a2a_head_to_seq")),
     ("09", "gather: torch.distributed.all_gather_into_tensor (untraced)",
      lambda: g09.check_gather_full(gather_full_untraced, world_sizes=(2,)), UNTRACED.format("all_gather_into_tensor")),
     ("09", "unit: the full parameters kept in a global between forward and backward",
      lambda: g09.check_fsdp_unit_trace(FSDPKeepsFullInAGlobal), r"kept .* full"),
     ("09", "unit: parlab's private _GatherParams",
      lambda: g09.check_fsdp_unit_grads(FSDPPrivate, world_sizes=(2,)), CALLED.format("_GatherParams")),
+    ("04", "cross-entropy: the logits all-gathered, then the event deleted from the trace",
+     lambda: g04.check_vocab_parallel_cross_entropy_traffic(CrossEntropyHidesItsGather, tp=2),
+     r"tampered: .*trace was edited by hand"),
+    ("06", "ring step: the sends written into the trace by hand",
+     lambda: g06.check_ring_traffic(ring_step_fake_trace), r"tampered: .*trace was edited by hand"),
+    ("any", "parlab.trace.Trace.filter rebound in an earlier cell",
+     lambda: (_patch_trace_method(), g09.check_gather_full(gather_full_untraced)), TAMPERED.format("Trace.filter")),
+    ("any", "torch.Tensor.__sub__ rebound in an earlier cell",
+     lambda: (_patch_tensor_sub(), g06.check_merge_partials(merge_copy_of_parlab)), TAMPERED.format("Tensor.__sub__")),
+    ("any", "math.isclose rebound from inside the student's function, during the check",
+     lambda: g02.check_make_buckets(buckets_patch_during_the_check), TAMPERED.format("math.isclose")),
 ]
 
 
 @pytest.fixture
 def untouched():
     """Undo what a cheat rebinds in the grading modules or torch, so the next test starts clean."""
-    saved = (dict(g02.TOL), g03.ATOL, F.cross_entropy)
+    import math
+    from parlab.trace import Trace
+    saved = (dict(g02.TOL), g03.ATOL, F.cross_entropy, Trace.filter, torch.Tensor.__sub__, math.isclose)
     yield
     g02.TOL.clear()
     g02.TOL.update(saved[0])
-    g03.ATOL, F.cross_entropy = saved[1], saved[2]
+    g03.ATOL, F.cross_entropy, Trace.filter, torch.Tensor.__sub__, math.isclose = saved[1:]
     assert guard.tampered() == []
 
 

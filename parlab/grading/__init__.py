@@ -86,6 +86,10 @@ def _explain_rank_error(e: RankError, what: str, world_size: int):
     """Raise the AssertionError (or CheckFailed) that explains an exception raised on a rank."""
     if e.exc_type == "CpuTimeExceeded":
         raise CheckFailed(guard.cpu_message(f"{what} on rank {e.rank}"), "cpu") from None
+    if e.exc_type == "TraceEdited":
+        raise CheckFailed(f"tampered: {what} on rank {e.rank}: {e.message}; the check reads what parlab.comm "
+                          f"recorded, so the trace must not be touched. Remove the code that edits it.",
+                          "tampered") from None
     if e.exc_type == "ReferenceUsed":
         raise AssertionError(f"{what} on rank {e.rank}: {e.message}") from None
     if e.exc_type == "NotImplementedError":

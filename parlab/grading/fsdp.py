@@ -35,7 +35,8 @@ from .guard import fresh_seed, graded, protect
 __all__ = ["unit_forward", "shard_of", "flat_numel", "check_gather_full", "check_fsdp_unit_grads",
            "check_fsdp_unit_trace", "H"]
 
-REFS = ("parlab.fsdp:FullyShardedDataParallel", "parlab.zero:ShardedOptimizer", "parlab.fsdp:_GatherParams")
+REFS = ("parlab.fsdp:FullyShardedDataParallel", "parlab.zero:ShardedOptimizer", "parlab.fsdp:_GatherParams",
+        "parlab.fsdp:_Flat")
 H, BATCH = 8, 12                     # the unit: MLP H -> 4H -> H; 12 rows split over 2 or 4 ranks
 SHAPES = ((4 * H, H), (4 * H,), (H, 4 * H), (H,))
 WORLD_SIZES = (2, 4)

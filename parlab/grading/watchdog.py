@@ -34,7 +34,7 @@ import traceback
 from ..trace import current_recorder
 from . import guard
 
-__all__ = ["rank_entry", "verdict", "POLL", "WINDOW", "CPU_EPS", "EXIT_DEADLOCK"]
+__all__ = ["rank_entry", "verdict", "TraceEdited", "POLL", "WINDOW", "CPU_EPS", "EXIT_DEADLOCK"]
 
 POLL = 0.25          # seconds between state samples
 WINDOW = 3.0         # seconds every live rank must sit in communication, unchanged, to call it a deadlock
@@ -124,8 +124,45 @@ class _Watchdog(threading.Thread):
                 continue
 
 
+class TraceEdited(BaseException):
+    """The student's code edited this rank's trace: events added, removed or changed other than by parlab."""
+
+
+def _fields(e) -> tuple:
+    return (e.rank, e.kind, e.op, e.start, e.group, e.peer, e.numel, e.nbytes, e.dtype, e.label, e.asynchronous)
+
+
+class _TraceSeal:
+    """The checks read the trace, so it must hold exactly what parlab recorded: events may be added only by parlab's
+    own code (``rec.add`` called from inside the parlab package), and when the student's function returns the
+    events are checked against a private copy of what was added (the end time excepted: asynchronous works
+    stamp it later)."""
+
+    def __init__(self, rec):
+        self.rec, self.events, self.n0, self.added = rec, rec.events, len(rec.events), []
+        add = rec.add
+
+        def sealed_add(event):
+            if not sys._getframe(1).f_code.co_filename.startswith(guard.PARLAB_DIR):
+                raise TraceEdited("your code added an event to the trace by hand")
+            out = add(event)
+            self.added.append((event, _fields(event)))
+            return out
+        rec.add = sealed_add
+
+    def verify(self) -> None:
+        now = self.rec.events
+        if (now is not self.events or [id(e) for e in now[self.n0:]] != [id(e) for e, _ in self.added]
+                or any(_fields(e) != f for e, f in self.added)):
+            raise TraceEdited("the trace was edited by hand (events added, removed or changed)")
+
+    def close(self) -> None:
+        vars(self.rec).pop("add", None)
+
+
 def rank_entry(folder: str, cpu_limit_s: float, fn, *args):
-    """Run ``fn(*args)`` on this rank under the watchdog and the CPU-time limit (use with parlab.run)."""
+    """Run ``fn(*args)`` on this rank under the watchdog and the CPU-time limit (use with parlab.run); the trace
+    is sealed (`_TraceSeal`) while it runs."""
     from .. import comm
     rank, world = comm.get_rank(), comm.get_world_size()
     if cpu_limit_s:
@@ -135,10 +172,17 @@ def rank_entry(folder: str, cpu_limit_s: float, fn, *args):
             resource.setrlimit(resource.RLIMIT_CPU, (soft, hard))
     dog = _Watchdog(folder, rank, world)
     dog.start()
+    rec = current_recorder()
+    seal = _TraceSeal(rec) if rec is not None else None
     try:
         with guard.cpu_limit(cpu_limit_s):
-            return fn(*args)
+            out = fn(*args)
+        if seal is not None:
+            seal.verify()
+        return out
     finally:
+        if seal is not None:
+            seal.close()
         dog.done = True
         try:
             dog._write()
