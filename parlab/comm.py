@@ -44,6 +44,7 @@ Collective semantics (N ranks, X = tensor):
 from __future__ import annotations
 
 import functools
+import math
 from typing import Sequence
 
 import torch
@@ -281,6 +282,17 @@ class _Messages:
         return not self._works and self._finish is None
 
 
+def _shift_round(r: int, n: int, j: int, send, recv) -> list:
+    """Post round j of a shift exchange (rank r sends to r + j and receives from r - j, mod n) in an order that
+    cannot deadlock where a send waits for its receive to be posted and a rank's messages run one at a time
+    (NCCL's rule; tests/serialised_p2p.py): the shift splits the ranks into gcd(n, j) cycles, and in each cycle
+    its smallest rank receives first while the others send first, so every cycle unwinds from that rank. gloo
+    itself would accept any order."""
+    if r < math.gcd(n, j):                       # the smallest rank of its cycle {r, r + j, r + 2j, ...}
+        return [recv(), send()]
+    return [send(), recv()]
+
+
 def reduce_scatter_direct(output: torch.Tensor, tensor: torch.Tensor, op=ReduceOp.SUM, group=None,
                           async_op: bool = False, label: str = ""):
     """`reduce_scatter` (SUM or AVG) built from point-to-point messages, the "direct" algorithm: rank r sends
@@ -303,8 +315,9 @@ def reduce_scatter_direct(output: torch.Tensor, tensor: torch.Tensor, op=ReduceO
         works = []
         for j in range(1, n):
             dst, src = (r + j) % n, (r - j) % n
-            works.append(dist.isend(flat[dst * m:(dst + 1) * m], ranks[dst], group=group))
-            works.append(dist.irecv(out if j == 1 else extra[j - 2], ranks[src], group=group))
+            send = lambda: dist.isend(flat[dst * m:(dst + 1) * m], ranks[dst], group=group)  # noqa: E731
+            recv = lambda: dist.irecv(out if j == 1 else extra[j - 2], ranks[src], group=group)  # noqa: E731
+            works += _shift_round(r, n, j, send, recv)
 
         def finish():
             mine = flat[r * m:(r + 1) * m]
@@ -340,8 +353,9 @@ def all_gather_direct(outputs: Sequence[torch.Tensor], tensor: torch.Tensor, gro
         works = []
         for j in range(1, n):
             dst, src = (r + j) % n, (r - j) % n
-            works.append(dist.isend(tensor, ranks[dst], group=group))
-            works.append(dist.irecv(outputs[src], ranks[src], group=group))
+            send = lambda: dist.isend(tensor, ranks[dst], group=group)  # noqa: E731
+            recv = lambda: dist.irecv(outputs[src], ranks[src], group=group)  # noqa: E731
+            works += _shift_round(r, n, j, send, recv)
         if outputs[r].data_ptr() != tensor.data_ptr():
             outputs[r].copy_(tensor)
         work = _Messages(works)
