@@ -45,6 +45,7 @@ References
 from __future__ import annotations
 
 import functools
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -53,6 +54,13 @@ from . import comm
 from .zero_flat import FlatLayout, bucket_plans
 
 __all__ = ["ZeroComm"]
+
+
+def _hook(ref: weakref.ref, i: int, p: torch.Tensor) -> None:
+    """Post-accumulate-grad hook of parameter i: tell its ZeroComm, if that is alive and still the parameter's."""
+    zc = ref()
+    if zc is not None and getattr(p, "_parlab_zero_comm", None) is ref:
+        zc._on_grad(i, p)
 
 
 class ZeroComm:
@@ -88,8 +96,13 @@ class ZeroComm:
         self.frozen = False                      # True between reduce() and the end of the step
         self._new_round()
         self.rounds = 0                          # complete rounds since the last reduce() / reset()
-        self.hooks = [params[i].register_post_accumulate_grad_hook(functools.partial(self._on_grad, i))
-                      for i in trainable] if overlap else []
+        # The hooks hold the ZeroComm weakly and act only while it is the newest one built over the parameter:
+        # an optimizer that was dropped or replaced (a new ShardedOptimizer over the same model) goes quiet.
+        me = weakref.ref(self)
+        self.hooks = []
+        for i in trainable if overlap else ():
+            params[i]._parlab_zero_comm = me
+            self.hooks.append(params[i].register_post_accumulate_grad_hook(functools.partial(_hook, me, i)))
 
     # ------------------------------------------------------------------ one bucket
     def _size(self, pos: int) -> tuple[int, int, int]:

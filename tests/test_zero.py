@@ -258,12 +258,15 @@ def test_bad_bucket_size_is_a_clear_error():
 
 
 # ----------------------------------------------------------------------------- overlap with backward
-def _train_overlap(stage, steps, pattern, overlap=True, bucket_numel=1000):
+def _train_overlap(stage, steps, pattern, overlap=True, bucket_numel=1000, rebuild=False):
     """`steps` optimizer steps, each over K = 2 batches accumulated as `pattern` says: 'one' (one backward per
     step, batch t), 'plain' (K backwards), 'no_sync' (the first K - 1 inside no_sync()), 'no_sync last' (the
     last inside no_sync: its gradients change after the round that reduced the others)."""
     rank, world = comm.get_rank(), comm.get_world_size()
     model = make("gpt")
+    if rebuild:                      # an optimizer built first and kept: its hooks must stay quiet
+        stale = ShardedOptimizer(param_groups(model), torch.optim.SGD, stage=stage, bucket_numel=bucket_numel,
+                                 lr=1.0)
     opt = ShardedOptimizer(param_groups(model), torch.optim.AdamW, stage=stage, bucket_numel=bucket_numel,
                            overlap=overlap, **OPTIMS["adamw"][1])
     s = sampler()
@@ -277,6 +280,8 @@ def _train_overlap(stage, steps, pattern, overlap=True, bucket_numel=1000):
                     model(x, y)[1].backward()
         opt.step()
         opt.zero_grad()
+    if rebuild:
+        assert stale.zero_comm.rounds == 0                          # never reduced anything
     return {"params": {n: p.detach().clone() for n, p in model.named_parameters()},
             "buckets": len(opt.zero_comm.order)}
 
@@ -385,3 +390,14 @@ def test_direct_collectives_equal_the_native_ones(world_size):
         assert len(rs.events) == 2 and len(ag.events) == 1
         assert rs.bytes_per_rank()[r] == pytest.approx(2 * (n - 1) / n * n * 5 * 8)
         assert ag.bytes_per_rank()[r] == pytest.approx((n - 1) / n * n * 4 * 8)
+
+
+def test_a_replaced_optimizer_stays_quiet():
+    """Two ShardedOptimizers built over one model (the first kept alive): only the newer one's hooks reduce,
+    so the reduce-scatters are one round per step and training matches one process."""
+    res = parlab.run(_train_overlap, 2, 1, 2, "one", rebuild=True, trace=True)
+    ref = _reference_accumulated(2, "one")
+    for r, out in enumerate(res.results):
+        for n, p in ref.items():
+            torch.testing.assert_close(out["params"][n], p.detach(), **TOL)
+        assert len(res.trace.filter(rank=r, op="reduce_scatter", label="zero grads").events) == 2 * out["buckets"]
