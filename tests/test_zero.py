@@ -401,3 +401,54 @@ def test_a_replaced_optimizer_stays_quiet():
         for n, p in ref.items():
             torch.testing.assert_close(out["params"][n], p.detach(), **TOL)
         assert len(res.trace.filter(rank=r, op="reduce_scatter", label="zero grads").events) == 2 * out["buckets"]
+
+
+class _Branchy(torch.nn.Module):
+    """Two layers; `b` is used only when asked (on some ranks), so its gradient is ready on some ranks only."""
+
+    def __init__(self):
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.a = torch.nn.Linear(6, 6, dtype=torch.float64)
+        self.b = torch.nn.Linear(6, 6, dtype=torch.float64)
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float64))
+
+    def forward(self, x, use_b):
+        h = torch.tanh(self.a(x))                                            # (B, 6)
+        return (self.b(h) if use_b else h).square().mean()
+
+
+def _branchy_batches(r):
+    return [torch.randn(4, 6, generator=torch.Generator().manual_seed(10 * t + r), dtype=torch.float64)
+            for t in range(3)]
+
+
+def _train_branchy(stage):
+    r = comm.get_rank()
+    model = _Branchy()
+    opt = ShardedOptimizer(model.parameters(), torch.optim.SGD, stage=stage, lr=0.1, bucket_numel=16)
+    for x in _branchy_batches(r):
+        model(x, use_b=(r == 0)).backward()
+        opt.step()
+        opt.zero_grad()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_overlap_with_a_parameter_used_on_one_rank_only(stage):
+    """Layer b gets gradients on rank 0 only: its buckets are complete during backward on rank 0 but only at
+    the end-of-backward callback on rank 1. Every rank still starts every bucket once per backward in the same
+    order (no hang, no mismatched collective), and the result equals one process minimising the mean of the
+    two ranks' losses (rank 1 contributes zeros to b's average, as it should)."""
+    res = parlab.run(_train_branchy, 2, stage, timeout=120)
+    ref = _Branchy()
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for x0, x1 in zip(_branchy_batches(0), _branchy_batches(1)):
+        ((ref(x0, True) + ref(x1, False)) / 2).backward()
+        opt.step()
+        opt.zero_grad()
+    for out in res.results:
+        for n, p in ref.named_parameters():
+            torch.testing.assert_close(out[n], p.detach(), **TOL)
