@@ -350,6 +350,13 @@ class _Messages:
         return not self._works and self._finish is None
 
 
+def _exchange(send, recv, send_first: bool) -> list:
+    """Post one step of a direct collective (send to r+j, receive from r-j) in an order that cannot deadlock
+    where a send waits for its receive to be posted and each rank runs its messages in post order (NCCL): a
+    rank sends first only to a higher rank, so in every cycle of the step the highest rank receives first."""
+    return [send(), recv()] if send_first else [recv(), send()]
+
+
 def reduce_scatter_direct(output: torch.Tensor, tensor: torch.Tensor, op=ReduceOp.SUM, group=None,
                           async_op: bool = False, label: str = ""):
     """`reduce_scatter` (SUM or AVG) built from point-to-point messages, the "direct" algorithm: rank r sends
@@ -372,8 +379,8 @@ def reduce_scatter_direct(output: torch.Tensor, tensor: torch.Tensor, op=ReduceO
         works = []
         for j in range(1, n):
             dst, src = (r + j) % n, (r - j) % n
-            works.append(dist.isend(flat[dst * m:(dst + 1) * m], ranks[dst], group=group))
-            works.append(dist.irecv(out if j == 1 else extra[j - 2], ranks[src], group=group))
+            works += _exchange(lambda: dist.isend(flat[dst * m:(dst + 1) * m], ranks[dst], group=group),
+                               lambda: dist.irecv(out if j == 1 else extra[j - 2], ranks[src], group=group), r < dst)
 
         def finish():
             mine = flat[r * m:(r + 1) * m]
@@ -409,8 +416,8 @@ def all_gather_direct(outputs: Sequence[torch.Tensor], tensor: torch.Tensor, gro
         works = []
         for j in range(1, n):
             dst, src = (r + j) % n, (r - j) % n
-            works.append(dist.isend(tensor, ranks[dst], group=group))
-            works.append(dist.irecv(outputs[src], ranks[src], group=group))
+            works += _exchange(lambda: dist.isend(tensor, ranks[dst], group=group),
+                               lambda: dist.irecv(outputs[src], ranks[src], group=group), r < dst)
         if outputs[r].data_ptr() != tensor.data_ptr():
             outputs[r].copy_(tensor)
         work = _Messages(works)
