@@ -3,8 +3,9 @@ backward still runs, updated parameters all-gathered after the step.
 
 Buckets. The flat owner-major buffer of one dtype (`parlab.zero_flat`) moves in buckets: bucket c is chunk c
 of every owner's segment, so one reduce-scatter of it leaves each rank chunk c of its own segment and one
-all-gather sends it back. Inside a segment the parameters lie in *reverse* registration order, so chunk 0
-of every segment holds the parameters whose gradients backward produces first (the last layers).
+all-gather sends it back. Inside a segment the parameters lie in *reverse* order of the optimizer's parameter
+list (for one parameter group: reverse registration order), so chunk 0 of every segment holds the parameters
+whose gradients backward produces first (the last layers).
 
 Overlap (``overlap=True``, the default), as DDP overlaps its all-reduce [1]: a post-accumulate-grad hook on
 every trainable parameter notes its gradient; when every parameter of the next bucket has its gradient, the
@@ -27,8 +28,10 @@ reduces at the step through one bucket-sized staging buffer instead.
 
 Collectives on gloo. gloo has no reduce-scatter of its own: torch's ``reduce_scatter_tensor`` on gloo clones
 the input, all-reduces all of it (twice the bytes a reduce-scatter needs) and copies this rank's chunk out, and
-``all_gather_into_tensor`` gathers into a freshly allocated buffer and copies it out. parlab's trace would call
-those a reduce-scatter and an all-gather while an all-reduce's bytes went over the wire. On a gloo group this
+``all_gather_into_tensor`` gathers into a freshly allocated buffer and copies it out (as read in torch's
+ProcessGroupGloo.cpp; in benchmarks/README.md's micro-benchmark the reduce-scatter takes about twice an
+all-reduce's time). parlab's trace would record a reduce-scatter's bytes where an all-reduce's went over the
+wire. On a gloo group this
 module therefore uses `comm.reduce_scatter_direct` / `comm.all_gather_direct`: the same collectives built from
 point-to-point messages (each rank sends chunk j straight to rank j), which put exactly a reduce-scatter's and
 an all-gather's (N-1)/N of the bytes on the wire, so the trace (one reduce_scatter / all_gather event each) is
@@ -45,6 +48,7 @@ References
 from __future__ import annotations
 
 import functools
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -53,6 +57,13 @@ from . import comm
 from .zero_flat import FlatLayout, bucket_plans
 
 __all__ = ["ZeroComm"]
+
+
+def _hook(ref: weakref.ref, i: int, p: torch.Tensor) -> None:
+    """Post-accumulate-grad hook of parameter i: tell its ZeroComm, if that is alive and still the parameter's."""
+    zc = ref()
+    if zc is not None and getattr(p, "_parlab_zero_comm", None) is ref:
+        zc._on_grad(i, p)
 
 
 class ZeroComm:
@@ -88,8 +99,13 @@ class ZeroComm:
         self.frozen = False                      # True between reduce() and the end of the step
         self._new_round()
         self.rounds = 0                          # complete rounds since the last reduce() / reset()
-        self.hooks = [params[i].register_post_accumulate_grad_hook(functools.partial(self._on_grad, i))
-                      for i in trainable] if overlap else []
+        # The hooks hold the ZeroComm weakly and act only while it is the newest one built over the parameter:
+        # an optimizer that was dropped or replaced (a new ShardedOptimizer over the same model) goes quiet.
+        me = weakref.ref(self)
+        self.hooks = []
+        for i in trainable if overlap else ():
+            params[i]._parlab_zero_comm = me
+            self.hooks.append(params[i].register_post_accumulate_grad_hook(functools.partial(_hook, me, i)))
 
     # ------------------------------------------------------------------ one bucket
     def _size(self, pos: int) -> tuple[int, int, int]:

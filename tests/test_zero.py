@@ -258,12 +258,15 @@ def test_bad_bucket_size_is_a_clear_error():
 
 
 # ----------------------------------------------------------------------------- overlap with backward
-def _train_overlap(stage, steps, pattern, overlap=True, bucket_numel=1000):
+def _train_overlap(stage, steps, pattern, overlap=True, bucket_numel=1000, rebuild=False):
     """`steps` optimizer steps, each over K = 2 batches accumulated as `pattern` says: 'one' (one backward per
     step, batch t), 'plain' (K backwards), 'no_sync' (the first K - 1 inside no_sync()), 'no_sync last' (the
     last inside no_sync: its gradients change after the round that reduced the others)."""
     rank, world = comm.get_rank(), comm.get_world_size()
     model = make("gpt")
+    if rebuild:                      # an optimizer built first and kept: its hooks must stay quiet
+        stale = ShardedOptimizer(param_groups(model), torch.optim.SGD, stage=stage, bucket_numel=bucket_numel,
+                                 lr=1.0)
     opt = ShardedOptimizer(param_groups(model), torch.optim.AdamW, stage=stage, bucket_numel=bucket_numel,
                            overlap=overlap, **OPTIMS["adamw"][1])
     s = sampler()
@@ -277,6 +280,8 @@ def _train_overlap(stage, steps, pattern, overlap=True, bucket_numel=1000):
                     model(x, y)[1].backward()
         opt.step()
         opt.zero_grad()
+    if rebuild:
+        assert stale.zero_comm.rounds == 0                          # never reduced anything
     return {"params": {n: p.detach().clone() for n, p in model.named_parameters()},
             "buckets": len(opt.zero_comm.order)}
 
@@ -367,6 +372,23 @@ def _direct_collectives():
     return out, errors
 
 
+def _direct_collectives_serialised():
+    from serialised_p2p import serialised_p2p
+    with serialised_p2p():                      # NCCL's p2p rules: an order that could deadlock there hangs here
+        return _direct_collectives()
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4, 6])
+def test_direct_collectives_post_in_an_order_safe_for_nccl(world_size):
+    """Under the serialised-p2p shim (a send waits for its receive; each rank's messages run in post order)
+    the direct collectives finish and give the same results. Every rank posting "send, then receive" waits in a
+    cycle here (the hybrid lab with --zero 1 hung so); 6 ranks have rounds of several cycles (gcd(6, 2) = 2,
+    gcd(6, 3) = 3)."""
+    for out, errors in parlab.run(_direct_collectives_serialised, world_size, timeout=60).results:
+        for want, got in out.values():
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 def test_direct_collectives_equal_the_native_ones(world_size):
     """Exact equality (float64 sums of a few small integers; at N > 2 the order of the additions differs
@@ -387,21 +409,63 @@ def test_direct_collectives_equal_the_native_ones(world_size):
         assert ag.bytes_per_rank()[r] == pytest.approx((n - 1) / n * n * 4 * 8)
 
 
-def _direct_collectives_under_nccl_rules():
-    import sys
-    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
-    from serialised_p2p import serialised_p2p
-    with serialised_p2p():                       # a send waits for its receive; a rank's messages run in post order
-        return _direct_collectives()
+def test_a_replaced_optimizer_stays_quiet():
+    """Two ShardedOptimizers built over one model (the first kept alive): only the newer one's hooks reduce,
+    so the reduce-scatters are one round per step and training matches one process."""
+    res = parlab.run(_train_overlap, 2, 1, 2, "one", rebuild=True, trace=True)
+    ref = _reference_accumulated(2, "one")
+    for r, out in enumerate(res.results):
+        for n, p in ref.items():
+            torch.testing.assert_close(out["params"][n], p.detach(), **TOL)
+        assert len(res.trace.filter(rank=r, op="reduce_scatter", label="zero grads").events) == 2 * out["buckets"]
 
 
-@pytest.mark.parametrize("world_size", [2, 3, 4, 6])
-def test_direct_collectives_do_not_deadlock_under_nccl_p2p_rules(world_size):
-    """Every rank posting "send, then receive" in each round of the shift waits in a cycle when sends wait for
-    their receives (NCCL's rule, modelled by tests/serialised_p2p.py; a hybrid lab with --zero 1 hung this way):
-    the smallest rank of each cycle receives first. gcd(6, 2) = 2 and gcd(6, 3) = 3 give rounds of several cycles.
-    The results stay exact (as above)."""
-    res = parlab.run(_direct_collectives_under_nccl_rules, world_size, timeout=120)
-    for out, errors in res.results:
-        for want, got in out.values():
-            torch.testing.assert_close(got, want, rtol=0, atol=0)
+class _Branchy(torch.nn.Module):
+    """Two layers; `b` is used only when asked (on some ranks), so its gradient is ready on some ranks only."""
+
+    def __init__(self):
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.a = torch.nn.Linear(6, 6, dtype=torch.float64)
+        self.b = torch.nn.Linear(6, 6, dtype=torch.float64)
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float64))
+
+    def forward(self, x, use_b):
+        h = torch.tanh(self.a(x))                                            # (B, 6)
+        return (self.b(h) if use_b else h).square().mean()
+
+
+def _branchy_batches(r):
+    return [torch.randn(4, 6, generator=torch.Generator().manual_seed(10 * t + r), dtype=torch.float64)
+            for t in range(3)]
+
+
+def _train_branchy(stage):
+    r = comm.get_rank()
+    model = _Branchy()
+    opt = ShardedOptimizer(model.parameters(), torch.optim.SGD, stage=stage, lr=0.1, bucket_numel=16)
+    for x in _branchy_batches(r):
+        model(x, use_b=(r == 0)).backward()
+        opt.step()
+        opt.zero_grad()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_overlap_with_a_parameter_used_on_one_rank_only(stage):
+    """Layer b gets gradients on rank 0 only: its buckets are complete during backward on rank 0 but only at
+    the end-of-backward callback on rank 1. Every rank still starts every bucket once per backward in the same
+    order (no hang, no mismatched collective), and the result equals one process minimising the mean of the
+    two ranks' losses (rank 1 contributes zeros to b's average, as it should)."""
+    res = parlab.run(_train_branchy, 2, stage, timeout=120)
+    ref = _Branchy()
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for x0, x1 in zip(_branchy_batches(0), _branchy_batches(1)):
+        ((ref(x0, True) + ref(x1, False)) / 2).backward()
+        opt.step()
+        opt.zero_grad()
+    for out in res.results:
+        for n, p in ref.named_parameters():
+            torch.testing.assert_close(out[n], p.detach(), **TOL)
