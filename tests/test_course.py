@@ -318,7 +318,7 @@ WRONG_RINGS = [
     ("one step short", grading.check_ring_all_reduce, all_reduce_one_step_short, "nothing was received|missing"),
     ("uses comm.all_reduce", grading.check_ring_all_reduce_traffic, all_reduce_with_collective,
      "called comm.all_reduce"),
-    ("untraced torch.distributed", grading.check_ring_all_reduce_traffic, all_reduce_untraced, "no messages"),
+    ("untraced torch.distributed", grading.check_ring_all_reduce_traffic, all_reduce_untraced, "torch.distributed.all_reduce directly"),
     ("whole tensor each step", grading.check_ring_all_reduce_traffic, all_reduce_whole_tensor, r"2\(N-1\)/N x size"),
     ("everyone talks to rank 0", grading.check_ring_all_reduce_traffic, all_reduce_via_root, "one"),
 ]
