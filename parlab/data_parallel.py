@@ -60,6 +60,7 @@ import torch.nn.functional as F
 
 from . import comm
 from .dp_comm import GradBucket, assign_buckets, broadcast_tensors, reduce_tensors
+from .meters import ActivationMeter, memory_report, tensor_bytes
 from .trace import Event, Trace, current_recorder, now, region
 
 __all__ = ["NaiveDataParallel", "DistributedDataParallel", "NAIVE_PHASES", "traffic_by_phase", "memory_report",
@@ -69,58 +70,7 @@ __all__ = ["NaiveDataParallel", "DistributedDataParallel", "NAIVE_PHASES", "traf
 NAIVE_PHASES = ("scatter inputs", "replicate model", "gather outputs", "scatter output grads", "reduce grads")
 
 
-# ---------------------------------------------------------------------- measuring memory and traffic
-def tensor_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
-    """Bytes of memory the tensors hold: each underlying storage counted once (views share storage)."""
-    seen: dict[int, int] = {}
-    for t in tensors:
-        if t is not None:
-            s = t.untyped_storage()
-            seen[s.data_ptr()] = s.nbytes()
-    return sum(seen.values())
-
-
-class ActivationMeter:
-    """``with ActivationMeter(params) as m: out = model(x)``: `m.nbytes` is what autograd saved for backward
-    inside the block (the activations), each storage once, not counting the tensors in `exclude`."""
-
-    def __init__(self, exclude: Iterable[torch.Tensor] = ()):
-        self._exclude = {t.untyped_storage().data_ptr() for t in exclude}
-        self._saved: dict[int, int] = {}
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
-
-    def _pack(self, t: torch.Tensor) -> torch.Tensor:
-        s = t.untyped_storage()
-        if s.data_ptr() not in self._exclude:
-            self._saved[s.data_ptr()] = s.nbytes()
-        return t
-
-    @property
-    def nbytes(self) -> int:
-        return sum(self._saved.values())
-
-    def __enter__(self) -> "ActivationMeter":
-        self._hooks.__enter__()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._hooks.__exit__(*exc)
-
-
-def memory_report(module: nn.Module, optimizer: torch.optim.Optimizer | None = None,
-                  **extra: Iterable[torch.Tensor]) -> dict[str, int]:
-    """Bytes this rank holds by category: parameters, gradients, optimizer state, plus any `extra`
-    category given as tensors (``grad_buckets=[...]`` is reported as "grad buckets")."""
-    params = list(module.parameters())
-    state = [v for st in (optimizer.state.values() if optimizer is not None else ())
-             for v in st.values() if isinstance(v, torch.Tensor)]
-    report = {"parameters": tensor_bytes(params), "gradients": tensor_bytes(p.grad for p in params),
-              "optimizer state": tensor_bytes(state)}
-    for name, tensors in extra.items():
-        report[name.replace("_", " ")] = tensor_bytes(tensors)
-    return report
-
-
+# ---------------------------------------------------------------------- measuring traffic
 def traffic_by_phase(trace: Trace, phases: Iterable[str] = NAIVE_PHASES, direction: str = "sent"
                      ) -> dict[str, dict[int, float]]:
     """{phase label: {rank: wire bytes sent (or received)}} over the whole trace, 0 where a rank took no part."""
