@@ -389,7 +389,8 @@ def materialize(model: GPT, device: torch.device | str, seed: int | None = None)
                 chunk = getattr(p, "dense_chunk", None)
                 if chunk is not None:                         # a tensor-parallel shard: its slice only
                     dim, n, i = chunk
-                    value = value.chunk(n, dim)[i] if dim is not None else value
+                    if dim is not None:                       # a copy: a view would keep the dense one alive
+                        value = value.chunk(n, dim)[i].clone()
                 if value.shape != p.shape:
                     raise ValueError(f"parameter {name!r} has shape {tuple(p.shape)} but the dense one "
                                      f"{tuple(shapes[name])}; a sharded parameter needs dense_chunk=(dim, n, i)")

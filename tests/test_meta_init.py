@@ -154,16 +154,18 @@ def _tensor_parallel(sp):
     ref = parallelize_gpt(GPT(CFG, seed=5), sequence_parallel=sp)
     attrs = lambda m: {n: (getattr(q, "tp_dim", "-"), getattr(q, "sequence_parallel", "-"))
                        for n, q in m.named_parameters()}
+    # each shard owns just its own bytes (a view of the drawn dense parameter would keep all of it alive)
+    owned = all(q.untyped_storage().nbytes() == q.numel() * q.element_size() for q in model.parameters())
     return (_named(model), _named(ref), drawn, attrs(model), attrs(ref),
-            model.lm_head.weight is model.wte.weight, meta_parameters(model))
+            model.lm_head.weight is model.wte.weight, meta_parameters(model), owned)
 
 
 @pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp+sp"])
 def test_tensor_parallel_shards_equal_the_dense_models_shards(sp):
     tp = 2
     res = parlab.run(_tensor_parallel, tp, sp)
-    for r, (got, want, drawn, attrs, ref_attrs, tied, still_meta) in enumerate(res):
-        assert still_meta == [] and tied
+    for r, (got, want, drawn, attrs, ref_attrs, tied, still_meta, owned) in enumerate(res):
+        assert still_meta == [] and tied and owned
         assert list(got) == list(want) and attrs == ref_attrs               # tp_dim / sequence_parallel kept
         for name in want:
             assert torch.equal(got[name], want[name]), (r, name)
