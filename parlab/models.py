@@ -231,7 +231,8 @@ def _initial_value(name: str, shape, layer_norm: bool, n_layer: int, seed: int) 
         return torch.ones(shape, device="cpu")
     std = 0.02 / math.sqrt(2 * n_layer) if module_name.endswith(("attn.proj", "mlp.proj")) else 0.02
     g = torch.Generator().manual_seed(_param_seed(seed, name))
-    return torch.randn(shape, generator=g, device="cpu") * std  # the CPU generator: the same values on any device
+    # the CPU generator: the same values on any device; scaled in place (no second tensor of this size)
+    return torch.randn(shape, generator=g, device="cpu").mul_(std)
 
 
 class GPT(nn.Module):
