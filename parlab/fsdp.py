@@ -48,6 +48,7 @@ References
 """
 from __future__ import annotations
 
+import functools
 import os
 import weakref
 
@@ -64,7 +65,7 @@ class _Flat:
     """The parameters of one unit that share `requires_grad`, flattened and sharded."""
 
     def __init__(self, unit: str, params: list, requires_grad: bool, rank: int, world: int, group, compute_dtype,
-                 device=None):
+                 device=None, param_init=None):
         self.unit, self.requires_grad, self.group = unit, requires_grad, group
         self.names = [name for name, _, _ in params]                   # original names, e.g. 'blocks.0.mlp.fc.weight'
         self.refs = [refs for _, _, refs in params]                    # every (module, attr) using each parameter
@@ -73,9 +74,12 @@ class _Flat:
         self.numel = sum(self.numels)
         self.world = world
         self.s = -(-self.numel // world)                               # shard length, ceil(numel / Nd)
-        flat = torch.zeros(world * self.s, dtype=params[0][1].dtype, device=params[0][1].device)  # (Nd*s,)
-        torch.cat([p.detach().reshape(-1) for _, p, _ in params], out=flat[:self.numel])
-        shard = flat[rank * self.s:(rank + 1) * self.s].to(device or flat.device, copy=True)  # (s,) master weights
+        if params[0][1].is_meta:                                       # built on meta: draw only this shard
+            shard = _meta_shard(params, self.s, rank, device, param_init)
+        else:
+            flat = torch.zeros(world * self.s, dtype=params[0][1].dtype, device=params[0][1].device)  # (Nd*s,)
+            torch.cat([p.detach().reshape(-1) for _, p, _ in params], out=flat[:self.numel])
+            shard = flat[rank * self.s:(rank + 1) * self.s].to(device or flat.device, copy=True)  # (s,) master weights
         self.shard = nn.Parameter(shard, requires_grad=requires_grad)
         self.compute_dtype = compute_dtype or shard.dtype
         self.full: torch.Tensor | None = None      # gathered for forward (autograd-connected)
@@ -104,6 +108,25 @@ class _Flat:
         comm.reduce_scatter(out, grad_full.contiguous(), op=comm.ReduceOp.AVG, group=self.group,
                             label=f"{self.label} grads")
         return out.to(self.shard.dtype)
+
+
+def _meta_shard(params: list, s: int, rank: int, device, param_init) -> torch.Tensor:
+    """Rank `rank`'s slice [rank s, (rank+1) s) of the unit's flat vector, for parameters on the meta device:
+    each parameter overlapping the slice is drawn by ``param_init(name)`` (its whole dense value, on the CPU,
+    one at a time) and only the overlap is kept, so the unit's full flat never exists on this rank."""
+    shard = torch.zeros(s, dtype=params[0][1].dtype, device=device)   # (s,) master weights; padding stays 0
+    lo_r, off = rank * s, 0
+    for name, p, _ in params:
+        n = p.numel()
+        lo, hi = max(off, lo_r), min(off + n, lo_r + s)               # this parameter's part of the slice
+        if lo < hi:
+            value = param_init(name)
+            if value.shape != p.shape:
+                raise ValueError(f"param_init({name!r}) gave shape {tuple(value.shape)}, the parameter has "
+                                 f"{tuple(p.shape)}")
+            shard[lo - lo_r:hi - lo_r] = value.reshape(-1)[lo - off:hi - off].to(device=device, dtype=shard.dtype)
+        off += n
+    return shard
 
 
 class _GatherParams(torch.autograd.Function):
@@ -141,15 +164,30 @@ class FullyShardedDataParallel(nn.Module):
     group          the data-parallel group (default: world)
     compute_dtype  dtype of gathered weights, compute and communication (None: the parameters' own)
     device         where the shards (and so the gathered weights) live (None: the module's device). Build the
-                   module on the CPU and pass the GPU here: the GPU then never holds the full model.
+                   module on the CPU and pass the GPU here: the GPU then never holds the full model. Or build it
+                   on the meta device (``GPT(config, seed, device="meta")``, no memory): each rank then draws
+                   only its shards' values on `device` (required then), and the host never holds it either.
+    param_init     for a module on the meta device: ``param_init(name) -> tensor``, the dense initial value of the
+                   parameter `name`; default for a `parlab.models.GPT`: `parlab.models.init_value` with its
+                   config and seed, so the shards equal those of the dense model.
     Every rank must build the same module (same seed): each keeps its slice of its own copy.
     """
 
     def __init__(self, module: nn.Module, *, units=None, group=None, compute_dtype: torch.dtype | None = None,
-                 device: torch.device | str | None = None):
+                 device: torch.device | str | None = None, param_init=None):
         super().__init__()
         if compute_dtype is not None and not compute_dtype.is_floating_point:
             raise ValueError(f"compute_dtype must be a floating-point dtype, got {compute_dtype}")
+        if any(p.is_meta for p in module.parameters()):
+            if device is None:
+                raise ValueError("the module is on the meta device: pass device= (where this rank's shards are "
+                                 "drawn and kept)")
+            if param_init is None:
+                from .models import GPT, init_value
+                if not isinstance(module, GPT):
+                    raise ValueError(f"the {type(module).__name__} is on the meta device: pass param_init=fn, "
+                                     f"fn(name) -> the parameter's initial value")
+                param_init = functools.partial(init_value, module.config, module.init_seed)
         self.module, self.group, self.compute_dtype = module, group, compute_dtype
         self.rank, self.world = comm.get_rank(group), comm.get_world_size(group)
         if units is None:
@@ -184,7 +222,7 @@ class FullyShardedDataParallel(nn.Module):
             per_unit[where.pop()][p.requires_grad].append((name, p, [(m, a) for m, a, _ in refs[id(p)]]))
         self.flats: dict[str, list[_Flat]] = {}
         for u in self.units:
-            self.flats[u] = [_Flat(u, ps, rg, self.rank, self.world, group, compute_dtype, device)
+            self.flats[u] = [_Flat(u, ps, rg, self.rank, self.world, group, compute_dtype, device, param_init)
                              for rg, ps in per_unit[u].items() if ps]
         self.shards = nn.ParameterList([f.shard for u in self.units for f in self.flats[u]])
         for u in self.units:                                           # the module forgets its own weights

@@ -35,6 +35,18 @@ Notes for the strategies that shard this model:
   ``GPT(config, seed, dtype=torch.float64)`` is exactly the float32 model cast.
 * To copy a model, use ``clone_model`` (``copy.deepcopy``, which keeps the
   tied ``lm_head.weight is wte.weight``).
+* Meta-device construction, for a rank that keeps only part of the model:
+  ``GPT(config, seed, device="meta")`` allocates no parameter memory (every
+  parameter is a shape on the meta device); cut it down (pipeline stages,
+  tensor-parallel shards, FSDP flats), then ``materialize(model, device)``
+  gives each parameter still on meta its initial value on `device`, drawn by
+  the same per-(seed, name) rule, so the rank's part is bit-identical to the
+  same part of the dense ``GPT(config, seed)``. A tensor-parallel shard
+  (tagged ``dense_chunk``) draws its dense parameter on the CPU, one at a time,
+  and keeps its slice; nothing outside the rank's part is ever drawn. The same
+  idea as PyTorch's deferred init (``torch.device("meta")`` + ``to_empty`` +
+  re-initialisation, FSDP's ``param_init_fn``) and torchtitan's seed checkpoint,
+  but with values that do not depend on which parts a rank holds.
 
 References
     [1] A. Radford, J. Wu, R. Child, D. Luan, D. Amodei, I. Sutskever,
@@ -45,7 +57,10 @@ References
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import dataclasses
+import functools
 import math
 import zlib
 from dataclasses import dataclass
@@ -55,7 +70,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-__all__ = ["GPTConfig", "GPT", "Block", "CausalSelfAttention", "MLP", "causal_attention", "clone_model"]
+__all__ = ["GPTConfig", "GPT", "Block", "CausalSelfAttention", "MLP", "causal_attention", "clone_model",
+           "init_value", "materialize", "meta_parameters"]
 
 
 # ----------------------------------------------------------------------------- config
@@ -206,6 +222,19 @@ def _param_seed(seed: int, name: str) -> int:
     return zlib.crc32(f"{seed}/{name}".encode())
 
 
+def _initial_value(name: str, shape, layer_norm: bool, n_layer: int, seed: int) -> torch.Tensor:
+    """GPT-2's initial value of the parameter `name` (its name in the dense model), float32 on the CPU."""
+    module_name, _, kind = name.rpartition(".")
+    if kind == "bias":
+        return torch.zeros(shape, device="cpu")
+    if layer_norm:
+        return torch.ones(shape, device="cpu")
+    std = 0.02 / math.sqrt(2 * n_layer) if module_name.endswith(("attn.proj", "mlp.proj")) else 0.02
+    g = torch.Generator().manual_seed(_param_seed(seed, name))
+    # the CPU generator: the same values on any device; scaled in place (no second tensor of this size)
+    return torch.randn(shape, generator=g, device="cpu").mul_(std)
+
+
 class GPT(nn.Module):
     """GPT-2 style decoder: embed -> blocks -> head (-> loss)."""
 
@@ -220,10 +249,13 @@ class GPT(nn.Module):
         if not dtype.is_floating_point:
             raise ValueError(f"GPT parameters need a floating-point dtype, got {dtype}")
         self.config = config
+        self.init_seed = seed  # what `materialize` draws from, for a model built on the meta device
+        meta = device is not None and torch.device(device).type == "meta"
         # nn.Linear and friends fill themselves with a default init drawn from the
         # global RNG; fork_rng puts that RNG back afterwards, and init_weights below
-        # overwrites every value from `seed`.
-        with torch.random.fork_rng(devices=[]):
+        # overwrites every value from `seed`. On the meta device nothing is allocated
+        # or drawn: `materialize` gives the parameters their values later.
+        with torch.random.fork_rng(devices=[]), (torch.device("meta") if meta else contextlib.nullcontext()):
             self.wte = nn.Embedding(config.vocab_size, config.n_embd)  # token embeddings (V, H)
             self.wpe = nn.Embedding(config.seq_len, config.n_embd)  # position embeddings (S, H)
             self.drop = nn.Dropout(config.dropout)
@@ -233,7 +265,8 @@ class GPT(nn.Module):
         self.to(device=device, dtype=dtype)
         if config.tie_embeddings:
             self.lm_head.weight = self.wte.weight  # one parameter, used twice
-        self.init_weights(seed)
+        if not meta:
+            self.init_weights(seed)
 
     @torch.no_grad()
     def init_weights(self, seed: int = 0) -> None:
@@ -246,18 +279,9 @@ class GPT(nn.Module):
         not depend on dtype or device (a float64 model is the float32 model cast
         exactly), nor on which other parameters exist.
         """
-        residual_std = 0.02 / math.sqrt(2 * self.config.n_layer)
         layer_norms = {name for name, m in self.named_modules() if isinstance(m, nn.LayerNorm)}
         for name, p in self.named_parameters():  # a tied lm_head.weight appears once, as wte.weight
-            module_name, _, kind = name.rpartition(".")
-            if kind == "bias":
-                p.zero_()
-            elif module_name in layer_norms:
-                p.fill_(1.0)
-            else:
-                std = residual_std if module_name.endswith(("attn.proj", "mlp.proj")) else 0.02
-                g = torch.Generator().manual_seed(_param_seed(seed, name))
-                p.copy_(torch.randn(p.shape, generator=g) * std)
+            p.copy_(_initial_value(name, p.shape, name.rpartition(".")[0] in layer_norms, self.config.n_layer, seed))
 
     def embed(self, idx: torch.Tensor, pos: torch.Tensor | None = None) -> torch.Tensor:
         """Token ids (B, S) -> hidden states (B, S, H): token + position embeddings.
@@ -300,3 +324,79 @@ M = TypeVar("M", bound=nn.Module)
 def clone_model(model: M) -> M:
     """An independent copy with equal values (``copy.deepcopy``; tied weights stay tied)."""
     return copy.deepcopy(model)
+
+
+# ----------------------------------------------------------------------------- meta-device construction
+
+
+def init_value(config: GPTConfig, seed: int, name: str) -> torch.Tensor:
+    """The initial value of the dense ``GPT(config, seed)``'s parameter `name` (e.g. ``"blocks.3.mlp.fc.weight"``;
+    a tied ``"lm_head.weight"`` is ``"wte.weight"``), float32 on the CPU, drawn without building the model."""
+    if config.tie_embeddings and name == "lm_head.weight":
+        name = "wte.weight"
+    shapes, layer_norms = _dense_layout(config)
+    if name not in shapes:
+        raise KeyError(f"GPT has no parameter {name!r}; names look like {list(shapes)[:4]}")
+    return _initial_value(name, shapes[name], name.rpartition(".")[0] in layer_norms, config.n_layer, seed)
+
+
+def _dense_layout(config: GPTConfig) -> tuple[dict[str, torch.Size], set[str]]:
+    """Shapes of the dense model's parameters and the names of its LayerNorms, read off a meta-device GPT."""
+    return _dense_layout_of(dataclasses.astuple(config))
+
+
+@functools.lru_cache(maxsize=16)
+def _dense_layout_of(fields: tuple) -> tuple[dict[str, torch.Size], set[str]]:
+    ref = GPT(GPTConfig(*fields), device="meta")
+    shapes = {name: p.shape for name, p in ref.named_parameters()}
+    return shapes, {name for name, m in ref.named_modules() if isinstance(m, nn.LayerNorm)}
+
+
+def meta_parameters(module: nn.Module) -> list[str]:
+    """Names of `module`'s parameters still on the meta device (not materialised)."""
+    return [name for name, p in module.named_parameters() if p.is_meta]
+
+
+@torch.no_grad()
+def materialize(model: GPT, device: torch.device | str, seed: int | None = None) -> GPT:
+    """Give every parameter of `model` still on the meta device its initial value, on `device`, in place.
+
+    `model` is a ``GPT(config, seed, device="meta")``, possibly cut down (pipeline stages set to None) and
+    sharded (tensor-parallel layers whose parameters carry ``dense_chunk = (dim, n, i)``: chunk i of n of the
+    dense parameter along dim). Each parameter gets exactly the value it has in the dense ``GPT(config, seed)``
+    (or its chunk of it), in its own dtype: drawn on the CPU in float32, one parameter at a time, then moved.
+    So the process allocates this rank's part plus one dense parameter at a time, never the whole model.
+    Parameters already materialised are left alone; tied parameters stay tied; attributes set on a parameter
+    (``tp_dim``, ``sequence_parallel``, ...) carry over. `seed`: default the one the model was built with."""
+    if not isinstance(model, GPT):
+        raise TypeError(f"materialize needs the parlab.models.GPT the parts came from, got {type(model).__name__}")
+    seed = model.init_seed if seed is None else seed
+    config = model.config
+    shapes, layer_norms = _dense_layout(config)
+    done: dict[int, nn.Parameter] = {}                        # id(meta parameter) -> its materialised one
+    for module_name, mod in model.named_modules():
+        for key, p in list(mod._parameters.items()):
+            if p is None or not p.is_meta:
+                continue
+            if id(p) not in done:
+                name = f"{module_name}.{key}" if module_name else key
+                if config.tie_embeddings and name == "lm_head.weight":
+                    name = "wte.weight"                       # the tied weight is drawn under wte's name
+                if name not in shapes:
+                    raise ValueError(f"parameter {name!r} is not one of the dense GPT's; materialize only "
+                                     f"fills the parameters of parlab.models.GPT (names like {list(shapes)[:3]})")
+                value = _initial_value(name, shapes[name], name.rpartition(".")[0] in layer_norms,
+                                       config.n_layer, seed)  # the dense parameter, float32 on the CPU
+                chunk = getattr(p, "dense_chunk", None)
+                if chunk is not None:                         # a tensor-parallel shard: its slice only
+                    dim, n, i = chunk
+                    if dim is not None:                       # a copy: a view would keep the dense one alive
+                        value = value.chunk(n, dim)[i].clone()
+                if value.shape != p.shape:
+                    raise ValueError(f"parameter {name!r} has shape {tuple(p.shape)} but the dense one "
+                                     f"{tuple(shapes[name])}; a sharded parameter needs dense_chunk=(dim, n, i)")
+                new = nn.Parameter(value.to(device=device, dtype=p.dtype), requires_grad=p.requires_grad)
+                new.__dict__.update({k: v for k, v in p.__dict__.items() if k != "dense_chunk"})
+                done[id(p)] = new
+            mod._parameters[key] = done[id(p)]
+    return model

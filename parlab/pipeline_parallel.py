@@ -65,7 +65,7 @@ import torch.nn as nn
 
 from . import comm
 from .data import micro_batches
-from .models import GPT, clone_model
+from .models import GPT, clone_model, materialize, meta_parameters
 from .pipeline_p2p import StageMessages
 from .schedules import KINDS, Action, Schedule, split_layers, unit_cost, validate
 from .tp_loss import count_targets, weighted_mean_loss
@@ -91,7 +91,11 @@ class PipelineParallel:
 
         pipe = PipelineParallel(GPT(config, seed=0), schedule, copy=False, device=torch.device("cuda", local))
 
-    and the GPU never holds more than this rank's stages (the host holds the full model for a moment).
+    and the GPU never holds more than this rank's stages (the host holds the full model for a moment). To skip
+    the host's dense copy too, build the model on the meta device (no memory) and let `device` materialise only
+    the kept stages there, with the dense model's values (`parlab.models.materialize`):
+
+        pipe = PipelineParallel(GPT(config, seed=0, device="meta"), schedule, copy=False, device=gpu)
 
     `loss_group` (default `dp_group`): the ranks whose batches make up the global batch and whose gradients are
     averaged afterwards (by `dp_group` here, or by the caller, e.g. a ZeRO optimizer): the mean loss divides by
@@ -140,7 +144,7 @@ class PipelineParallel:
         ref = next(m.parameters())
         self.dtype, self.device = ref.dtype, ref.device       # of the messages: (b, S, H) hidden states
         if device is not None:
-            self.to(device)                                   # only this rank's stages
+            self.to(device)                                   # only this rank's stages (materialised, if on meta)
         # tied embeddings split across two ranks: each keeps a copy whose gradients are added after the step
         self.tied = model.config.tie_embeddings and schedule.placement[0] != schedule.placement[S - 1]
         # this rank's messages with every peer (pipeline ranks), in the one order merged across peers
@@ -163,9 +167,12 @@ class PipelineParallel:
 
     # ------------------------------------------------------------------ the model pieces
     def to(self, device: torch.device | str) -> "PipelineParallel":
-        """Move the stages this rank holds (and its messages) to `device`; returns self."""
+        """Move the stages this rank holds (and its messages) to `device`; returns self. Parameters still on
+        the meta device are materialised there (`parlab.models.materialize`), the dense model's values."""
         m = self.module
         tied = m.wte is not None and m.lm_head is not None and m.lm_head.weight is m.wte.weight
+        if meta_parameters(m):                                # built on meta: draw only what this rank kept
+            materialize(m, device)
         m.to(device)
         if tied and m.lm_head.weight is not m.wte.weight:
             m.lm_head.weight = m.wte.weight                   # keep one tied parameter, whatever .to did
@@ -202,6 +209,9 @@ class PipelineParallel:
     # ------------------------------------------------------------------ one training step
     def step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:
         sch, me, S, m = self.schedule, self.rank, self.schedule.stages, self.schedule.microbatches
+        if self.device.type == "meta":
+            raise ValueError("this rank's stages are still on the meta device: build PipelineParallel with "
+                             "device=..., or call pipe.to(device), which materialises them there")
         micro = micro_batches(x, y, m)                        # m x ((b, S), (b, S))
         b, T = micro[0][0].shape
         dtype = self.dtype

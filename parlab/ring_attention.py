@@ -35,11 +35,16 @@ accumulated dK/dV arrive back at the rank that owns them.
 Mixed precision: with bf16 / fp16 inputs each block's softmax runs in float32, and the output and
 log-sum-exp accumulate in float32 across the P merges (out is cast to the input dtype once, at the
 end; lse is kept in float32 for the backward), as ring-flash-attention does [2]; dQ also sums its P
-blocks in float32. The travelling dK/dV keep the input dtype (so the message sizes below hold).
+blocks in float32. The travelling dK/dV are partial sums that every rank adds to, P times: they too
+accumulate in float32, so they travel in float32 (ring-flash-attention keeps its dK/dV buffers in
+float32 likewise [2]) and are cast to the input dtype once, at home. What travels, then: K/V blocks in
+the input dtype (they are data, not sums), dK/dV blocks in float32 (for bf16 / fp16 inputs twice the
+bytes of a K/V block; float64 stays float64). Summed in bf16 instead, the error of dK/dV grew with P
+(measured <= 0.021 at P = 4, S = 64, against <= 0.008 with float32 sums; tests/test_ring_attention.py).
 
 Communication per rank (K/V block = 2 B nh c hd elements, one message):
     forward   (P - 1) K/V blocks
-    backward  (P - 1) K/V blocks + P dK/dV blocks
+    backward  (P - 1) K/V blocks + P dK/dV blocks (of the same numel, in float32 for 16-bit inputs)
 
 References
     [1] H. Liu, M. Zaharia, P. Abbeel, "Ring Attention with Blockwise Transformers for Near-Infinite
@@ -151,11 +156,16 @@ def work_matrix(P: int, causal: bool = True, layout: str = "zigzag") -> list[lis
     return [[(p.work if (p := block_plan(r, s, P, causal, layout)) else 0.0) for s in range(P)] for r in range(P)]
 
 
-def ring_bytes_per_rank(P: int, B: int, nh: int, c: int, hd: int, element_size: int = 4) -> dict[str, int]:
+def ring_bytes_per_rank(P: int, B: int, nh: int, c: int, hd: int, element_size: int = 4,
+                        grad_element_size: int | None = None) -> dict[str, int]:
     """Bytes each rank sends per ring-attention layer (one K/V block = 2 B nh c hd elements):
-    forward (P-1) K/V blocks; backward (P-1) K/V blocks and P dK/dV blocks."""
+    forward (P-1) K/V blocks; backward (P-1) K/V blocks and P dK/dV blocks. `element_size` is the
+    inputs' (K/V travel in it); the dK/dV sums travel in `grad_element_size`, by default as
+    `ring_attention` sends them: at least float32 (4 bytes), so 4 for 16-bit inputs, 8 for float64."""
+    grad_element_size = max(element_size, 4) if grad_element_size is None else grad_element_size
     block = 2 * B * nh * c * hd * element_size
-    return {"forward": (P - 1) * block, "backward": (2 * P - 1) * block if P > 1 else 0}
+    grad_block = 2 * B * nh * c * hd * grad_element_size
+    return {"forward": (P - 1) * block, "backward": (P - 1) * block + P * grad_block if P > 1 else 0}
 
 
 # ---------------------------------------------------------------------- one block and the merge
@@ -163,13 +173,23 @@ def attention_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: boo
     """Attention of q (B, nh, cq, hd) over k, v (B, nh, ck, hd) -> (out (B, nh, cq, hd), lse (B, nh, cq)).
     lse is log sum_j exp(score_j): what a later merge needs to renormalise. The softmax runs in at least
     float32 and lse comes back in it (as flash attention returns its lse), out in the input dtype."""
-    s = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])   # (B, nh, cq, ck)
-    s = s.to(_acc_dtype(s.dtype))                           # bf16 / fp16 scores: softmax in float32
+    out, lse = _attention_block(q, k, v, mask)
+    return out.to(v.dtype), lse                             # (B, nh, cq, hd), (B, nh, cq)
+
+
+def _attention_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: bool = False):
+    """`attention_block` with out also in the accumulation dtype (float32 for 16-bit inputs), as a fused
+    kernel's fp32 accumulators hold it [4]: the scores q k^T and the sum P V accumulate in float32; the
+    probabilities P are rounded to the input dtype for the P V product, as FlashAttention does."""
+    acc = _acc_dtype(q.dtype)
+    s = q.to(acc) @ k.to(acc).transpose(-2, -1) / math.sqrt(q.shape[-1])   # (B, nh, cq, ck), float32 for 16-bit
+    #  (rounding the scores to bf16 first would make lse disagree with the backward's float32 scores)
     if mask:
         keep = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril()  # (cq, ck), cq == ck
         s = s.masked_fill(~keep, float("-inf"))
     lse = torch.logsumexp(s, dim=-1)                        # (B, nh, cq)
-    return torch.exp(s - lse.unsqueeze(-1)).to(v.dtype) @ v, lse   # (B, nh, cq, hd), (B, nh, cq)
+    p = torch.exp(s - lse.unsqueeze(-1)).to(v.dtype).to(acc)   # (B, nh, cq, ck), P in the input's precision
+    return p @ v.to(acc), lse                               # (B, nh, cq, hd) in float32+, (B, nh, cq)
 
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -259,7 +279,7 @@ class RingAttention(torch.autograd.Function):
             if plan is not None:
                 qr, kr = _rows(plan.q, c), _rows(plan.k, c)
                 with region("ring attention", label=f"fwd step {step} kv of rank {plan.src} q {plan.q} k {plan.k}"):
-                    o, l = attention_block(q[..., qr, :], kv[0][..., kr, :], kv[1][..., kr, :], plan.mask)
+                    o, l = _attention_block(q[..., qr, :], kv[0][..., kr, :], kv[1][..., kr, :], plan.mask)
                     if out is None:                          # step 0 always computes all rows
                         out, lse = o.to(acc), l
                     else:                                    # (no autograd inside forward: in place is fine)
@@ -286,13 +306,14 @@ class RingAttention(torch.autograd.Function):
         dout = dout.contiguous()
         delta = (dout.to(lse.dtype) * out.to(lse.dtype)).sum(-1)   # (B, nh, c), float32 for 16-bit inputs
         dq = torch.zeros_like(q, dtype=lse.dtype)            # (B, nh, c, hd), stays home, sums P blocks in float32
-        kv = torch.stack([k, v]).contiguous()                # (2, B, nh, c, hd), travels
-        dkv = dkv_works = None                               # the dK/dV of the visiting block, travels with it
+        kv = torch.stack([k, v]).contiguous()                # (2, B, nh, c, hd), travels in the input dtype
+        dkv = dkv_works = None                               # the dK/dV of the visiting block, travels with it,
+                                                             # a running sum: float32 for 16-bit inputs
         for step in range(P):
             if step < P - 1:
                 kv_next, works = _shift(kv, me, nxt, prv, group, f"ring bwd kv step {step}")
             plan = block_plan(me, step, P, ctx.causal, ctx.layout)
-            grad = torch.zeros_like(kv)                      # (2, B, nh, c, hd): this step's dK, dV
+            grad = torch.zeros_like(kv, dtype=lse.dtype)     # (2, B, nh, c, hd): this step's dK, dV, float32+
             if plan is not None:
                 qr, kr = _rows(plan.q, c), _rows(plan.k, c)
                 with region("ring attention", label=f"bwd step {step} kv of rank {plan.src} q {plan.q} k {plan.k}"):
@@ -317,7 +338,7 @@ class RingAttention(torch.autograd.Function):
                 kv = kv_next
         for w in dkv_works or ():                            # after P hops our own dK/dV are home
             w.wait()
-        return dq.to(q.dtype), dkv[0], dkv[1], None, None, None, None
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None, causal: bool = True,

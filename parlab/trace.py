@@ -212,7 +212,13 @@ def region(name: str, label: str = "", flops: float | None = None, nbytes: int |
     """Record the block as a compute span named `name` (a no-op when tracing is off).
 
     `flops` / `nbytes` state the block's work for a replay (`parlab.replay`); left out, they are what
-    `count_costs()` metered inside the block (0 when nothing meters)."""
+    `count_costs()` metered inside the block (0 when nothing meters).
+
+    On the "cuda-events" clock the span runs from a CUDA event recorded on the *current stream* when the
+    block starts to one recorded there when it ends: it times the current stream only. Work the block puts
+    on other streams (a side stream of its own, NCCL's communication stream for an async call nobody has
+    waited on yet) is inside the span only if the current stream waits for it (``work.wait()``,
+    ``stream.wait_stream``) before the block ends; otherwise that work runs outside the span."""
     rec = current_recorder()
     if rec is None:
         yield

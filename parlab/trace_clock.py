@@ -8,6 +8,10 @@ converts them to wall seconds through an anchor event recorded (and waited for) 
 
     start_wall(ev) = t0 + anchor.elapsed_time(start_mark) / 1e3        # elapsed_time is in milliseconds
 
+Only the current stream is timed: both events of a span are recorded on ``torch.cuda.current_stream()``,
+so work on another stream (a side stream, NCCL's own stream) counts only as far as the current stream
+waits for it inside the span (a waited NCCL work does: ``wait()`` makes the current stream wait for it).
+
 Reference: CUDA C++ Programming Guide, "Events" (cudaEventRecord / cudaEventElapsedTime), and
 ``torch.cuda.Event``. `parlab.trace.Recorder` owns one `DeviceClock` when it records on this clock;
 tests/test_trace_clock.py checks the conversion with fake events.

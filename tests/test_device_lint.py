@@ -33,8 +33,6 @@ ALLOWED: dict[tuple[str, str, str], str] = {
         "added to the CPU starts, then the indices move with idx.to(self.tokens.device)",
     ("data_parallel.py", "factory", "torch.tensor(x.shape)"):
         "copied into a slice of `meta` (on the input's device) by assignment, which copies across devices",
-    ("models.py", "factory", "torch.randn(p.shape, generator=g)"):
-        "seeded CPU init, the same on every device; copied into the parameter with p.copy_ (any device)",
     ("ring_attention.py", "factory", "torch.arange(j * size, (j + 1) * size)"):
         "shard_positions returns index data on the CPU; shard_sequence moves it to x.device before use",
     ("labs/context_parallel.py", "factory", "torch.zeros(1, lab.args.seq_len)"):

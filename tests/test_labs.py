@@ -68,3 +68,89 @@ def test_every_lab_has_a_module():
     import importlib
     for name in LABS:
         assert callable(importlib.import_module(f"parlab.labs.{name}").main)
+
+
+# ---------------------------------------------------------------------- the first-run-on-GPUs script
+def test_gpu_check_refuses_clearly_without_cuda(monkeypatch):
+    import torch
+    from parlab.labs import gpu_check
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit, match="^no CUDA device: torch.cuda.is_available"):
+        gpu_check.main(["--gpus", "2"])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(SystemExit, match="--gpus 4 but this node has 2 CUDA device"):
+        gpu_check.check_cuda(4)
+    assert gpu_check.check_cuda(None) == 2
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--gpus", "3", "--dry-run"], "--gpus must be one of"),
+    (["--gpus", "0"], "--gpus must be a positive number"),
+    (["--only", "pipelin", "--dry-run"], "unknown labs \\['pipelin'\\]"),
+    (["--steps", "1", "--dry-run"], "--steps must be at least 2"),
+    (["--timeout", "0"], "--timeout must be a positive"),
+    (["--size", "huge"], "invalid choice: 'huge'"),
+])
+def test_gpu_check_rejects_bad_arguments(argv, message, capsys):
+    from parlab.labs import gpu_check
+    with pytest.raises(SystemExit) as e:
+        gpu_check.main(argv)
+    assert e.value.code == 2 and re.search(message, capsys.readouterr().err)
+
+
+@pytest.mark.parametrize("gpus", [1, 2, 4, 8])
+def test_gpu_check_plan_covers_every_lab_with_options_each_lab_accepts(gpus, capsys):
+    import importlib
+    from parlab.hybrid import check_layout, make_schedule
+    from parlab.labs import gpu_check, parser
+    from parlab.models import GPTConfig
+    from parlab.topology import ParallelGrid
+    runs = gpu_check.plan(gpus, "small", 20)
+    assert {r.lab for r in runs} == set(LABS)
+    for r in runs:
+        argv = r.argv(gpus, "python")
+        assert argv[:6] == ["python", "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={gpus}", "-m"]
+        assert argv[argv.index("--backend") + 1] == "nccl"
+        p = parser(r.lab, "")
+        importlib.import_module(f"parlab.labs.{r.lab}").add_args(p)
+        a = p.parse_args(argv[7:])                                   # every option is one the lab knows
+        cfg = GPTConfig(vocab_size=a.vocab, seq_len=a.seq_len, n_layer=a.layers, n_head=a.heads, n_embd=a.hidden)
+        assert a.batch % gpus == 0 and a.seq_len % (2 * gpus) == 0 and a.heads % gpus == 0 and a.vocab % gpus == 0
+        if r.lab == "pipeline":
+            assert a.batch % a.microbatches == 0 and a.layers >= gpus * a.chunks
+        if r.lab == "hybrid":                                        # the layout the lab itself would check
+            grid = ParallelGrid(gpus, tp=a.tp, pp=a.pp, cp=a.cp)
+            check_layout(cfg, grid, make_schedule(a.schedule, a.pp, 2 * a.pp, a.chunks), batch_size=a.batch,
+                         seq_len=a.seq_len, sequence_parallel=a.sp, zero_stage=a.zero)
+    assert gpu_check.main(["--gpus", str(gpus), "--dry-run"]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    assert len(printed) == len(runs) + len(gpu_check.TESTS) and all(f"--nproc_per_node={gpus}" in ln
+                                                                      for ln in printed[:len(runs)])
+
+
+def test_gpu_check_writes_the_results_table(monkeypatch, tmp_path):
+    from parlab.labs import gpu_check
+    monkeypatch.setattr(gpu_check, "check_cuda", lambda gpus: 2)
+    monkeypatch.setattr(gpu_check, "_environment", lambda: "a test, no GPU")
+    calls = []
+
+    def fake_run(argv, log, timeout):
+        calls.append(argv)
+        if "pytest" in argv:
+            return 0, "....\n5 passed in 1.0s\n", 1.0
+        if "zero" in " ".join(argv):                                 # one lab fails before its summary
+            return 1, "Traceback ...\nRuntimeError: NCCL error\n", 2.0
+        lab = argv[argv.index("-m", 3) + 1].rsplit(".", 1)[1]
+        return 0, (f"summary: lab={lab} world=2 backend=nccl steps=20 loss=3.1021 tokens/s=8123 "
+                   f"max_mem/rank=1.20 MB trace=x.json\n"), 3.0
+
+    monkeypatch.setattr(gpu_check, "_run", fake_run)
+    out = tmp_path / "table.md"
+    code = gpu_check.main(["--out", str(out), "--logdir", str(tmp_path / "logs")])
+    text = out.read_text()
+    assert code == 1                                                  # a failed lab: a failed check
+    assert "| `pipeline --schedule 1f1b --microbatches 4` | 0 | nccl | 3.1021 | 8123 | 1.20 |" in text
+    assert "| `zero --stage 3` | 1 | - | - | - | - |" in text
+    assert "| tests/test_gpu.py | 0 | 5 passed in 1.0s |" in text
+    assert len(calls) == len(gpu_check.plan(2)) + len(gpu_check.TESTS)

@@ -8,8 +8,9 @@ Every lab is short because the common scaffolding lives here:
 * `start(name, description, add_args)`: command-line options (model size, batch, steps, dtype, trace
   path), `parlab.init()` (NCCL on ``cuda:LOCAL_RANK`` when GPUs are present, gloo on the CPU; one node or
   many through torchrun's rendezvous), the dense tiny GPT (`Lab.model()` on this rank's device, or
-  ``Lab.model(host=True)`` on the CPU for strategies that keep only a part of it: pipeline, tensor
-  parallel, ZeRO-3 and hybrid move only their part to the device) and the shipped character corpus with a
+  ``Lab.model(meta=True)`` on the meta device for strategies that keep only a part of it: pipeline, tensor
+  parallel, ZeRO-3 and hybrid materialise only their part, on the device, with the dense model's values,
+  so no process ever holds the whole model) and the shipped character corpus with a
   `BatchSampler` (every rank can recompute the global batch of any step: no data loader);
 * `Lab.train(step_fn, ...)`: the training loop with a tqdm progress bar on rank 0, timing (tokens/s
   from the steps after the first, which pays for warm-up), every traced call recorded, then the report:
@@ -141,11 +142,13 @@ class Lab:
         if self.ctx.is_main:
             print(*parts, flush=True)
 
-    def model(self, host: bool = False) -> GPT:
-        """The dense tiny GPT, the same on every rank (seeded init), on this rank's device, or with
-        ``host=True`` on the CPU, for a strategy that moves only this rank's part to the device."""
-        return GPT(self.config, seed=self.args.seed, dtype=self.dtype,
-                   device=torch.device("cpu") if host else self.device)
+    def model(self, host: bool = False, meta: bool = False) -> GPT:
+        """The dense tiny GPT, the same on every rank (seeded init), on this rank's device; with ``host=True``
+        on the CPU; with ``meta=True`` on the meta device (no memory, no values yet), for a strategy that
+        keeps only a part of it and materialises just that part on the device, with the dense model's values
+        (`parlab.models.materialize`: pipeline, tensor parallel, ZeRO-3 and hybrid do)."""
+        device = torch.device("meta") if meta else torch.device("cpu") if host else self.device
+        return GPT(self.config, seed=self.args.seed, dtype=self.dtype, device=device)
 
     def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The global batch of `step` (B, S), the same on every rank; strategies take their part of it."""

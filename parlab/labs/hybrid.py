@@ -46,8 +46,9 @@ def main(argv=None):
         raise SystemExit(f"error: {e}") from None
     lab.log(grid.describe())
     groups = build_groups(grid)
-    # built on the CPU and handed over: only this rank's stage, TP-sharded, goes to the device
-    model = build_hybrid(lab.model(host=True), groups, schedule=schedule, sequence_parallel=a.sp,
+    # built on the meta device and handed over: only this rank's stage, TP-sharded, is materialised, on the
+    # device, with the dense model's values; the rest never exists in this process
+    model = build_hybrid(lab.model(meta=True), groups, schedule=schedule, sequence_parallel=a.sp,
                          cp_attention=a.cp_attention, cp_layout=a.cp_layout, zero_stage=a.zero, lr=a.lr,
                          copy=False, device=lab.device)
 

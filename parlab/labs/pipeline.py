@@ -29,8 +29,9 @@ def main(argv=None):
     m = a.microbatches or 2 * n
     try:
         schedule = make_schedule(a.schedule, n, m, a.chunks)
-        # built on the CPU and handed over (no copy): only this rank's stages go to the device
-        pipe = PipelineParallel(lab.model(host=True), schedule, copy=False, device=lab.device)
+        # built on the meta device and handed over (no copy): only this rank's stages are materialised, on
+        # the device, with the dense model's values (parlab.models.materialize); the rest never exists
+        pipe = PipelineParallel(lab.model(meta=True), schedule, copy=False, device=lab.device)
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
     if a.batch % m:

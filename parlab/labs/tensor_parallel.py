@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from parlab.labs import start
+from parlab.models import materialize
 from parlab.tensor_parallel import parallelize_gpt, sync_sequence_parallel_grads
 
 
@@ -20,8 +21,9 @@ def add_args(p):
 def main(argv=None):
     lab = start("tensor_parallel", __doc__, add_args, argv)
     try:
-        # sharded on the CPU: only this rank's 1/N of each weight goes to the device
-        model = parallelize_gpt(lab.model(host=True), sequence_parallel=lab.args.sp).to(lab.device)
+        # sharded on the meta device, then only this rank's 1/N of each weight is materialised on the device
+        # (each dense weight drawn on the CPU one at a time for its slice: the dense model never exists)
+        model = materialize(parallelize_gpt(lab.model(meta=True), sequence_parallel=lab.args.sp), lab.device)
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
     opt = torch.optim.AdamW(model.parameters(), lr=lab.args.lr)

@@ -27,8 +27,8 @@ def main(argv=None):
         raise SystemExit(f"--batch {lab.args.batch} must be a multiple of the {lab.world_size} ranks")
     stage = lab.args.stage
     if stage == 3:
-        # built on the CPU: only this rank's flat shards go to the device
-        model = FullyShardedDataParallel(lab.model(host=True), device=lab.device)
+        # built on the meta device: only this rank's flat shards are drawn, on the device (dense values)
+        model = FullyShardedDataParallel(lab.model(meta=True), device=lab.device)
         opt = torch.optim.AdamW(model.parameters(), lr=lab.args.lr)   # steps only this rank's shards
     else:
         model = lab.model()
