@@ -272,3 +272,28 @@ def test_the_link_fit_keeps_the_latency_of_small_messages_when_a_large_one_is_no
     # on relative error one slow point moves the fit little: the latency within 5%, the bandwidth within 10%
     # (on absolute error the 1.7 ms excess of the 16 MiB message sets the intercept: it comes out negative)
     assert a == pytest.approx(alpha, rel=0.05) and b == pytest.approx(bw, rel=0.1)
+
+
+# ---------------------------------------------------------------------- records round trip
+def test_a_metered_trace_rebuilt_from_json_records_keeps_what_a_replay_needs():
+    from parlab import viz
+    tr = parlab.run(_work_between_regions, 2, 16, 8, trace=True, echo=False).trace
+    spans = [e for e in tr.events if e.kind == "compute"]
+    assert spans and all(e.mem_hist is not None for e in spans)
+    assert all(len(e.meter_at) == 5 for e in tr.events)                  # every event carries the running totals
+    assert any(e.meter_waited for e in tr.events if e.asynchronous)       # the async all-reduce was waited for
+    back = viz.from_records(json.loads(json.dumps(tr.records(relative=False))))
+    # every field, the new ones included (mem_hist, batched_flops, meter_at, meter_waited), comes back as Event
+    # keeps it (JSON turns the tuples into lists)
+    assert back.events == tr.events
+    assert replay(back, TWO).events == replay(tr, TWO).events
+
+
+def test_a_bmm_span_keeps_its_batched_flops_and_size_classes_through_records():
+    from parlab import viz
+    e = Event(0, "compute", "attn", 0.0, 1.0, flops=8.0, nbytes=96, kernels=3, mem_hist=((5, 32), (6, 64)),
+              batched_flops=6.0, meter_at=(8.0, 96, 3, ((5, 32), (6, 64)), 6.0))
+    (back,) = viz.from_records(json.loads(json.dumps(Trace([e]).records(relative=False)))).events
+    assert back == e
+    assert TWO.compute_time(back.flops, back.nbytes, back.kernels, back.mem_hist, back.batched_flops) \
+        == TWO.compute_time(e.flops, e.nbytes, e.kernels, e.mem_hist, e.batched_flops)
