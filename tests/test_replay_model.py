@@ -297,3 +297,43 @@ def test_a_bmm_span_keeps_its_batched_flops_and_size_classes_through_records():
     assert back == e
     assert TWO.compute_time(back.flops, back.nbytes, back.kernels, back.mem_hist, back.batched_flops) \
         == TWO.compute_time(e.flops, e.nbytes, e.kernels, e.mem_hist, e.batched_flops)
+
+
+# ---------------------------------------------------------------------- scale-up: memory-bound ops, optimizer
+def test_memory_bound_bytes_per_layer_follow_the_op_list():
+    from parlab.costs import ModelSpec
+    from parlab.scaleup import attention_core_bytes, layer_forward_bytes
+    m = ModelSpec("t", layers=2, hidden=8, heads=2, vocab=16, seq=4)            # f = 4h = 32
+    b, s, h, a, f = 1, 4, 8, 2, 32
+    E, A, F = b * s * h, a * b * s * s, b * s * f
+    # norms 8E, residual adds 12E, dropouts 10E (16-bit elements, 1-byte masks), softmax 4A, its dropout 5A, GeLU 4F
+    assert layer_forward_bytes(m, b) == 8 * E + 12 * E + 10 * E + 4 * A + 5 * A + 4 * F
+    assert attention_core_bytes(m, b) == 9 * A
+    assert layer_forward_bytes(m, b, dropout=False) == 20 * E + 4 * A + 4 * F
+    # tp 2: A and F split; E split only with sequence parallelism
+    assert layer_forward_bytes(m, b, tp=2) == 30 * E + (9 * A + 4 * F) / 2
+    assert layer_forward_bytes(m, b, tp=2, sequence_parallel=True) == (30 * E + 9 * A + 4 * F) / 2
+    sw = ModelSpec("s", layers=2, hidden=8, heads=2, vocab=16, seq=4, ffn=32, swiglu=True, bias=False)
+    assert layer_forward_bytes(sw, b) - layer_forward_bytes(m, b) == 6 * F      # SiLU 4F + product 6F vs GeLU 4F
+
+
+def test_the_scaleup_adds_an_adam_step_over_each_ranks_parameters():
+    from parlab.costs import preset as model_preset
+    from parlab.scaleup import OPTIMIZER_BYTES_PER_PARAM, Layout, scaleup
+    tr = parlab.run(_pipeline_pattern, 2, 2, 4, trace=True, echo=False).trace
+    model, a100 = model_preset("llama-7b"), preset("dgx-a100")
+    out = scaleup(tr, model, a100, Layout(tp=8, pp=2), dropout=False)
+    opt = sorted((e for e in out.events if e.op == "optimizer"), key=lambda e: e.rank)
+    psi0 = 16 * model.layer_params(8) + model.embedding_params(8)               # stage 0: 16 layers + embedding
+    assert opt[0].duration == pytest.approx(OPTIMIZER_BYTES_PER_PARAM * psi0 / (a100.mem_bw * a100.mem_efficiency),
+                                            rel=1e-12)
+    base = scaleup(tr, model, a100, Layout(tp=8, pp=2), memory_ops=False, optimizer=False)
+    # each extra cost only adds time
+    no_opt = scaleup(tr, model, a100, Layout(tp=8, pp=2), optimizer=False, dropout=False)
+    assert step_of(out) > step_of(no_opt) > step_of(base)
+    assert step_of(scaleup(tr, model, a100, Layout(tp=8, pp=2))) > step_of(out)    # dropout's bytes add time too
+
+
+def step_of(tr):
+    from parlab.replay import step_time
+    return step_time(tr)
