@@ -16,6 +16,12 @@ A `Hardware` is a few numbers per GPU (plain data, JSON in and out), enough for 
   (`end_to_end_mfu`; None: the same as `efficiency`, which is what a description written before the two were
   split meant by its one `efficiency`).
 
+  On a CPU described by `parlab calibrate`, K x kernel_overhead and the bandwidths are fitted to whole training
+  steps (`parlab.calibrate_step`): kernel_overhead is the cost of one aten op inside a step (autograd's and the
+  optimizer's bookkeeping included), and the bandwidths carry a step's per-byte costs (fresh outputs' page
+  faults), i.e. with the products' rates F fixed, t_step = F terms + K x c + beta x T_mem(M), mem_bw / beta.
+  The formula is unchanged, so a description written before loads and means what it meant.
+
   F_b are the FLOPs of batched products (bmm, baddbmm, attention kernels; `Event.batched_flops`), which a CPU
   runs at a rate of its own, `bmm_flops` (optional: None on the GPU presets, where they go at the product rate).
 

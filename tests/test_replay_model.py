@@ -337,3 +337,24 @@ def test_the_scaleup_adds_an_adam_step_over_each_ranks_parameters():
 def step_of(tr):
     from parlab.replay import step_time
     return step_time(tr)
+
+
+# ---------------------------------------------------------------------- calibration from training steps
+def test_the_step_fit_recovers_the_per_op_cost_and_the_memory_factor_from_exact_samples():
+    from parlab.calibrate_step import apply_step_fit, fit_step
+    c, beta = 7e-6, 2.5
+    # four steps of different mixes of products, batched products, bytes (in two size classes) and ops; their
+    # times follow the step model exactly: products at TWO's rates, memory at TWO's times x beta, c per op
+    shapes = [(5e7, 1e7, 517, ((12, 4e6), (22, 8e6)), 4e6), (4e8, 5e7, 517, ((14, 1e7), (24, 4e7)), 3e7),
+              (2e8, 3.6e7, 746, ((13, 6e6), (25, 3e7)), 4e7), (6.5e8, 5.4e7, 288, ((10, 4e6), (21, 5e7)), 2e7)]
+    samples = [(f, b, k, TWO.compute_time(f, 0, 0, (), fb) + beta * TWO.compute_time(0, b, 0, h) + k * c, h, fb)
+               for f, b, k, h, fb in shapes]
+    got_c, got_beta = fit_step(TWO, samples)
+    # exact samples: the fit is exact up to the least-squares solver's rounding
+    assert got_c == pytest.approx(c, rel=1e-6) and got_beta == pytest.approx(beta, rel=1e-6)
+    hw = apply_step_fit(TWO, got_c, got_beta)
+    assert (hw.mem_bw, hw.cache_bw) == pytest.approx((TWO.mem_bw / beta, TWO.cache_bw / beta), rel=1e-6)
+    for f, b, k, t, h, fb in samples:                                   # the fitted description times each step
+        assert hw.compute_time(f, b, k, h, fb) == pytest.approx(t, rel=1e-6)
+    with pytest.raises(ValueError, match="too noisy"):                  # steps faster than their products alone
+        fit_step(TWO, [(f, b, k, 0.5 * TWO.compute_time(f, 0, 0, (), fb), h, fb) for f, b, k, t, h, fb in samples])
