@@ -270,8 +270,8 @@ def describe(per_rank: list[dict], n: int, name: str) -> tuple[Hardware, str]:
              for i, s in enumerate(per_rank[0].get("steps") or ())]
     if steps:                                                   # the per-op cost inside a training step
         from .calibrate_step import apply_step_fit, fit_step
-        c_op, beta = fit_step(hw, steps)
-        hw = apply_step_fit(hw, c_op, beta)
+        c_op, beta, gamma = fit_step(hw, steps)
+        hw = apply_step_fit(hw, c_op, beta, gamma)
         hw = hw.with_(source=hw.source + f"; per-op cost and memory fitted to {len(steps)} training steps "
                       f"(parlab.calibrate_step)")
     lines = [f"{'size':>10} {'time us':>10} {'algbw GB/s':>11} {'busbw GB/s':>11} {'fit us':>9}"]
@@ -283,11 +283,12 @@ def describe(per_rank: list[dict], n: int, name: str) -> tuple[Hardware, str]:
     lines.append("point to point (every rank sends to the next at once): " + ", ".join(
         f"{size} B {t * 1e6:.0f} us" for size, t in p2p_rows))
     lines.append(f"p2p fit: latency {p2p_lat * 1e6:.1f} us, bandwidth {p2p_bw / 1e9:.3f} GB/s")
-    cache = (f"{hw.cache_bw / 1e9:.2f} GB/s for ops of working set <= {hw.cache_bytes / 2 ** 20:g} MiB, "
-             if hw.cache_bw else "one memory level: ")
-    bmm = f"batched products {hw.bmm_flops / 1e9:.2f} GFLOP/s, " if hw.bmm_flops else ""
-    lines.append(f"compute fit: {hw.peak_flops / 1e9:.2f} GFLOP/s, {bmm}{cache}{hw.mem_bw / 1e9:.2f} GB/s, "
-                 f"{hw.kernel_overhead * 1e6:.2f} us per kernel (median time of {n} ranks per sample)")
+    cache = (f"{single.cache_bw / 1e9:.2f} GB/s for ops of working set <= {single.cache_bytes / 2 ** 20:g} MiB, "
+             if single.cache_bw else "one memory level: ")
+    bmm = f"batched products {single.bmm_flops / 1e9:.2f} GFLOP/s, " if single.bmm_flops else ""
+    lines.append(f"compute fit (single ops): {single.peak_flops / 1e9:.2f} GFLOP/s, {bmm}{cache}"
+                 f"{single.mem_bw / 1e9:.2f} GB/s, {single.kernel_overhead * 1e6:.2f} us per kernel (median time of "
+                 f"{n} ranks per sample)")
     from .hardware import size_class
     n_mm = sum(1 for s in pooled if s[0])                       # products first, then an add and a copy per size
     for i, (f, b, k, t, ws, fb) in enumerate(pooled):
@@ -296,9 +297,9 @@ def describe(per_rank: list[dict], n: int, name: str) -> tuple[Hardware, str]:
         lines.append(f"  {what:>6} {f:>12.3g} FLOP {b:>10} B  {t * 1e6:>9.1f} us "
                      f"measured, {model * 1e6:>9.1f} us fitted")
     if steps:
-        lines.append(f"training steps (AdamW): {c_op * 1e6:.2f} us per op, memory time x {beta:.2f} (single-op "
-                     f"fit above: {single.kernel_overhead * 1e6:.2f} us per op); per step: ops, measured, "
-                     f"single-op model, step model")
+        lines.append(f"training steps (AdamW): {c_op * 1e6:.2f} us per op, products' time x {gamma:.2f}, memory "
+                     f"time x {beta:.2f}: {hw.peak_flops / 1e9:.2f} GFLOP/s, {hw.mem_bw / 1e9:.2f} GB/s (single-op "
+                     f"fit above); per step: ops, measured, single-op model, step model")
         for f, b, k, t, hist, fb in steps:
             lines.append(f"  {k:>6} ops {f:>12.3g} FLOP {b:>11} B  {t * 1e3:>8.2f} ms measured, "
                          f"{single.compute_time(f, b, k, hist, fb) * 1e3:>8.2f} ms single-op fit, "

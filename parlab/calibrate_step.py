@@ -9,14 +9,17 @@ fast (benchmarks/README.md, "Virtual cluster").
 So calibration also times whole single-process training steps (forward, backward, AdamW step) of small GPTs of
 a few shapes (`STEP_SHAPES`), each step metered once by the replay's own meter (`parlab.replay_meter`) for its
 FLOPs F (F_b of them batched), memory-bound bytes M (by working-set class) and ops K, and timed unmetered
-(median of several). Keeping the products' rates from the single-op fit (compute-bound products behave alike in
-a loop and in a step), it fits, least squares on relative error, both coefficients >= 0:
+(median of several). With the single-op fit's times of those products, T_F = (F - F_b) / F_mm + F_b / F_bmm,
+and of those bytes, T_mem(M) (cache and memory levels), it fits, least squares on relative error, all
+coefficients >= 0:
 
-    t_step - (F - F_b) / F_mm - F_b / F_bmm  =  K x c  +  beta x T_mem(M)
+    t_step  =  gamma x T_F  +  K x c  +  beta x T_mem(M)
 
-where T_mem is the single-op fit's memory time of those bytes (cache and memory levels). The description then
-has kernel_overhead = c (per-op cost inside a training step) and both bandwidths divided by beta (per-byte cost
-inside a step). The shapes are not the benchmark's workloads (those are only checked, never fitted).
+The description then has kernel_overhead = c (the cost of one op inside a training step), both product rates
+divided by gamma (a step's products are small and transposed, and run with caches the other ops have used) and
+both bandwidths divided by beta (per-byte costs inside a step). When the three-term fit drops a term (a
+coefficient 0), gamma is held at 1 and only c and beta are fitted. The shapes are not the benchmark's
+workloads (those are only checked, never fitted).
 """
 from __future__ import annotations
 
@@ -31,7 +34,8 @@ __all__ = ["STEP_SHAPES", "step_samples", "fit_step", "apply_step_fit"]
 
 #: (n_embd, n_layer, n_head, seq_len, rows) of the calibration steps: widths, depths and lengths around the
 #: lessons' toy models, none of them a shape benchmarks/replay.py reports
-STEP_SHAPES = ((48, 2, 2, 32, 4), (96, 2, 4, 48, 6), (64, 3, 2, 96, 2), (160, 1, 4, 40, 8))
+STEP_SHAPES = ((48, 2, 2, 32, 4), (96, 2, 4, 48, 6), (64, 3, 2, 96, 2), (160, 1, 4, 40, 8), (80, 2, 2, 24, 12),
+               (112, 1, 4, 128, 2))
 
 
 def _gpt_step(n_embd: int, n_layer: int, n_head: int, seq: int, rows: int):
@@ -84,25 +88,30 @@ def _mem_time(hw: Hardware, b: float, hist) -> float:
     return hw.compute_time(0.0, b, 0, hist)
 
 
-def fit_step(hw: Hardware, samples) -> tuple[float, float]:
-    """(c seconds per op, beta) of the step model in the module docstring, fitted to `step_samples` rows with
-    the products' rates of `hw`. A step whose products alone take longer than it did is left out (noise)."""
+def fit_step(hw: Hardware, samples) -> tuple[float, float, float]:
+    """(c seconds per op, beta, gamma) of the step model in the module docstring, fitted to `step_samples` rows
+    with the single-op rates of `hw`."""
     from .calibrate import _fit_rates
-    rows = []
-    for f, b, k, t, hist, fb in samples:
-        rest = t - _flop_time(hw, f, fb)
-        if rest > 0:
-            rows.append((float(k), _mem_time(hw, b, hist), rest))
-    if len(rows) < 2:
+    rows = [(_flop_time(hw, f, fb), float(k), _mem_time(hw, b, hist), t) for f, b, k, t, hist, fb in samples]
+    if len(rows) < 3:
+        raise ValueError(f"fitting the step model needs at least 3 training-step samples, got {len(rows)}")
+    _, c = _fit_rates(rows, 3)
+    if all(c.get(j, 0) > 0 for j in range(3)):
+        return c[1], c[2], c[0]
+    rest = [(k, m, t - tf) for tf, k, m, t in rows if t > tf]          # gamma = 1: what the products leave
+    if len(rest) < 2:
         raise ValueError("the training-step samples took less time than their matrix products alone; the machine "
                          "is too noisy to fit a per-op cost: rerun calibration on a quieter machine")
-    _, c = _fit_rates(rows, 2)
-    return c.get(0, 0.0), c.get(1, 0.0)
+    _, c = _fit_rates(rest, 2)
+    return c.get(0, 0.0), c.get(1, 0.0), 1.0
 
 
-def apply_step_fit(hw: Hardware, c: float, beta: float) -> Hardware:
-    """`hw` with kernel_overhead = c and its memory bandwidths divided by beta (beta 0: memory left as fitted)."""
-    changes = dict(kernel_overhead=c)
+def apply_step_fit(hw: Hardware, c: float, beta: float, gamma: float = 1.0) -> Hardware:
+    """`hw` with kernel_overhead = c, its memory bandwidths divided by beta (beta 0: left as they are) and its
+    product rates divided by gamma."""
+    changes = dict(kernel_overhead=c, peak_flops=hw.peak_flops / gamma)
+    if hw.bmm_flops is not None:
+        changes["bmm_flops"] = hw.bmm_flops / gamma
     if beta > 0:
         changes["mem_bw"] = hw.mem_bw / beta
         if hw.cache_bw is not None:

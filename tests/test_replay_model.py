@@ -342,19 +342,34 @@ def step_of(tr):
 # ---------------------------------------------------------------------- calibration from training steps
 def test_the_step_fit_recovers_the_per_op_cost_and_the_memory_factor_from_exact_samples():
     from parlab.calibrate_step import apply_step_fit, fit_step
-    c, beta = 7e-6, 2.5
+    c, beta, gamma = 7e-6, 2.5, 1.4
     # four steps of different mixes of products, batched products, bytes (in two size classes) and ops; their
-    # times follow the step model exactly: products at TWO's rates, memory at TWO's times x beta, c per op
+    # times follow the step model exactly: products at TWO's times x gamma, memory at TWO's times x beta, c per op
     shapes = [(5e7, 1e7, 517, ((12, 4e6), (22, 8e6)), 4e6), (4e8, 5e7, 517, ((14, 1e7), (24, 4e7)), 3e7),
               (2e8, 3.6e7, 746, ((13, 6e6), (25, 3e7)), 4e7), (6.5e8, 5.4e7, 288, ((10, 4e6), (21, 5e7)), 2e7)]
-    samples = [(f, b, k, TWO.compute_time(f, 0, 0, (), fb) + beta * TWO.compute_time(0, b, 0, h) + k * c, h, fb)
-               for f, b, k, h, fb in shapes]
-    got_c, got_beta = fit_step(TWO, samples)
+
+    def samples(g):
+        return [(f, b, k, g * TWO.compute_time(f, 0, 0, (), fb) + beta * TWO.compute_time(0, b, 0, h) + k * c, h, fb)
+                for f, b, k, h, fb in shapes]
+    got_c, got_beta, got_gamma = fit_step(TWO, samples(gamma))
     # exact samples: the fit is exact up to the least-squares solver's rounding
-    assert got_c == pytest.approx(c, rel=1e-6) and got_beta == pytest.approx(beta, rel=1e-6)
-    hw = apply_step_fit(TWO, got_c, got_beta)
+    assert (got_c, got_beta, got_gamma) == pytest.approx((c, beta, gamma), rel=1e-6)
+    hw = apply_step_fit(TWO, got_c, got_beta, got_gamma)
     assert (hw.mem_bw, hw.cache_bw) == pytest.approx((TWO.mem_bw / beta, TWO.cache_bw / beta), rel=1e-6)
-    for f, b, k, t, h, fb in samples:                                   # the fitted description times each step
+    assert (hw.peak_flops, hw.bmm_flops) == pytest.approx((TWO.peak_flops / gamma, TWO.bmm_flops / gamma), rel=1e-6)
+    for f, b, k, t, h, fb in samples(gamma):                            # the fitted description times each step
         assert hw.compute_time(f, b, k, h, fb) == pytest.approx(t, rel=1e-6)
-    with pytest.raises(ValueError, match="too noisy"):                  # steps faster than their products alone
-        fit_step(TWO, [(f, b, k, 0.5 * TWO.compute_time(f, 0, 0, (), fb), h, fb) for f, b, k, t, h, fb in samples])
+    with pytest.raises(ValueError, match="at least 3"):
+        fit_step(TWO, samples(gamma)[:2])
+
+
+def test_the_step_fit_holds_the_products_when_the_three_term_fit_drops_one():
+    from parlab.calibrate_step import fit_step
+    # steps that cost their ops only, nothing per FLOP or byte: the three-term fit drops terms; with the
+    # products held at the single-op rates, the per-op cost absorbs what they leave and memory stays unscaled
+    c = 5e-5
+    shapes = [(1e6, 1e5, 500, ((12, 1e5),), 0.0), (2e6, 2e5, 300, ((12, 2e5),), 0.0),
+              (4e6, 1e5, 700, ((12, 1e5),), 0.0)]
+    rows = [(f, b, k, TWO.compute_time(f, 0, 0, (), fb) + k * c, h, fb) for f, b, k, h, fb in shapes]
+    got_c, got_beta, got_gamma = fit_step(TWO, rows)
+    assert got_gamma == 1.0 and got_c == pytest.approx(c, rel=1e-6) and got_beta == pytest.approx(0.0, abs=1e-12)
