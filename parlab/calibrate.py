@@ -270,7 +270,8 @@ def describe(per_rank: list[dict], n: int, name: str) -> tuple[Hardware, str]:
              for i, s in enumerate(per_rank[0].get("steps") or ())]
     if steps:                                                   # the per-op cost inside a training step
         from .calibrate_step import apply_step_fit, fit_step
-        c_op, beta, gamma = fit_step(hw, steps)
+        sf = fit_step(hw, steps)
+        c_op, beta, gamma = sf["c"], sf["beta"], sf["gamma"]
         hw = apply_step_fit(hw, c_op, beta, gamma)
         hw = hw.with_(source=hw.source + f"; per-op cost and memory fitted to {len(steps)} training steps "
                       f"(parlab.calibrate_step)")
@@ -300,6 +301,8 @@ def describe(per_rank: list[dict], n: int, name: str) -> tuple[Hardware, str]:
         lines.append(f"training steps (AdamW): {c_op * 1e6:.2f} us per op, products' time x {gamma:.2f}, memory "
                      f"time x {beta:.2f}: {hw.peak_flops / 1e9:.2f} GFLOP/s, {hw.mem_bw / 1e9:.2f} GB/s (single-op "
                      f"fit above); per step: ops, measured, single-op model, step model")
+        lines.append("  leave-one-out RMS relative error per model (the lowest is kept): " + ", ".join(
+            f"{' + '.join(m)} {e:.1%}" for m, e in sf["cv_all"].items()))
         for f, b, k, t, hist, fb in steps:
             lines.append(f"  {k:>6} ops {f:>12.3g} FLOP {b:>11} B  {t * 1e3:>8.2f} ms measured, "
                          f"{single.compute_time(f, b, k, hist, fb) * 1e3:>8.2f} ms single-op fit, "
