@@ -379,3 +379,33 @@ def test_the_step_fit_keeps_the_per_op_model_when_the_larger_ones_fit_noise():
     assert got["model"] == ("c",) and (got["beta"], got["gamma"]) == (1.0, 1.0)
     assert got["c"] == pytest.approx(c, rel=0.25)          # 8% noise on steps of which the ops are 7-60%
     assert got["cv"] == min(got["cv_all"].values())
+
+
+# ---------------------------------------------------------------------- communication that takes the rank's core
+def _ring_step(msg_bytes, flops):
+    """Two ranks: each issues a send to the other and a receive from it, computes, then waits for both."""
+    evs = []
+    for r in (0, 1):
+        o = 1 - r
+        evs += [Event(r, "p2p", "send", 0.0, 0.0, group=(0, 1), peer=o, nbytes=msg_bytes, asynchronous=True,
+                      waited=2.0),
+                Event(r, "p2p", "recv", 0.0, 0.0, group=(0, 1), peer=o, nbytes=msg_bytes, asynchronous=True,
+                      waited=2.0),
+                Event(r, "compute", "attn", 0.5, 1.5, flops=flops)]
+    return Trace(evs)
+
+
+def test_without_overlap_an_async_message_holds_its_rank_and_a_send_receive_pair_counts_once():
+    # 1 byte/s links without latency, 1 FLOP/s: messages of 3 s, a compute span of 5 s
+    hw = FLOPS_ONLY.with_(intra_bw=1.0, inter_bw=1.0)
+    overlapped = replay(_ring_step(3, 5.0), hw)
+    assert overlapped.events and max(e.end for e in overlapped.events) == 5.0            # the messages hide
+    serial = replay(_ring_step(3, 5.0), hw.with_(comm_overlap=False))
+    for r in (0, 1):
+        (span,) = [e for e in serial.events if e.rank == r and e.kind == "compute"]
+        assert (span.start, span.end) == (3.0, 8.0)          # after the pair's 3 s, not 6 s: issued together
+    with pytest.raises(ValueError, match="comm_overlap must be true or false"):
+        hw.with_(comm_overlap="no")
+    assert preset("dgx-h100").comm_overlap is True
+    old = {k: v for k, v in preset("dgx-a100").to_dict().items() if k != "comm_overlap"}
+    assert Hardware.from_dict(old).comm_overlap is True     # a description written before the field: overlap
