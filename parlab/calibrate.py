@@ -10,6 +10,9 @@ at once (so each rank gets the share of the machine it has in a real run):
   bandwidths of the cache level and of memory with the working-set size that separates them, and the per-kernel
   cost c (on a CPU, c is mostly framework overhead per op; `fit_compute` keeps one bandwidth when two do not fit
   clearly better);
+* training steps (CPU): forward, backward and AdamW steps of small GPTs of a few shapes, metered and timed;
+  with the products' rates kept, the per-op cost and a factor on the memory time are refitted to them
+  (`parlab.calibrate_step`): a single op in a loop does not pay what an op inside autograd does;
 * point to point: every rank sends to the next and receives from the previous at once (isend / irecv, as a ring
   step does), over the same sizes; fitted the same way (t = latency + X / B) into `p2p_latency`, `p2p_bw`;
 * collectives, like nccl-tests: all-reduce over message sizes 4 B .. 16 MiB, median time per size, algorithm
@@ -182,12 +185,17 @@ def _compute_samples(dev, dtype, gpu: bool, min_time: float) -> list[tuple[float
     return out
 
 
-def measure_rank(device: str = "cpu", sizes=SIZES, reps: int = 5, min_time: float = 0.2) -> dict:
-    """Run on every rank (inside an initialised process group): this rank's measurements."""
+def measure_rank(device: str = "cpu", sizes=SIZES, reps: int = 5, min_time: float = 0.2, steps: bool = True) -> dict:
+    """Run on every rank (inside an initialised process group): this rank's measurements. `steps` (CPU only):
+    also time training steps of small GPTs for the per-op cost inside a step (`parlab.calibrate_step`)."""
     dev = torch.device(device)
     gpu = dev.type == "cuda"
     dtype = torch.bfloat16 if gpu else torch.float32
     samples = _compute_samples(dev, dtype, gpu, min_time)
+    step_rows = []
+    if steps and not gpu:
+        from .calibrate_step import step_samples
+        step_rows = step_samples(barrier=dist.barrier)
     # collectives: all-reduce over message sizes, median of `reps` timed calls each
     rows = []
     for size in sizes:
@@ -219,7 +227,7 @@ def measure_rank(device: str = "cpu", sizes=SIZES, reps: int = 5, min_time: floa
             if i:                                                  # the first one sets up the connection
                 times.append(time.perf_counter() - t0)
         p2p.append((size, statistics.median(times)))
-    return {"allreduce": rows, "p2p": p2p, "samples": samples}
+    return {"allreduce": rows, "p2p": p2p, "samples": samples, "steps": step_rows}
 
 
 def fit_alpha_beta(rows, n: int, factor: float | None = None) -> tuple[float, float]:
@@ -257,6 +265,16 @@ def describe(per_rank: list[dict], n: int, name: str) -> tuple[Hardware, str]:
                   cache_bytes=fit["cache_bytes"],
                   intra_latency=hop, inter_latency=hop, p2p_bw=p2p_bw, p2p_latency=p2p_lat,
                   source=f"parlab.calibrate on {n} ranks, {time.strftime('%Y-%m-%d %H:%M', time.gmtime())} UTC")
+    single = hw
+    steps = [(*s[:3], statistics.median(r["steps"][i][3] for r in per_rank), *s[4:])
+             for i, s in enumerate(per_rank[0].get("steps") or ())]
+    if steps:                                                   # the per-op cost inside a training step
+        from .calibrate_step import apply_step_fit, fit_step
+        sf = fit_step(hw, steps)
+        c_op, beta, gamma = sf["c"], sf["beta"], sf["gamma"]
+        hw = apply_step_fit(hw, c_op, beta, gamma)
+        hw = hw.with_(source=hw.source + f"; per-op cost and memory fitted to {len(steps)} training steps "
+                      f"(parlab.calibrate_step)")
     lines = [f"{'size':>10} {'time us':>10} {'algbw GB/s':>11} {'busbw GB/s':>11} {'fit us':>9}"]
     for size, t in rows:
         lines.append(f"{size:>10} {t * 1e6:>10.1f} {size / t / 1e9:>11.4f} {2 * (n - 1) / n * size / t / 1e9:>11.4f} "
@@ -266,33 +284,46 @@ def describe(per_rank: list[dict], n: int, name: str) -> tuple[Hardware, str]:
     lines.append("point to point (every rank sends to the next at once): " + ", ".join(
         f"{size} B {t * 1e6:.0f} us" for size, t in p2p_rows))
     lines.append(f"p2p fit: latency {p2p_lat * 1e6:.1f} us, bandwidth {p2p_bw / 1e9:.3f} GB/s")
-    cache = (f"{hw.cache_bw / 1e9:.2f} GB/s for ops of working set <= {hw.cache_bytes / 2 ** 20:g} MiB, "
-             if hw.cache_bw else "one memory level: ")
-    bmm = f"batched products {hw.bmm_flops / 1e9:.2f} GFLOP/s, " if hw.bmm_flops else ""
-    lines.append(f"compute fit: {hw.peak_flops / 1e9:.2f} GFLOP/s, {bmm}{cache}{hw.mem_bw / 1e9:.2f} GB/s, "
-                 f"{hw.kernel_overhead * 1e6:.2f} us per kernel (median time of {n} ranks per sample)")
+    cache = (f"{single.cache_bw / 1e9:.2f} GB/s for ops of working set <= {single.cache_bytes / 2 ** 20:g} MiB, "
+             if single.cache_bw else "one memory level: ")
+    bmm = f"batched products {single.bmm_flops / 1e9:.2f} GFLOP/s, " if single.bmm_flops else ""
+    lines.append(f"compute fit (single ops): {single.peak_flops / 1e9:.2f} GFLOP/s, {bmm}{cache}"
+                 f"{single.mem_bw / 1e9:.2f} GB/s, {single.kernel_overhead * 1e6:.2f} us per kernel (median time of "
+                 f"{n} ranks per sample)")
     from .hardware import size_class
     n_mm = sum(1 for s in pooled if s[0])                       # products first, then an add and a copy per size
     for i, (f, b, k, t, ws, fb) in enumerate(pooled):
-        model = hw.compute_time(f, b, k, ((size_class(ws), b),) if b else (), fb)
+        model = single.compute_time(f, b, k, ((size_class(ws), b),) if b else (), fb)
         what = ("bmm" if fb else "matmul") if f else ("add" if (i - n_mm) % 2 == 0 else "copy")
         lines.append(f"  {what:>6} {f:>12.3g} FLOP {b:>10} B  {t * 1e6:>9.1f} us "
                      f"measured, {model * 1e6:>9.1f} us fitted")
+    if steps:
+        lines.append(f"training steps (AdamW): {c_op * 1e6:.2f} us per op, products' time x {gamma:.2f}, memory "
+                     f"time x {beta:.2f}: {hw.peak_flops / 1e9:.2f} GFLOP/s, {hw.mem_bw / 1e9:.2f} GB/s (single-op "
+                     f"fit above); per step: ops, measured, single-op model, step model")
+        lines.append("  leave-one-out RMS relative error per model (the lowest is kept): " + ", ".join(
+            f"{' + '.join(m)} {e:.1%}" for m, e in sf["cv_all"].items()))
+        for f, b, k, t, hist, fb in steps:
+            lines.append(f"  {k:>6} ops {f:>12.3g} FLOP {b:>11} B  {t * 1e3:>8.2f} ms measured, "
+                         f"{single.compute_time(f, b, k, hist, fb) * 1e3:>8.2f} ms single-op fit, "
+                         f"{hw.compute_time(f, b, k, hist, fb) * 1e3:>8.2f} ms step fit")
     return hw, "\n".join(lines)
 
 
-def _rank_main(sizes, reps, min_time) -> dict:
-    return measure_rank("cpu", sizes=sizes, reps=reps, min_time=min_time)
+def _rank_main(sizes, reps, min_time, steps=True) -> dict:
+    return measure_rank("cpu", sizes=sizes, reps=reps, min_time=min_time, steps=steps)
 
 
-def calibrate(world: int | None = None, sizes=SIZES, reps: int = 5, min_time: float = 0.2, name: str | None = None):
+def calibrate(world: int | None = None, sizes=SIZES, reps: int = 5, min_time: float = 0.2, name: str | None = None,
+              steps: bool = True):
     """On this CPU: `world` gloo ranks (default `default_world()`) measure it together. Returns (Hardware, report
-    text). Replay a run on the description calibrated with as many ranks as the run had."""
+    text). Replay a run on the description calibrated with as many ranks as the run had. `steps`: fit the per-op
+    cost and the memory time to training steps (`parlab.calibrate_step`); False: the single-op fit only."""
     import parlab
     world = default_world() if world is None else world
     if isinstance(world, bool) or not isinstance(world, int) or world < 2:
         raise ValueError(f"world must be an integer >= 2 (ranks measured together), got {world!r}")
-    res = parlab.run(_rank_main, world, list(sizes), reps, min_time, backend="gloo", echo=False, timeout=600)
+    res = parlab.run(_rank_main, world, list(sizes), reps, min_time, steps, backend="gloo", echo=False, timeout=600)
     return describe(res.results, world, name or f"this machine ({world} gloo ranks)")
 
 

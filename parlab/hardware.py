@@ -16,6 +16,12 @@ A `Hardware` is a few numbers per GPU (plain data, JSON in and out), enough for 
   (`end_to_end_mfu`; None: the same as `efficiency`, which is what a description written before the two were
   split meant by its one `efficiency`).
 
+  On a CPU described by `parlab calibrate`, K x kernel_overhead and the bandwidths are fitted to whole training
+  steps (`parlab.calibrate_step`): kernel_overhead is the cost of one aten op inside a step (autograd's and the
+  optimizer's bookkeeping included), and the bandwidths carry a step's per-byte costs (fresh outputs' page
+  faults), i.e. with the products' rates F fixed, t_step = F terms + K x c + beta x T_mem(M), mem_bw / beta.
+  The formula is unchanged, so a description written before loads and means what it meant.
+
   F_b are the FLOPs of batched products (bmm, baddbmm, attention kernels; `Event.batched_flops`), which a CPU
   runs at a rate of its own, `bmm_flops` (optional: None on the GPU presets, where they go at the product rate).
 
@@ -28,6 +34,11 @@ A `Hardware` is a few numbers per GPU (plain data, JSON in and out), enough for 
   PERFORMANCE.md counts them): a collective over N ranks takes ``base_latency + steps x hop_latency +
   factor x X / bandwidth`` on the slowest link its group crosses (NVLink inside a node, InfiniBand across
   nodes); `collective_time` has the factors and steps of each op, ring and (for all-reduce across nodes) tree.
+* overlap (`comm_overlap`): on GPUs a collective or message issued asynchronously runs beside compute (NCCL's
+  kernels, copy engines; True on the presets). On a CPU whose cores each run a rank, gloo moves the bytes with
+  the ranks' own cores, so an asynchronous call does not overlap the rank's compute: with comm_overlap False the
+  replay charges its time to the rank when it is issued. `parlab calibrate` measures which holds (a message in
+  flight while the rank computes: is the compute slowed by the message's time?).
 
 Presets (`PRESETS`, `preset(name)`): ``dgx-a100`` and ``dgx-h100``; each number is cited where it is set.
 `parlab.calibrate` measures this machine (or a GPU node under torchrun) and writes its own description.
@@ -89,6 +100,7 @@ class Hardware:
     cache_bw: float | None = None   # bytes/s of ops whose working set fits in cache_bytes (None: one level)
     cache_bytes: float = 0.0        # working-set size up to which an op runs at cache_bw
     bmm_flops: float | None = None  # FLOP/s of batched products (bmm, attention); None: peak_flops x efficiency
+    comm_overlap: bool = True       # asynchronous communication overlaps compute (False: it takes the rank's core)
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -118,6 +130,8 @@ class Hardware:
                                            or not isinstance(self.bmm_flops, (int, float)) or not self.bmm_flops > 0):
             raise ValueError(f"hardware {self.name!r}: bmm_flops must be a positive rate (FLOP/s) or None, "
                              f"got {self.bmm_flops!r}")
+        if not isinstance(self.comm_overlap, bool):
+            raise ValueError(f"hardware {self.name!r}: comm_overlap must be true or false, got {self.comm_overlap!r}")
         if self.p2p_bw is not None and not (isinstance(self.p2p_bw, (int, float)) and self.p2p_bw > 0):
             raise ValueError(f"hardware {self.name!r}: p2p_bw must be a positive rate or None, got {self.p2p_bw!r}")
         for k in ("kernel_overhead", "base_latency", "intra_latency", "inter_latency"):

@@ -23,6 +23,9 @@ A discrete-event loop then runs every rank's program against the others, with th
                        a send whose receiver has not posted yet does not hold it (the send is buffered), so a
                        program that polled its sends for completion cannot deadlock in the replay
 
+On hardware whose communication does not overlap compute (`Hardware.comm_overlap` False: gloo on a CPU with a
+rank per core) an asynchronous call also holds its rank for its cost when it is issued.
+
 The result is an ordinary `parlab.Trace` (times from 0, in seconds; `trace.hardware` names the hardware), so
 `parlab.viz.timeline`, the animations and `Trace.to_chrome` draw it unchanged. Every rank starts at 0; time a
 rank spent outside any traced event (Python between calls) is not replayed.
@@ -144,12 +147,15 @@ def replay(trace: Trace, hardware: Hardware, *, grid: ParallelGrid | None = None
         raise
     except ValueError as err:
         raise ReplayError(str(err)) from None
-    events = _run(programs)
+    events = _run(programs, serial=not hardware.comm_overlap)
     return Trace(events, hardware.name)
 
 
-def _run(programs: dict[int, list[Step]]) -> list[Event]:
-    """The discrete-event loop: advance every rank as far as its dependencies allow, until all are done."""
+def _run(programs: dict[int, list[Step]], serial: bool = False) -> list[Event]:
+    """The discrete-event loop: advance every rank as far as its dependencies allow, until all are done.
+    `serial` (`Hardware.comm_overlap` False): an asynchronous call also occupies its rank for its cost when issued
+    (calls issued at the same moment, e.g. a ring step's send and receive, overlap each other: calibration times
+    them as one pair)."""
     ranks = sorted(programs)
     pos = {r: 0 for r in ranks}
     clock = {r: 0.0 for r in ranks}
@@ -178,12 +184,17 @@ def _run(programs: dict[int, list[Step]]) -> list[Event]:
         start = max(got.values())
         done[key] = (start, start + step.cost)
 
+    burst: dict[int, float] = {}                                   # serial: when the rank's run of async calls began
+
     def advance(r: int) -> bool:
         moved = False
         prog = programs[r]
         while pos[r] < len(prog):
             st = prog[pos[r]]
             t = clock[r]
+            burst_at = burst.pop(r, None)
+            if burst_at is not None and st.asynchronous and st.kind in ("coll", "send", "recv"):
+                t = burst[r] = burst_at                             # issued with the calls just before it
             if st.kind == "compute":
                 out.append((st, t, t + st.cost))
                 clock[r] = t + st.cost
@@ -200,6 +211,12 @@ def _run(programs: dict[int, list[Step]]) -> list[Event]:
                     issued[(r, st.key)] = st
                     st.extra["issue"] = t
                     out.append((st, t, None))                      # end filled in when known
+                    if serial:          # the rank's core moves the bytes; calls issued together share it
+                        burst.setdefault(r, t)
+                        clock[r] = max(clock[r], burst[r] + st.cost)
+                        pos[r] += 1
+                        moved = True
+                        continue
                 elif st.key in done:
                     start_at = arrivals[st.key][r] if st.kind == "coll" else posts[st.key][st.kind]
                     out.append((st, start_at, done[st.key][1]))

@@ -331,7 +331,7 @@ def _pipeline_pattern(p, m):
 
 def test_scaleup_recosts_every_action_with_the_big_model_and_keeps_the_schedule():
     from parlab.costs import preset as model_preset
-    from parlab.scaleup import Layout, layer_forward_flops, scaleup
+    from parlab.scaleup import Layout, layer_forward_bytes, layer_forward_flops, scaleup
     p, m = 2, 4
     tr = parlab.run(_pipeline_pattern, p, p, m, trace=True, echo=False).trace
     model = model_preset("llama-7b")
@@ -341,8 +341,19 @@ def test_scaleup_recosts_every_action_with_the_big_model_and_keeps_the_schedule(
     fwd = [e for e in out.events if e.op == "forward" and "stage 0 " in e.label]
     assert len(fwd) == m
     t_tp = hw.collective_time("all_reduce", 2 * model.seq * model.hidden, 8)      # (b, s, h) 16-bit, in a node
-    expected = 16 * layer_forward_flops(model, 1, 8) / hw.peak_flops + 2 * 16 * t_tp   # 16 of 32 layers
+    # 16 of 32 layers: their products' FLOPs at peak, their memory-bound ops' bytes at 0.8 of HBM, 2 TP all-reduces
+    expected = (16 * layer_forward_flops(model, 1, 8) / hw.peak_flops
+                + 16 * layer_forward_bytes(model, 1, 8) / (hw.mem_bw * hw.mem_efficiency) + 2 * 16 * t_tp)
     assert fwd[0].duration == pytest.approx(expected, rel=1e-12)
+    # without the memory-bound ops and the optimizer: the FLOPs-only model
+    bare = scaleup(tr, model, hw, Layout(tp=8, pp=p, dp=4, micro_batch=1), memory_ops=False, optimizer=False)
+    fwd0 = [e for e in bare.events if e.op == "forward" and "stage 0 " in e.label][0]
+    assert fwd0.duration == pytest.approx(16 * layer_forward_flops(model, 1, 8) / hw.peak_flops + 2 * 16 * t_tp,
+                                          rel=1e-12)
+    assert not [e for e in bare.events if e.op == "optimizer"]
+    opt = [e for e in out.events if e.op == "optimizer"]
+    assert len(opt) == p and all(e.start >= max(x.end for x in out.events if x.rank == e.rank and x is not e)
+                                 for e in opt)                              # each rank's step comes last
     dp = [e for e in out.events if e.label == "dp grads (virtual)"]
     assert len(dp) == p and all(e.duration > 0 for e in dp)                      # dp=4 crosses nodes: 64 GPUs
     assert bubble(replay(tr, UNIT, compute_time=lambda e: 1.0 if e.op == "forward" else 2.0)) == pytest.approx(

@@ -47,7 +47,19 @@ ASYNC_SHIFT = 0.25   # ... in the lower part of the lane (rank 0 is at the top; 
 _GROUP_TITLES = {"compute": "compute regions", "collective": "collectives", "p2p": "point-to-point",
                  "mark": "instants"}
 _EVENT_FIELDS = ("rank", "kind", "op", "start", "end", "group", "peer", "numel", "nbytes", "dtype", "label",
-                 "asynchronous", "flops", "kernels", "waited")
+                 "asynchronous", "flops", "kernels", "waited", "clock", "mem_hist", "batched_flops", "meter_at",
+                 "meter_waited")
+
+
+def _hist(h) -> tuple:
+    """A size histogram ((k, bytes), ...) from its record (lists after JSON) back to the tuples `Event` keeps."""
+    return tuple((int(k), v) for k, v in h)
+
+
+def _meter(m) -> tuple:
+    """The meter's running totals (flops, bytes, kernels, histogram, batched flops) back to `Event`'s tuple."""
+    m = tuple(m)
+    return m[:3] + (_hist(m[3]),) + m[4:] if len(m) >= 4 else m
 
 
 # ---------------------------------------------------------------------- inputs
@@ -56,8 +68,9 @@ def from_records(records: Iterable[dict[str, Any]]) -> Trace:
 
     Each record needs ``rank``, ``op``, ``start`` and ``end``; ``kind`` defaults
     to "collective"/"p2p" for torch's op names, "mark" when start == end, else
-    "compute". Other `Event` fields (label, nbytes, group, peer, ...) are
-    optional; unknown keys (e.g. ``wire_bytes``, which is recomputed) are ignored."""
+    "compute". Other `Event` fields (label, nbytes, group, peer, the metered
+    work a replay needs: flops, mem_hist, batched_flops, meter_at, ...) are
+    optional (lists, as JSON gives them back, become the tuples `Event` keeps); unknown keys (e.g. ``wire_bytes``, which is recomputed) are ignored."""
     events = []
     for i, rec in enumerate(records):
         if not isinstance(rec, dict):
@@ -69,6 +82,9 @@ def from_records(records: Iterable[dict[str, Any]]) -> Trace:
                              f"(got keys {sorted(rec)})")
         fields = {k: rec[k] for k in _EVENT_FIELDS if k in rec and rec[k] is not None}
         fields["group"] = tuple(fields.get("group", ()))
+        for k, back in (("mem_hist", _hist), ("meter_at", _meter), ("meter_waited", _meter)):
+            if k in fields:
+                fields[k] = back(fields[k])
         fields.setdefault("kind", _default_kind(rec["op"], rec["start"], rec["end"]))
         events.append(Event(**fields))
     return Trace(events)

@@ -1,0 +1,162 @@
+"""Calibration from training steps: the per-op and per-byte costs that single ops do not show.
+
+`parlab.calibrate` fits the replay's compute model (`parlab.hardware`) to single ops timed in a loop: a matrix
+product, an add, a copy. A training step costs more per op than that: each aten op of autograd's backward and
+of the optimizer also pays the autograd engine's bookkeeping, and outputs freshly allocated every step pay page
+faults that a loop reusing its buffers never sees. On a CPU a replay with the single-op fit came out 2-6x too
+fast (benchmarks/README.md, "Virtual cluster").
+
+So calibration also times whole single-process training steps (forward, backward, AdamW step) of small GPTs of
+a few shapes (`STEP_SHAPES`), each step metered once by the replay's own meter (`parlab.replay_meter`) for its
+FLOPs F (F_b of them batched), memory-bound bytes M (by working-set class) and ops K, and timed unmetered
+(median of several). With the single-op fit's times of those products, T_F = (F - F_b) / F_mm + F_b / F_bmm,
+and of those bytes, T_mem(M) (cache and memory levels), three nested models of a step's time:
+
+    per-op        t_step  =  T_F          +  K x c  +  T_mem(M)
+    + memory      t_step  =  T_F          +  K x c  +  beta x T_mem(M)
+    + products    t_step  =  gamma x T_F  +  K x c  +  beta x T_mem(M)
+
+each fitted by least squares on relative error (c >= 0, beta and gamma > 0). F, M and K all grow with a model's
+size, so the larger models can fit noise: calibration keeps the one that best predicts a step it was not fitted
+to (leave-one-out over the shapes: each shape predicted by the fit to the others; `fit_step` returns that
+error). The description then has kernel_overhead = c (the cost of one op inside a training step: autograd's
+and the optimizer's bookkeeping, Python between ops), its product rates divided by gamma and its bandwidths
+divided by beta. The shapes are not the benchmark's workloads (those are only checked, never fitted).
+"""
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from .hardware import Hardware
+
+__all__ = ["STEP_SHAPES", "MODELS", "step_samples", "fit_step", "apply_step_fit"]
+
+#: (n_embd, n_layer, n_head, seq_len, rows) of the calibration steps: widths, depths and lengths around the
+#: lessons' toy models, none of them a shape benchmarks/replay.py reports
+STEP_SHAPES = ((48, 2, 2, 32, 4), (96, 2, 4, 48, 6), (64, 3, 2, 96, 2), (160, 1, 4, 40, 8), (80, 2, 2, 24, 12),
+               (112, 1, 4, 128, 2))
+
+
+def _gpt_step(n_embd: int, n_layer: int, n_head: int, seq: int, rows: int):
+    from .models import GPT, GPTConfig
+    cfg = GPTConfig(vocab_size=128, seq_len=seq, n_layer=n_layer, n_head=n_head, n_embd=n_embd)
+    model = GPT(cfg, seed=0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(cfg.vocab_size, (rows, seq), generator=g, device="cpu")            # (B, S)
+    y = torch.randint(cfg.vocab_size, (rows, seq), generator=g, device="cpu")            # (B, S)
+
+    def step():
+        _, loss = model(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return step
+
+
+def step_samples(shapes=STEP_SHAPES, reps: int = 5, barrier=None) -> list[tuple]:
+    """(flops, bytes, kernels, median seconds, size histogram, batched flops) of one training step per shape:
+    metered once (the replay's meter), timed `reps` times unmetered. `barrier` (e.g. parlab.comm.barrier) lines
+    the ranks up before each shape, so that every rank gets the share of the machine it has in a real run."""
+    from .replay_meter import CostMeter
+    out = []
+    for shape in shapes:
+        step = _gpt_step(*shape)
+        step()
+        step()                                                             # warm-up: AdamW's states, allocator
+        meter = CostMeter()
+        with meter:
+            step()
+        f, b, k, hist, fb = meter.state()
+        if barrier is not None:
+            barrier()
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - t0)
+        out.append((f, b, k, statistics.median(times), hist, fb))
+    return out
+
+
+def _flop_time(hw: Hardware, f: float, fb: float) -> float:
+    return hw.compute_time(f, 0, 0, (), fb)
+
+
+def _mem_time(hw: Hardware, b: float, hist) -> float:
+    return hw.compute_time(0.0, b, 0, hist)
+
+
+MODELS = (("c",), ("c", "beta"), ("c", "beta", "gamma"))
+
+
+def _fit_one(rows, free) -> tuple[float, dict] | None:
+    """(relative squared error, {c, beta, gamma}) of t = gamma T_F + c K + beta T_mem over rows (T_F, K, T_mem,
+    t), the terms not in `free` held at 1 (c at 0); least squares on relative error, c >= 0, beta, gamma > 0."""
+    import itertools
+    col = {"gamma": 0, "c": 1, "beta": 2}
+    best = None
+    optional = [f for f in free if f == "c"]                      # only c may drop out (to 0)
+    for drop in itertools.chain([()], ([f] for f in optional)):
+        keep = [f for f in free if f not in drop]
+        fixed = [sum(r[col[n]] for n in ("gamma", "beta") if n not in free) for r in rows]
+        a = torch.tensor([[r[col[n]] / r[3] for n in keep] for r in rows], dtype=torch.float64, device="cpu")
+        rhs = torch.tensor([[1 - fx / r[3]] for fx, r in zip(fixed, rows)], dtype=torch.float64, device="cpu")
+        if keep:
+            coef = torch.linalg.lstsq(a, rhs).solution.flatten()
+            if (coef < 0).any() or any(float(v) == 0 for n, v in zip(keep, coef) if n != "c"):
+                continue
+            err = float(((a @ coef.unsqueeze(1)) - rhs).pow(2).sum())
+        else:
+            coef, err = torch.zeros(0, dtype=torch.float64, device="cpu"), float(rhs.pow(2).sum())
+        got = {"c": 0.0, "beta": 1.0, "gamma": 1.0} | {n: float(v) for n, v in zip(keep, coef)}
+        if best is None or err < best[0]:
+            best = (err, got)
+    return best
+
+
+def _predict(row, p) -> float:
+    return p["gamma"] * row[0] + p["c"] * row[1] + p["beta"] * row[2]
+
+
+def fit_step(hw: Hardware, samples) -> dict:
+    """The step model (module docstring) fitted to `step_samples` rows with the single-op rates of `hw`:
+    dict(c, beta, gamma, model (its free terms), cv (leave-one-out RMS relative error of the kept model),
+    cv_all ({model: its leave-one-out error}))."""
+    rows = [(_flop_time(hw, f, fb), float(k), _mem_time(hw, b, hist), t) for f, b, k, t, hist, fb in samples]
+    if len(rows) < 4:
+        raise ValueError(f"fitting the step model needs at least 4 training-step samples, got {len(rows)}")
+    if any(not r[3] > 0 for r in rows):
+        raise ValueError("a training-step sample has no positive time; rerun calibration")
+    cv = {}
+    for free in MODELS:
+        errs = []
+        for i in range(len(rows)):
+            fit = _fit_one(rows[:i] + rows[i + 1:], free)
+            if fit is None:
+                break
+            errs.append((_predict(rows[i], fit[1]) / rows[i][3] - 1) ** 2)
+        if len(errs) == len(rows):
+            cv[free] = (sum(errs) / len(errs)) ** 0.5
+    if not cv:
+        raise ValueError("the training-step samples fit no step model with positive costs; the machine is too noisy: "
+                         "rerun calibration on a quieter machine")
+    free = min(cv, key=lambda m: (cv[m], len(m)))
+    got = _fit_one(rows, free)[1]
+    return dict(got, model=free, cv=cv[free], cv_all=cv)
+
+
+def apply_step_fit(hw: Hardware, c: float, beta: float, gamma: float = 1.0) -> Hardware:
+    """`hw` with kernel_overhead = c, its memory bandwidths divided by beta (beta 0: left as they are) and its
+    product rates divided by gamma."""
+    changes = dict(kernel_overhead=c, peak_flops=hw.peak_flops / gamma)
+    if hw.bmm_flops is not None:
+        changes["bmm_flops"] = hw.bmm_flops / gamma
+    if beta > 0:
+        changes["mem_bw"] = hw.mem_bw / beta
+        if hw.cache_bw is not None:
+            changes["cache_bw"] = hw.cache_bw / beta
+    return hw.with_(**changes)
