@@ -150,6 +150,7 @@ def timeline(trace: Any, title: str | None = None, ranks: Sequence[int] | None =
             by_colour.setdefault((e.kind, "marks" if e.kind == "mark" else e.op), []).append(e)
     order = sorted(by_colour, key=lambda k: (style.KIND_ORDER.index(k[0]) if k[0] in style.KIND_ORDER else 9, k[1]))
 
+    palette = style.colors(order)                     # no two regions of this figure share a colour
     fig = go.Figure()
     for kind, op in order:
         evs = by_colour[(kind, op)]
@@ -164,7 +165,7 @@ def timeline(trace: Any, title: str | None = None, ranks: Sequence[int] | None =
                 textposition="top center", marker=dict(symbol="diamond", size=10, color=style.MARK_COLOR),
                 **common))
             continue
-        colour = style.color(kind, op)
+        colour = palette[(kind, op)]
         fig.add_trace(go.Bar(
             orientation="h",
             base=[(e.start - t0) * scale for e in evs],                              # bar starts at the event start
