@@ -182,7 +182,7 @@ def timeline(trace: Any, title: str | None = None, ranks: Sequence[int] | None =
         uniformtext=dict(minsize=10, mode="hide"),     # a label that would need < 10 px is left to the hover
         # tall enough for the lanes and for the legend (one row per trace, one title per kind)
         height=max(140 + 48 * len(lanes), 200 + 22 * (len(order) + len({k for k, _ in order}))),
-        legend=dict(groupclick="toggleitem"),
+        showlegend=True, legend=dict(groupclick="toggleitem"),   # a legend even when one op is shown
         xaxis=dict(title=f"time ({time_unit}) since the first event", zeroline=False),
         yaxis=dict(tickvals=list(range(len(lanes))), ticktext=[f"rank {r}" for r in lanes],
                    range=[len(lanes) - 0.5, -0.5], zeroline=False, showgrid=False))   # reversed: rank 0 on top
