@@ -320,3 +320,12 @@ def test_summary_writes_si_bytes():
            for r in (0, 1)]
     text = Trace(evs).summary()
     assert "4.00 MB" in text and "3.81" not in text
+
+
+def test_memory_bars_write_totals_in_plain_numbers_when_asked():
+    from parlab import memory
+    from parlab.viz.memory import memory_bars
+    cols = [dict(stage=memory.STAGES[s], source="Nd=64", **memory.model_state_bytes(175e9, 64, s)) for s in range(4)]
+    fig = memory_bars(cols, unit=1e9, unit_name="GB", totals=True)
+    assert list(fig.data[-1].text) == ["2,800 GB", "733 GB", "388 GB", "43.8 GB"]      # not "2.8e+03 GB"
+    assert all(d.text is None for d in fig.data[:-1]) and memory_bars(cols).data[-1].text is None

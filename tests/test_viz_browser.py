@@ -60,6 +60,19 @@ def test_checker_finds_each_kind_of_problem(tmp_path):
     assert len(list(tmp_path.rglob("*.png"))) == 7                   # a screenshot per figure
 
 
+def test_checker_finds_legend_entries_of_one_colour(tmp_path):
+    """Lesson 02's replay figure had "grad sync" and "untraced" in the same blue (their names hash to it)."""
+    same = go.Figure([go.Bar(x=[1], y=["a"], orientation="h", name="grad sync", marker_color="#08519c"),
+                      go.Bar(x=[2], y=["a"], orientation="h", name="untraced", marker_color="#08519c")])
+    dashed = go.Figure([go.Scatter(x=[0, 1], y=[0, 1], name="measured", line_color="grey"),      # told apart
+                        go.Scatter(x=[0, 1], y=[0, 2], name="ideal", line=dict(color="grey", dash="dash"))])
+    ev = [Event(rank=r, kind="compute", op=op, start=s, end=s + 1.0) for r in (0, 1)
+          for s, op in ((0.0, "grad sync"), (1.0, "untraced"), (2.0, "wait"), (3.0, "loss"))]
+    (p_same, p_dashed, p_timeline), _ = _problems(tmp_path, same, dashed, viz.timeline(ev))
+    assert p_same == ['legend entries "grad sync" and "untraced" have the same colour rgb(8, 81, 156)'], p_same
+    assert p_dashed == [] and p_timeline == [], (p_dashed, p_timeline)     # the timeline gives each its own
+
+
 def test_animations_have_a_frame_per_algorithm_step_and_stay_legible(tmp_path):
     evs = [Event(rank=r, kind="collective", op="all_reduce", start=0.0, end=1.0, group=tuple(range(8)), nbytes=8000)
            for r in range(8)]

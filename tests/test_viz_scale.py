@@ -28,3 +28,9 @@ def test_resume_figure_spans_the_reference_steps():
     fig = vs.resume_figure([3.0, 2.5, 2.0, 1.8], {"resumed": {2: 2.0, 3: 1.8}}, crash_step=3, checkpoint_step=2)
     assert list(fig.layout.xaxis.range) == [-0.5, 3.5]
     assert [d.name for d in fig.data] == ["uninterrupted", "resumed"]
+
+
+def test_working_set_axis_is_labelled_in_binary_units_at_the_measured_sizes():
+    fig = vs.working_set_figure([2**18, 2**20, 2**26], [0.1, 0.2, 1.0])
+    assert list(fig.layout.xaxis.ticktext) == ["256 KiB", "1 MiB", "64 MiB"]     # not "1M" (SI) under a 1 MiB cache
+    assert "KiB" in fig.layout.xaxis.title.text and vs.iec_bytes(1.5 * 2**20) == "1.5 MiB"

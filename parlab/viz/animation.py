@@ -207,13 +207,16 @@ def _initial_chunks(step: Step) -> tuple[int, dict[int, list[set]]] | None:
     return n, {r: [{i} for _ in range(n)] for i, r in enumerate(g)}      # all_reduce, reduce_scatter
 
 
-def step_title(step: Step) -> str:
-    """E.g. "all_reduce 'grads' on ranks [0, 1, 2, 3]: 64 B payload, 96 B per arrow"."""
+def step_title(step: Step, per_call: bool = True) -> str:
+    """E.g. "all_reduce 'grads' on ranks [0, 1, 2, 3]: 64 B payload, 96 B per arrow" (per_call: the call's
+    arrows are its total), or "..., 96 B sent per rank in all" when the call is played step by step (each
+    frame's arrows then carry a chunk, and the call's total must not read as an arrow's)."""
     label = f" '{step.label}'" if step.label else ""
     if step.kind == "p2p":
         return f"send rank {step.group[0]} → rank {step.group[1]}{label}: {style.human_bytes(step.nbytes)}"
     edges = step_edges(step)
-    per_arrow = f", {style.human_bytes(edges[0][2])} per arrow" if edges else ""
+    per_arrow = ("" if not edges else f", {style.human_bytes(edges[0][2])} per arrow" if per_call else
+                 f", {style.human_bytes(max(nb for _, _, nb in edges))} sent per rank in all")
     root = f" (root {step.root})" if step.root is not None else ""
     return (f"{step.op}{label} on ranks {list(step.group)}{root}: "
             f"{style.human_bytes(step.nbytes)} payload{per_arrow}")
@@ -238,7 +241,9 @@ def _chunk_xy(pos: dict[int, tuple[float, float]], rank: int, c: int, n_chunks: 
     x, y = pos[rank]
     rad = math.hypot(x, y) or 1.0
     ux, uy = x / rad, y / rad                                   # outward
-    tx, ty = -uy, ux                                            # along the circle
+    tx, ty = -uy, ux                                            # along the circle ...
+    if tx < -1e-9 or (abs(tx) <= 1e-9 and ty > 0):
+        tx, ty = -tx, -ty                                       # ... read left to right, or top to bottom
     off = (c - (n_chunks - 1) / 2) * CHUNK_GAP
     return x * CHUNK_R + tx * off, y * CHUNK_R + ty * off
 
@@ -354,7 +359,7 @@ def comm_animation(trace: Any, title: str | None = None, max_frames: int = 120, 
         k, step, what, _, _ = shown[i]
         head = f"step {i + 1}/{len(shown)}{cut}: " if per_call else \
             f"frame {i + 1}/{len(shown)}{cut}, call {k + 1}: "
-        text = head + step_title(step) + (f"<br>{what}" if what else "")
+        text = head + step_title(step, per_call) + (f"<br>{what}" if what else "")
         return f"{title}<br><sup>{text}</sup>" if title else f"<sup>{text}</sup>"
 
     frames = [go.Frame(name=str(i), data=_frame_data(step, arrows, pos, state), traces=[0, 1, 2, 3],

@@ -4,6 +4,7 @@
 (function () {
   const MIN_PX = 10;            // no text smaller than this
   const SLACK = 1;              // px of rounding allowed at the figure's edges and between boxes
+  const COLOUR_DIST = 24;       // legend swatches closer than this (RGB distance, 0..441) look the same colour
 
   function box(el) {
     const r = el.getBoundingClientRect();
@@ -182,6 +183,46 @@
     return out;
   }
 
+  // two legend entries in one colour cannot be told apart (e.g. two region names that hash to the same blue)
+  function rgb(c) {
+    const m = (c || "").match(/rgba?\(\s*([\d.]+)[,\s]+([\d.]+)[,\s]+([\d.]+)(?:[,\s/]+([\d.]+))?/);
+    if (!m || (m[4] !== undefined && Number(m[4]) === 0)) return null;
+    return [Number(m[1]), Number(m[2]), Number(m[3])];
+  }
+  function paints(el) {        // the colours an SVG element paints with; a pattern fill: the colours inside it
+    const st = getComputedStyle(el), out = [];
+    for (const v of [st.fill, st.stroke]) {
+      const id = (v.match(/url\(["']?#([^"')]+)/) || [])[1];
+      if (id) {
+        const pat = document.getElementById(id);
+        if (pat) pat.querySelectorAll("*").forEach(c => out.push(...paints(c)));
+      } else if (rgb(v)) out.push(rgb(v));
+    }
+    return out;
+  }
+  function legendColourProblems(gd) {
+    const out = [], swatches = [];
+    gd.querySelectorAll(".legend .traces").forEach(tr => {
+      const name = words(tr.querySelector(".legendtext") || tr);
+      const paths = Array.from(tr.querySelectorAll(".layers path"));      // fill, line and marker
+      if (!name || !paths.length) return;
+      const cs = paths.flatMap(paints);                 // a dashed line or another marker shape tells them apart
+      const shape = paths.map(p => (p.getAttribute("d") || "") + "|" + getComputedStyle(p).strokeDasharray).join();
+      if (cs.length) swatches.push({ name, cs, shape });
+    });
+    const near = (a, b) => Math.hypot(a[0] - b[0], a[1] - b[1], a[2] - b[2]) < COLOUR_DIST;
+    for (let i = 0; i < swatches.length; i++) {
+      for (let j = i + 1; j < swatches.length; j++) {
+        const a = swatches[i], b = swatches[j];
+        if (a.name !== b.name && a.shape === b.shape && a.cs.length === b.cs.length &&
+            a.cs.every((c, k) => near(c, b.cs[k])))
+          out.push(`legend entries "${short(a.name)}" and "${short(b.name)}" have the same colour ` +
+                   `rgb(${a.cs[0].join(", ")})`);
+      }
+    }
+    return out;
+  }
+
   window.parlabCheck = function (gd) {
     const problems = [];
     const fig = box(gd.querySelector(".main-svg") || gd);
@@ -205,6 +246,7 @@
       if (seen.has(n)) problems.push(`legend lists "${short(n)}" twice`);
       seen.add(n);
     }
+    problems.push(...legendColourProblems(gd));
     problems.push(...fontProblems(gd), ...rangeProblems(gd), ...clippedProblems(gd), ...hiddenAnnotationProblems(gd));
     return Array.from(new Set(problems));
   };

@@ -28,13 +28,15 @@ PART_NAMES = {"params": "parameters", "grads": "gradients", "optimizer": "optimi
 
 
 def memory_bars(columns: Sequence[dict], title: str | None = None, unit: float = 1e6, unit_name: str = "MB",
-                limit: float | None = None, limit_text: str = "") -> go.Figure:
+                limit: float | None = None, limit_text: str = "", totals: bool = False) -> go.Figure:
     """Stacked bars of params / grads / optimizer bytes; one bar per column, grouped by ``column['stage']``.
 
     columns     dicts with 'stage' (outer axis label), 'source' (inner label, e.g. 'rank 0', 'formula')
                 and the byte counts 'params', 'grads', 'optimizer' (as `memory.measure` returns them)
     unit        bytes per plotted unit (1e6 -> MB, 1e9 -> GB)
-    limit       optional horizontal line (in bytes), e.g. one GPU's memory"""
+    limit       optional horizontal line (in bytes), e.g. one GPU's memory
+    totals      write each column's total above it (for a few wide columns: a bar 60x shorter than its
+                neighbour is invisible on a projector, its number is not)"""
     if not columns:
         raise ValueError("memory_bars needs at least one column of byte counts")
     for c in columns:
@@ -47,13 +49,22 @@ def memory_bars(columns: Sequence[dict], title: str | None = None, unit: float =
         ys = [c[part] / unit for c in columns]
         hover = [f"<b>{c['stage']}, {c['source']}</b><br>{PART_NAMES[part]}: {c[part] / unit:.3f} {unit_name}"
                  f"<br>total: {sum(c[p] for p in PARTS) / unit:.3f} {unit_name}" for c in columns]
+        top = totals and part == PARTS[-1]
         fig.add_trace(go.Bar(x=x, y=ys, name=PART_NAMES[part], marker_color=PART_COLORS[part], hovertext=hover,
-                             hovertemplate="%{hovertext}<extra></extra>"))
+                             hovertemplate="%{hovertext}<extra></extra>",
+                             text=[f"{_number(sum(c[p] for p in PARTS) / unit)} {unit_name}" for c in columns] if top
+                             else None, textposition="outside" if top else None, cliponaxis=False,
+                             textfont=dict(size=13)))
     if limit is not None:
         fig.add_hline(y=limit / unit, line_dash="dash", line_color="#d62728", annotation_text=limit_text)
     fig.update_layout(barmode="stack", template="plotly_white", title=title, height=460,
                       yaxis_title=f"{unit_name} per rank")
     return fig
+
+
+def _number(v: float) -> str:
+    """2800.0 -> '2,800', 43.75 -> '43.8', 0.0312 -> '0.0312': three significant digits, never 2.8e+03."""
+    return f"{v:,.0f}" if abs(v) >= 100 else f"{v:.3g}"
 
 
 def gathered_figure(points: Iterable[dict], title: str | None = None, full_bytes: float | None = None,

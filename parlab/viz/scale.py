@@ -21,7 +21,7 @@ from typing import Mapping, Sequence
 
 import plotly.graph_objects as go
 
-__all__ = ["speedup_figure", "working_set_figure", "resume_figure", "bubble_vs_microbatches", "link_seconds_bars"]
+__all__ = ["speedup_figure", "iec_bytes", "working_set_figure", "resume_figure", "bubble_vs_microbatches", "link_seconds_bars"]
 
 _IDEAL = dict(color="#888888", dash="dash")
 
@@ -44,12 +44,24 @@ def speedup_figure(curves: Mapping[str, Mapping[int, float]], title: str | None 
     return fig
 
 
+def iec_bytes(n: float) -> str:
+    """2**20 -> '1 MiB', 3 * 2**19 -> '1.5 MiB': powers of 1024, for sizes that are powers of two (caches, the
+    working sets measured against them); SI bytes ('MB' = 10^6) stay the rule everywhere else."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024:
+            return f"{n:.3g} {unit}"
+        n /= 1024
+    return f"{n:.3g} TiB"
+
+
 def working_set_figure(sizes_bytes: Sequence[float], ns_per_element: Sequence[float],
                        caches: Mapping[str, float] | None = None, title: str | None = None) -> go.Figure:
-    """Measured time per element of a streaming operation against its working set, log x; dotted vertical
-    lines at the cache sizes that lie inside the measured range."""
+    """Measured time per element of a streaming operation against its working set, log x labelled at the
+    measured sizes in KiB/MiB (they are powers of two, as caches are); dotted vertical lines at the cache sizes
+    that lie inside the measured range."""
     fig = go.Figure(go.Scatter(x=list(sizes_bytes), y=list(ns_per_element), mode="lines+markers",
-                               name="measured", hovertemplate="%{x:.3s}B: %{y:.3f} ns/element<extra></extra>"))
+                               name="measured", text=[iec_bytes(b) for b in sizes_bytes],
+                               hovertemplate="%{text}: %{y:.3f} ns/element<extra></extra>"))
     lo, hi = min(sizes_bytes), max(sizes_bytes)
     for name, nbytes in (caches or {}).items():
         if lo <= nbytes <= hi:
@@ -57,7 +69,9 @@ def working_set_figure(sizes_bytes: Sequence[float], ns_per_element: Sequence[fl
             # an annotation on a log axis takes log10 of its position (add_vline's own label would not)
             fig.add_annotation(x=math.log10(nbytes), y=1, yref="paper", yanchor="bottom", text=name,
                                showarrow=False)
-    fig.update_layout(title=title, xaxis=dict(title="working set (bytes)", type="log", minorloglabels="none"),
+    fig.update_layout(title=title, xaxis=dict(title="working set (KiB, MiB: powers of 1024)", type="log",
+                                              tickvals=list(sizes_bytes),
+                                              ticktext=[iec_bytes(b) for b in sizes_bytes]),
                       yaxis=dict(title="ns per element", rangemode="tozero"), height=400,
                       template="plotly_white", showlegend=False, margin=dict(t=90))
     return fig

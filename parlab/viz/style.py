@@ -20,12 +20,13 @@ import zlib
 from ..trace import format_bytes
 
 __all__ = ["COMPUTE_COLORS", "COLLECTIVE_COLORS", "P2P_COLORS", "MARK_COLOR", "OTHER_COLOR", "KIND_ORDER",
-           "color", "human_bytes"]
+           "color", "colors", "human_bytes"]
 
 COMPUTE_COLORS: dict[str, str] = {
     "forward": "#9ecae1",
     "backward": "#4292c6",
     "optimizer": "#08306b",
+    "untraced": "#bdbdbd",              # a replay's work outside every traced region (parlab.replay): grey, not blue
 }
 _COMPUTE_FAMILY = ("#c6dbef", "#6baed6", "#2171b5", "#08519c", "#deebf7", "#3182bd")   # other region names
 
@@ -62,6 +63,23 @@ def color(kind: str, op: str) -> str:
     if kind == "mark":
         return MARK_COLOR
     return OTHER_COLOR
+
+
+def colors(keys) -> dict[tuple[str, str], str]:
+    """`color` for each (kind, op) of one figure, with no two compute regions sharing a colour: a region whose
+    stable blue is already taken (two names can hash to the same one of the six) gets the next free one."""
+    out: dict[tuple[str, str], str] = {}
+    keys = list(dict.fromkeys(keys))
+    taken = {color(k, op) for k, op in keys if k == "compute" and op in COMPUTE_COLORS}
+    for kind, op in keys:
+        c = color(kind, op)
+        if kind == "compute" and op not in COMPUTE_COLORS:
+            start = _COMPUTE_FAMILY.index(c)
+            free = [_COMPUTE_FAMILY[(start + i) % len(_COMPUTE_FAMILY)] for i in range(len(_COMPUTE_FAMILY))]
+            c = next((f for f in free if f not in taken), c)
+            taken.add(c)
+        out[(kind, op)] = c
+    return out
 
 
 def human_bytes(n: float) -> str:

@@ -166,6 +166,7 @@ def timeline(trace: Any, title: str | None = None, ranks: Sequence[int] | None =
             by_colour.setdefault((e.kind, "marks" if e.kind == "mark" else e.op), []).append(e)
     order = sorted(by_colour, key=lambda k: (style.KIND_ORDER.index(k[0]) if k[0] in style.KIND_ORDER else 9, k[1]))
 
+    palette = style.colors(order)                     # no two regions of this figure share a colour
     fig = go.Figure()
     for kind, op in order:
         evs = by_colour[(kind, op)]
@@ -180,7 +181,7 @@ def timeline(trace: Any, title: str | None = None, ranks: Sequence[int] | None =
                 textposition="top center", marker=dict(symbol="diamond", size=10, color=style.MARK_COLOR),
                 **common))
             continue
-        colour = style.color(kind, op)
+        colour = palette[(kind, op)]
         fig.add_trace(go.Bar(
             orientation="h",
             base=[(e.start - t0) * scale for e in evs],                              # bar starts at the event start
@@ -197,7 +198,7 @@ def timeline(trace: Any, title: str | None = None, ranks: Sequence[int] | None =
         uniformtext=dict(minsize=10, mode="hide"),     # a label that would need < 10 px is left to the hover
         # tall enough for the lanes and for the legend (one row per trace, one title per kind)
         height=max(140 + 48 * len(lanes), 200 + 22 * (len(order) + len({k for k, _ in order}))),
-        legend=dict(groupclick="toggleitem"),
+        showlegend=True, legend=dict(groupclick="toggleitem"),   # a legend even when one op is shown
         xaxis=dict(title=f"time ({time_unit}) since the first event", zeroline=False),
         yaxis=dict(tickvals=list(range(len(lanes))), ticktext=[f"rank {r}" for r in lanes],
                    range=[len(lanes) - 0.5, -0.5], zeroline=False, showgrid=False))   # reversed: rank 0 on top
