@@ -9,7 +9,8 @@ from parlab import comm
 from parlab.data import BatchSampler, load_corpus
 from parlab.models import GPT, GPTConfig
 from parlab.zero import ShardedOptimizer, iter_owned, partition_parameters
-from parlab.zero_flat import make_layouts, merge_state, owned_runs, split_state
+from parlab.zero_flat import (chunk_bounds, join_chunks, make_layouts, merge_state, owned_runs, split_chunks,
+                              split_state)
 from toy_models import Toy
 
 CFG = GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=2, n_embd=32)
@@ -187,6 +188,45 @@ def test_state_dict_reloads_at_another_world_size():
     opt.step()
     for n, p in ref.named_parameters():
         torch.testing.assert_close(dict(model.named_parameters())[n], p, **TOL)
+
+
+def _train_small_chunks(*args, **kw):
+    """`_train` with the inner optimizer stepping 32-element (256-byte float64) chunks, so runs span many
+    chunks and chunks cut through parameters."""
+    import parlab.zero
+    parlab.zero.STEP_CHUNK_BYTES = 256
+    return _train(*args, **kw)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_chunked_inner_step_matches_single_process_and_reloads(stage):
+    """The flat step in chunks smaller than one parameter: parameters, kept gradients and the gathered
+    (joined) state equal one process; that state reloads (split back into chunks) and training goes on
+    exactly as one process would."""
+    first = parlab.run(_train_small_chunks, 2, "gpt", "adamw", stage, 2).results
+    ref, ref_opt = reference("gpt", "adamw", 2)
+    _check("gpt", stage, first, ref, ref_opt)
+    again = parlab.run(_train_small_chunks, 2, "gpt", "adamw", stage, 1, load=(first[0]["params"],
+                                                                               first[0]["state"], 2))
+    ref, ref_opt = reference("gpt", "adamw", 3)
+    for n, p in ref.named_parameters():
+        torch.testing.assert_close(again[1]["params"][n], p.detach(), **TOL)
+    expect = ref_opt.state_dict()["state"]
+    for i, st in expect.items():
+        for k, v in st.items():
+            torch.testing.assert_close(again[0]["state"]["state"][i][k], v, **TOL)
+
+
+def test_chunk_state_join_and_split_round_trip():
+    bounds = chunk_bounds(10, 4)
+    assert bounds == [(0, 4), (4, 8), (8, 10)]
+    run = {"step": torch.tensor(5.0), "exp_avg": torch.arange(10.0)}
+    parts = split_chunks(run, bounds, 10)
+    assert [p["exp_avg"].tolist() for p in parts] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+    assert len({id(p["step"]) for p in parts}) == 3          # each chunk counts its own steps
+    back = join_chunks(parts, bounds)
+    assert torch.equal(back["exp_avg"], run["exp_avg"]) and torch.equal(back["step"], run["step"])
+    assert join_chunks([{}, {}, {}], bounds) == {} and split_chunks({}, bounds, 10) == [{}, {}, {}]
 
 
 def _one_step_traffic(stage):
