@@ -37,9 +37,9 @@ Hot path. The parameters are views into that flat buffer. The buffer is moved in
 at most `bucket_numel` elements: bucket c is chunk c of every owner's segment, so one
 reduce-scatter per bucket leaves each rank chunk c of its own segment and one all-gather
 per bucket sends it back (with a single bucket the all-gather runs in place, straight into
-the model). Gradients are concatenated into persistent staging with one ``torch.cat`` per
-bucket and reduce-scattered into a persistent (seg,) shard whose slices become the owned
-``.grad``: no multi-MB tensor is allocated per step. On gloo both collectives are built from
+the model). Gradients are reduce-scattered into a persistent (seg,) shard whose slices become
+the owned ``.grad`` (on gloo sent piece by piece straight from ``.grad``; on NCCL through
+persistent staging, one ``torch.cat`` per bucket): no multi-MB tensor is allocated per step. On gloo both collectives are built from
 point-to-point messages (`parlab.zero_comm` says why). For element-wise optimizers (SGD, Adam, AdamW, ...)
 the inner optimizer steps each parameter group's owned run of the segment as a few flat tensors
 (1 MiB chunks, so each pass of the update finds its operands in cache), not a Python loop over parameters.

@@ -394,6 +394,10 @@ def _direct_collectives():
         comm.reduce_scatter(want, x.clone(), op=op)
         comm.reduce_scatter_direct(got, x.clone(), op=op, label="direct rs")
         out[str(op)] = (want, got)
+        got = torch.empty(5, dtype=torch.float64)           # the same, sent as pieces of 2 + 3 elements per chunk
+        comm.reduce_scatter_pieces(got, [[x[j * 5:j * 5 + 2], x[j * 5 + 2:j * 5 + 5]] for j in range(n)], op=op,
+                                   label="pieces rs")
+        out[f"pieces {op}"] = (want, got)
     work = comm.reduce_scatter_direct(got := torch.empty(5, dtype=torch.float64), x.clone(), async_op=True)
     work.wait()
     out["async"] = (out[str(comm.ReduceOp.SUM)][0], got)
@@ -404,7 +408,8 @@ def _direct_collectives():
     errors = []
     for bad in (lambda: comm.reduce_scatter_direct(torch.empty(5), torch.empty(n * 5), op=comm.ReduceOp.MAX),
                 lambda: comm.reduce_scatter_direct(torch.empty(5), torch.empty(n * 5 + 1)),
-                lambda: comm.all_gather_direct([torch.empty(3)] * n, torch.empty(4))):
+                lambda: comm.all_gather_direct([torch.empty(3)] * n, torch.empty(4)),
+                lambda: comm.reduce_scatter_pieces(torch.empty(5), [[torch.empty(5)]] * (n - 1) + [[torch.empty(4)]])):
         try:
             bad()
         except ValueError as e:
@@ -438,14 +443,17 @@ def test_direct_collectives_equal_the_native_ones(world_size):
     for out, errors in res.results:
         for want, got in out.values():
             torch.testing.assert_close(got, want, rtol=0, atol=0)
-        assert len(errors) == 3 and "ReduceOp.SUM or ReduceOp.AVG" in errors[0]
+        assert len(errors) == 4 and "ReduceOp.SUM or ReduceOp.AVG" in errors[0]
         assert "expected the group size" in errors[1] and "outputs (one per group rank)" in errors[2]
+        assert "each adding up to the output's 5 elements" in errors[3]
     n = world_size
     for r in range(n):
         rs = res.trace.filter(rank=r, op="reduce_scatter", label="direct rs")
         ag = res.trace.filter(rank=r, op="all_gather", label="direct ag")
         assert len(rs.events) == 2 and len(ag.events) == 1
         assert rs.bytes_per_rank()[r] == pytest.approx(2 * (n - 1) / n * n * 5 * 8)
+        pieces = res.trace.filter(rank=r, op="reduce_scatter", label="pieces rs")
+        assert len(pieces.events) == 2 and pieces.bytes_per_rank()[r] == rs.bytes_per_rank()[r]
         assert ag.bytes_per_rank()[r] == pytest.approx((n - 1) / n * n * 4 * 8)
 
 
