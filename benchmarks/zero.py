@@ -30,11 +30,15 @@ implementation matters most.
                                       [--before REV]
 
 ``--before REV`` (default: the commit before the overlap work) adds parlab's ZeRO-1 as it was at git revision
-REV, timed in the same blocks: a before/after at the same machine load.
+REV (the whole package at REV, extracted to a temporary folder and removed afterwards), timed in the same
+blocks: a before/after at the same machine load. The table also gives the median CPU time per step of each
+variant (the process's CPU time, all its threads, gloo's included): on a loaded machine it moves less than
+the wall time.
 """
 from __future__ import annotations
 
 import argparse
+import shutil
 import statistics
 import time
 
@@ -116,23 +120,31 @@ SWEEP_VARIANTS = ["parlab-zero1", "parlab-zero2", "torch-zero1"]
 BEFORE = "36f01c3"          # the last commit before ZeRO-1/2 overlapped its reduce-scatters with backward
 
 
-def _sharded_optimizer_at(rev: str):
-    """ShardedOptimizer as parlab/zero.py was at git revision `rev`, loaded as module parlab.zero_<rev> (its
-    relative imports resolve in today's parlab), so before and after run in one process, on one machine load."""
+def _extract_at(rev: str) -> str:
+    """Extract the parlab package as it was at git revision `rev` into a new temporary folder, as package
+    ``parlab_before`` (the caller removes the folder)."""
     import pathlib
     import subprocess
+    import tempfile
+    root = pathlib.Path(__file__).resolve().parents[1]
+    dest = pathlib.Path(tempfile.mkdtemp(prefix="parlab-before-"))
+    tar = subprocess.run(["git", "archive", rev, "parlab"], cwd=root, capture_output=True, check=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(dest)], input=tar, check=True)
+    (dest / "parlab").rename(dest / "parlab_before")
+    return str(dest)
+
+
+def _sharded_optimizer_at(folder: str):
+    """ShardedOptimizer from the package `_extract_at` left in `folder`: the whole package at that revision
+    (its relative imports resolve inside it, so zero.py, zero_comm.py, zero_flat.py and comm.py are all as
+    they were), so before and after run in one process, on one machine load."""
+    import importlib
     import sys
-    import types
-    name = f"parlab.zero_{rev}"
-    if name not in sys.modules:
-        root = pathlib.Path(__file__).resolve().parents[1]
-        src = subprocess.run(["git", "show", f"{rev}:parlab/zero.py"], cwd=root, capture_output=True, text=True,
-                             check=True).stdout
-        mod = types.ModuleType(name)
-        mod.__package__, mod.__file__ = "parlab", f"{rev}:parlab/zero.py"
-        sys.modules[name] = mod
-        exec(compile(src, mod.__file__, "exec"), mod.__dict__)
-    return sys.modules[name].ShardedOptimizer
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
+    return importlib.import_module("parlab_before.zero").ShardedOptimizer
+
+
 MLP_WIDTH = {"1M": 408, "6.3M": 1024, "50M": 2887}
 GPT_SHAPE = {"1M": (4, 144), "6.3M": (6, 296), "50M": (8, 720)}
 
@@ -151,9 +163,9 @@ class MLP(torch.nn.Module):
 
 
 def _sweep_rank(model_kind: str, size: str, blocks: int, steps: int, warmup: int, variants=SWEEP_VARIANTS,
-                before: str = BEFORE):
+                before: str | None = None):
     """One rank: build every variant on its own copy of the model, then alternate timed blocks of steps.
-    'parlab-zero1-before' is ZeRO-1 as it was at git revision `before`."""
+    'parlab-zero1-before' is ZeRO-1 from the package `_extract_at` left in folder `before`."""
     from torch.distributed.optim import ZeroRedundancyOptimizer
     from torch.nn.parallel import DistributedDataParallel as DDP
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -182,16 +194,18 @@ def _sweep_rank(model_kind: str, size: str, blocks: int, steps: int, warmup: int
         runs[v] = (fwd, opt)
     n_params = sum(p.numel() for p in runs[variants[0]][0].parameters())
     times = {v: [] for v in variants}
+    cpu = {v: [] for v in variants}          # CPU seconds of the process (all its threads, gloo's included)
 
     def one(v, t):
         fwd, opt = runs[v]
         x, y = batches[t % len(batches)]
         dist.barrier()                                   # start every step together (not timed)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         fwd(x, y)[1].backward()
         opt.step()
-        t1 = time.perf_counter()
+        t1, c1 = time.perf_counter(), time.process_time()
         opt.zero_grad()
+        cpu[v].append(c1 - c0)
         return t1 - t0
 
     for v in variants:
@@ -200,7 +214,7 @@ def _sweep_rank(model_kind: str, size: str, blocks: int, steps: int, warmup: int
     for b in range(blocks):
         for v in (variants if b % 2 == 0 else variants[::-1]):
             times[v] += [one(v, b * steps + t) for t in range(steps)]
-    return {"times": times, "params": n_params}
+    return {"times": times, "cpu": {v: c[warmup:] for v, c in cpu.items()}, "params": n_params}
 
 
 def sweep(args) -> None:
@@ -212,19 +226,31 @@ def sweep(args) -> None:
     variants = SWEEP_VARIANTS + (["parlab-zero1-before"] if args.before else [])
     before = f" | ZeRO-1 at {args.before} ms | before / torch" if args.before else ""
     print("| model | params | parlab ZeRO-1 ms | parlab ZeRO-2 ms | torch ZeRO-1 ms | ZeRO-1 / torch | "
-          f"ZeRO-2 / torch{before} | load after |")
-    print("|---" * (8 + 2 * bool(args.before)) + "|")
+          f"ZeRO-2 / torch{before} | CPU ms ZeRO-1 / ZeRO-2 / torch | load after |")
+    print("|---" * (9 + 2 * bool(args.before)) + "|")
+    before_dir = _extract_at(args.before) if args.before else None
+    try:
+        _sweep_rows(args, variants, before_dir)
+    finally:
+        if before_dir:
+            shutil.rmtree(before_dir, ignore_errors=True)
+
+
+def _sweep_rows(args, variants, before_dir) -> None:
+    import os
     for model_kind in args.models.split(","):
         for size in args.sizes.split(","):
             res = parlab.run(_sweep_rank, args.world, model_kind, size, args.blocks, args.block_steps, args.warmup,
-                             variants, args.before, backend="gloo", timeout=3600, echo=False)
+                             variants, before_dir, backend="gloo", timeout=3600, echo=False)
             med = {v: statistics.median(s for r in res.results for s in r["times"][v]) for v in variants}
+            cpu = {v: statistics.median(s for r in res.results for s in r["cpu"][v]) * 1e3 for v in variants}
             ref = med["torch-zero1"]
             old = (f" {med['parlab-zero1-before'] * 1e3:.1f} | {med['parlab-zero1-before'] / ref:.2f} |"
                    if args.before else "")
             print(f"| {model_kind} | {res[0]['params'] / 1e6:.2f}M | {med['parlab-zero1'] * 1e3:.1f} | "
                   f"{med['parlab-zero2'] * 1e3:.1f} | {ref * 1e3:.1f} | {med['parlab-zero1'] / ref:.2f} | "
-                  f"{med['parlab-zero2'] / ref:.2f} |{old} {os.getloadavg()[0]:.1f} |", flush=True)
+                  f"{med['parlab-zero2'] / ref:.2f} |{old} {cpu['parlab-zero1']:.0f} / {cpu['parlab-zero2']:.0f} / "
+                  f"{cpu['torch-zero1']:.0f} | {os.getloadavg()[0]:.1f} |", flush=True)
 
 
 def main(argv=None):

@@ -57,7 +57,7 @@ __all__ = [
     "ReduceOp", "get_rank", "get_world_size", "group_ranks",
     "all_reduce", "broadcast", "reduce", "all_gather", "reduce_scatter", "all_to_all", "gather", "scatter",
     "barrier", "send", "recv", "isend", "irecv", "all_gather_dim", "reduce_scatter_dim", "all_gather_uneven",
-    "TracedWork", "reduce_scatter_direct", "all_gather_direct", "strict", "StrictCommError", "Strict", "NCCL_DTYPES",
+    "TracedWork", "reduce_scatter_direct", "all_gather_direct", "reduce_scatter_pieces", "strict", "StrictCommError", "Strict", "NCCL_DTYPES",
 ]
 
 ReduceOp = dist.ReduceOp
@@ -334,6 +334,60 @@ def reduce_scatter_direct(output: torch.Tensor, tensor: torch.Tensor, op=ReduceO
             work.wait()
         return work if async_op else None
     return _run("reduce_scatter", "collective", call, tensor, _nbytes(tensor), group, None, label, async_op)
+
+
+def reduce_scatter_pieces(output: torch.Tensor, pieces: Sequence[Sequence[torch.Tensor]], op=ReduceOp.SUM, group=None,
+                          async_op: bool = False, label: str = ""):
+    """`reduce_scatter_direct` without a concatenated input: `pieces[j]` are 1-D tensors whose concatenation is
+    chunk j of the input (the part whose reduction ends on group rank j; `output.numel()` elements), cut at the
+    same places on every rank. Each piece travels as its own message, received straight into its slice of
+    `output`, so the pieces can be gradients themselves (no copy into a staging buffer). Same bytes as
+    `reduce_scatter_direct`; traced as one reduce_scatter. The caller must not change the pieces until the
+    work is waited for."""
+    if op not in (ReduceOp.SUM, ReduceOp.AVG):
+        raise ValueError(f"reduce_scatter_pieces adds up the chunks: op must be ReduceOp.SUM or ReduceOp.AVG, "
+                         f"got {op}; use reduce_scatter for other reductions")
+    n, r, ranks, m = get_world_size(group), get_rank(group), group_ranks(group), output.numel()
+    if len(pieces) != n or any(sum(p.numel() for p in ps) != m for ps in pieces):
+        raise ValueError(f"reduce_scatter_pieces needs {n} lists of pieces (one per group rank), each adding up to "
+                         f"the output's {m} elements; got {[sum(p.numel() for p in ps) for ps in pieces]}")
+    _strict("reduce_scatter", group, output, *(p for ps in pieces for p in ps), reduce_op=op)
+    out = output.view(-1)                                                # (m,)
+    bounds = [0]
+    for p in pieces[r]:
+        bounds.append(bounds[-1] + p.numel())
+
+    def call():
+        extra = torch.empty((max(n - 2, 0), m), dtype=out.dtype, device=out.device)   # (N-2, m) received
+        works = []
+        for j in range(1, n):
+            dst, src = (r + j) % n, (r - j) % n
+            buf = out if j == 1 else extra[j - 2]
+            send = lambda: [dist.isend(p.reshape(-1), ranks[dst], group=group) for p in pieces[dst]]  # noqa: E731
+            recv = lambda: [dist.irecv(buf[a:b], ranks[src], group=group)  # noqa: E731
+                            for a, b in zip(bounds, bounds[1:])]
+            for ws in _shift_round(r, n, j, send, recv):
+                works += ws
+
+        def finish():                     # out += own pieces (+ the other received chunks), / N: in 1 MiB steps,
+            step = max(1, (1 << 20) // max(1, out.element_size()))       # so each step's operands stay in cache
+            for p, a, b in zip(pieces[r], bounds, bounds[1:]):
+                p = p.reshape(-1)
+                for c in range(a, b, step):
+                    o = out[c:min(b, c + step)]
+                    if n == 1:
+                        o.copy_(p[c - a:c - a + o.numel()])
+                        continue
+                    o.add_(p[c - a:c - a + o.numel()])
+                    for e in extra:
+                        o.add_(e[c:c + o.numel()])
+                    if op == ReduceOp.AVG:
+                        o.div_(n)
+        work = _Messages(works, finish)
+        if not async_op:
+            work.wait()
+        return work if async_op else None
+    return _run("reduce_scatter", "collective", call, output, _nbytes(output) * n, group, None, label, async_op)
 
 
 def all_gather_direct(outputs: Sequence[torch.Tensor], tensor: torch.Tensor, group=None, async_op: bool = False,

@@ -37,12 +37,12 @@ Hot path. The parameters are views into that flat buffer. The buffer is moved in
 at most `bucket_numel` elements: bucket c is chunk c of every owner's segment, so one
 reduce-scatter per bucket leaves each rank chunk c of its own segment and one all-gather
 per bucket sends it back (with a single bucket the all-gather runs in place, straight into
-the model). Gradients are concatenated into persistent staging with one ``torch.cat`` per
-bucket and reduce-scattered into a persistent (seg,) shard whose slices become the owned
-``.grad``: no multi-MB tensor is allocated per step. On gloo both collectives are built from
+the model). Gradients are reduce-scattered into a persistent (seg,) shard whose slices become
+the owned ``.grad`` (on gloo sent piece by piece straight from ``.grad``; on NCCL through
+persistent staging, one ``torch.cat`` per bucket): no multi-MB tensor is allocated per step. On gloo both collectives are built from
 point-to-point messages (`parlab.zero_comm` says why). For element-wise optimizers (SGD, Adam, AdamW, ...)
-the inner optimizer steps each parameter group's owned run of the segment as one tensor,
-so the step is a handful of kernels over a contiguous vector, not a Python loop.
+the inner optimizer steps each parameter group's owned run of the segment as a few flat tensors
+(1 MiB chunks, so each pass of the update finds its operands in cache), not a Python loop over parameters.
 
 Checkpoints. `state_dict()` gathers the full state in the format of the inner optimizer class;
 `save_sharded` / `load_sharded` write one verified file per rank (`parlab.checkpoint`) and
@@ -78,7 +78,8 @@ import torch
 
 from . import checkpoint, comm
 from .zero_comm import ZeroComm
-from .zero_flat import ELEMENTWISE, make_layouts, merge_state, owned_runs, split_state
+from .zero_flat import (ELEMENTWISE, STEP_CHUNK_BYTES, chunk_bounds, join_chunks, make_layouts, merge_state,
+                        owned_runs, split_chunks, split_state)
 from .trace import region
 
 __all__ = ["ShardedOptimizer", "partition_parameters", "iter_owned"]
@@ -119,8 +120,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
     The trainable parameters become views into flat per-dtype buffers (`parlab.zero_flat`): move or
     cast the model *before* building the optimizer, and change weights in place (``p.copy_``), not by
     assigning ``p.data``. `flat_step` (default: on for element-wise optimizers such as SGD and AdamW)
-    steps each group's owned parameters as one flat tensor; `opt.state` then holds one flat state per
-    run of owned parameters (per-parameter state: `state_dict()`). `bucket_numel` caps the elements
+    steps each group's owned parameters as flat tensors, cache-sized chunks of each run of owned
+    parameters (`zero_flat.STEP_CHUNK_BYTES`); `opt.state` then holds one flat state per chunk
+    (per-parameter state: `state_dict()`). `bucket_numel` caps the elements
     of one reduce-scatter / all-gather (and of one flat run).
     """
 
@@ -159,7 +161,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         group_of = dict(enumerate(g for g, grp in enumerate(self.param_groups) for _ in grp["params"]))
         # The inner optimizer sees only this rank's parameters, group by group (a group may be empty here):
         # the owned parameters themselves, or (flat_step) one view of the flat buffer per run of them.
-        self._runs = []                                  # (layout index, start, end in segment, members, tensor)
+        self._runs = []           # (layout index, start, end in segment, members, tensor, chunk bounds, chunks)
         local = [[] for _ in self.param_groups]
         for k, lay in enumerate(self.layouts):
             for g, a, b, ids in owned_runs(lay, self.rank, group_of, cap=bucket_numel):
@@ -167,8 +169,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
                     seg = self._flats[k][self.rank * lay.seg:(self.rank + 1) * lay.seg]
                     members = [(i, lay.offset[i] - self.rank * lay.seg - a, self.params[i].shape) for i in ids]
                     run = seg[a:b]                                           # (b - a,) a view: steps in place
-                    self._runs.append((k, a, b, members, run))
-                    local[g].append(run)
+                    bounds = chunk_bounds(b - a, STEP_CHUNK_BYTES // run.element_size())
+                    chunks = [run[c0:c1] for c0, c1 in bounds]               # (<= chunk,) views: cache-sized
+                    self._runs.append((k, a, b, members, run, bounds, chunks))
+                    local[g] += chunks
                 else:
                     local[g] += [self.params[i] for i in ids]
         self.optim = optimizer_cls([{**_hyper(g), "params": ps} for g, ps in zip(self.param_groups, local)],
@@ -222,8 +226,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
                           mine.new_zeros(lay.numel[i]) for i in lay.segs[self.rank]]
                 if pieces:
                     torch.cat(pieces, out=mine[:sum(lay.numel[i] for i in lay.segs[self.rank])])
-        for k, a, b, _, t in self._runs:
-            t.grad = self.zero_comm.shards[k][a:b]                      # (b - a,)
+        for k, a, _, _, _, bounds, chunks in self._runs:
+            for (c0, c1), t in zip(bounds, chunks):
+                t.grad = self.zero_comm.shards[k][a + c0:a + c1]                # (c1 - c0,)
         if self.stage == 2 and self.reduce_grads:
             for p in self._not_owned:
                 p.grad = None
@@ -262,7 +267,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none=set_to_none)
-        for *_, t in self._runs:
+        for t in (t for *_, chunks in self._runs for t in chunks):
             if set_to_none:
                 t.grad = None
             elif t.grad is not None:
@@ -311,9 +316,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 k: v.clone() if torch.is_tensor(v) else v for k, v in self.optim.state[p].items()}
                 for p in inner if self.optim.state.get(p)}
         out = {}
-        for *_, members, t in self._runs:
-            if self.optim.state.get(t):
-                out.update(split_state(self.optim.state[t], members, t.numel()))
+        for *_, members, t, bounds, chunks in self._runs:
+            state = join_chunks([self.optim.state.get(c) for c in chunks], bounds)
+            if state:
+                out.update(split_state(state, members, t.numel()))
         return dict(sorted(out.items()))
 
     def _load_owned(self, state: dict, hypers: list[dict]) -> None:
@@ -322,8 +328,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
             mine.update(saved)
         inner = [p for g in self.optim.param_groups for p in g["params"]]
         if self.flat_step:
-            by_run = {id(t): merge_state(state, members, t.numel()) for *_, members, t in self._runs}
-            local_state = {j: by_run[id(p)] for j, p in enumerate(inner) if by_run[id(p)]}
+            by_chunk = {id(c): st for *_, members, t, bounds, chunks in self._runs
+                        for c, st in zip(chunks, split_chunks(merge_state(state, members, t.numel()), bounds, t.numel()))}
+            local_state = {j: by_chunk[id(p)] for j, p in enumerate(inner) if by_chunk[id(p)]}
         else:
             local_state = {j: state[self._index[id(p)]] for j, p in enumerate(inner) if self._index[id(p)] in state}
         local_groups, j = [], 0

@@ -9,8 +9,10 @@ whose gradients backward produces first (the last layers).
 
 Overlap (``overlap=True``, the default), as DDP overlaps its all-reduce [1]: a post-accumulate-grad hook on
 every trainable parameter notes its gradient; when every parameter of the next bucket has its gradient, the
-bucket's pieces are copied into its own staging slice and its reduce-scatter starts asynchronously while
-backward computes the gradients of earlier layers. Buckets start in index order on every rank (collectives
+bucket's reduce-scatter starts asynchronously while backward computes the gradients of earlier layers. On
+gloo it sends every gradient piece of the bucket straight from ``.grad`` (`comm.reduce_scatter_pieces`: one
+message per piece, no staging copy); on other backends the pieces are first copied into the bucket's own
+staging slice for the native collective. Buckets start in index order on every rank (collectives
 match by call order). An autograd-engine callback at the end of each backward starts the buckets still
 waiting (a parameter without a gradient sends zeros), so every backward reduces every bucket exactly once.
 `reduce()` (from ``step()``) waits for them.
@@ -23,8 +25,11 @@ the last round (a backward under ``no_sync`` after one outside it, or ``.grad`` 
 at `reduce()` (tensor identity and version counter) and reduced again there, so the result never silently
 misses them; every rank must make the same sequence of backward calls, as under DDP.
 
-Cost: one staging buffer as large as the parameters (per dtype), as DDP's buckets; ``overlap=False``
-reduces at the step through one bucket-sized staging buffer instead.
+Cost: on NCCL (native collectives) one staging buffer as large as the parameters (per dtype), as DDP's
+buckets; ``overlap=False`` reduces at the step through one bucket-sized staging buffer instead. On gloo no
+staging buffer (the gradients are sent from where backward left them); the pieces must stay unchanged until
+the reduction is waited for, which `reduce()` does before anything reads the shard, and a gradient changed in
+place after its bucket was sent is noticed there and reduced again.
 
 Collectives on gloo. gloo has no reduce-scatter of its own: torch's ``reduce_scatter_tensor`` on gloo clones
 the input, all-reduces all of it (twice the bytes a reduce-scatter needs) and copies this rank's chunk out, and
@@ -33,9 +38,10 @@ ProcessGroupGloo.cpp; in benchmarks/README.md's micro-benchmark the reduce-scatt
 all-reduce's time). parlab's trace would record a reduce-scatter's bytes where an all-reduce's went over the
 wire. On a gloo group this
 module therefore uses `comm.reduce_scatter_direct` / `comm.all_gather_direct`: the same collectives built from
-point-to-point messages (each rank sends chunk j straight to rank j), which put exactly a reduce-scatter's and
-an all-gather's (N-1)/N of the bytes on the wire, so the trace (one reduce_scatter / all_gather event each) is
-what happened; the all-gather receives every chunk straight into its place in the parameters. On NCCL the
+point-to-point messages (each rank sends chunk j straight to rank j, piece by piece), which put exactly a
+reduce-scatter's and an all-gather's (N-1)/N of the bytes on the wire, so the trace (one reduce_scatter /
+all_gather event each) is what happened; the all-gather receives every chunk straight into its place in the
+parameters. On NCCL the
 native collectives are used.
 
 References
@@ -85,14 +91,25 @@ class ZeroComm:
                      for lay, (cs, _) in zip(layouts, self.buckets)]
         # Staging: with overlap every bucket has its own slice (several are in flight at once); without,
         # one bucket-sized buffer is reused, bucket after bucket.
+        # On gloo (direct) there is no staging: every gradient piece is sent from ``.grad`` itself.
         self.staging = [torch.zeros(self.world * (lay.seg if overlap else cs), dtype=lay.dtype, device=device)
-                        for lay, (cs, _) in zip(layouts, self.buckets)]                          # (Nd*seg,) or (Nd*cs,)
+                        for lay, (cs, _) in zip(layouts, self.buckets)] if not self.direct else []  # (Nd*seg,) | (Nd*cs,)
         self.members = [sorted({x[0] for x in self.buckets[k][1][c] if not isinstance(x, int)})
                         for k, c in self.order]                   # parameter indices with a piece in the bucket
         self.touch: dict[int, list[int]] = {}                     # parameter index -> bucket positions
         for pos, ids in enumerate(self.members):
             for i in ids:
                 self.touch.setdefault(i, []).append(pos)
+        self.by_rank = []                                         # per bucket: per rank, its chunk's plan entries
+        for pos, (k, c) in enumerate(self.order):
+            n, per, filled = self._size(pos)[2], [[]], 0
+            for x in self.buckets[k][1][c]:
+                if filled == n:
+                    per.append([])
+                    filled = 0
+                per[-1].append(x)
+                filled += x if isinstance(x, int) else x[2] - x[1]
+            self.by_rank.append(per)
         self.works: list = [None] * len(self.order)
         self.copied: dict[int, tuple] = {}       # index -> (grad, its version) when last copied into staging
         self.sync = True                         # False inside ShardedOptimizer.no_sync()
@@ -129,15 +146,20 @@ class ZeroComm:
         if self.works[pos] is not None:          # the previous round's reduction of this bucket reads staging
             self.works[pos].wait()
             self.works[pos] = None
-        base = self.world * lo if self.overlap else 0
-        flat = self.staging[k][base:base + self.world * n]                                # (Nd*n,)
-        torch.cat([self._piece(x, self.pads[k]) for x in self.buckets[k][1][self.order[pos][1]]], out=flat)
         for i in self.members[pos]:
             g = self.params[i].grad
             self.copied[i] = (g, None if g is None else g._version)
-        reduce_scatter = comm.reduce_scatter_direct if self.direct else comm.reduce_scatter
-        self.works[pos] = reduce_scatter(self.shards[k][lo:lo + n], flat, op=comm.ReduceOp.AVG, group=self.group,
-                                         async_op=async_op, label=f"zero grads {k}.{self.order[pos][1]}")
+        label = f"zero grads {k}.{self.order[pos][1]}"
+        if self.direct:                          # gloo: each piece sent straight from .grad (no staging copy)
+            pieces = [[self._piece(x, self.pads[k]) for x in plan] for plan in self.by_rank[pos]]
+            self.works[pos] = comm.reduce_scatter_pieces(self.shards[k][lo:lo + n], pieces, op=comm.ReduceOp.AVG,
+                                                         group=self.group, async_op=async_op, label=label)
+        else:
+            base = self.world * lo if self.overlap else 0
+            flat = self.staging[k][base:base + self.world * n]                            # (Nd*n,)
+            torch.cat([self._piece(x, self.pads[k]) for x in self.buckets[k][1][self.order[pos][1]]], out=flat)
+            self.works[pos] = comm.reduce_scatter(self.shards[k][lo:lo + n], flat, op=comm.ReduceOp.AVG,
+                                                  group=self.group, async_op=async_op, label=label)
         if not async_op:
             self.works[pos] = None
 

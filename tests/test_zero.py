@@ -9,7 +9,8 @@ from parlab import comm
 from parlab.data import BatchSampler, load_corpus
 from parlab.models import GPT, GPTConfig
 from parlab.zero import ShardedOptimizer, iter_owned, partition_parameters
-from parlab.zero_flat import make_layouts, merge_state, owned_runs, split_state
+from parlab.zero_flat import (chunk_bounds, join_chunks, make_layouts, merge_state, owned_runs, split_chunks,
+                              split_state)
 from toy_models import Toy
 
 CFG = GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=2, n_embd=32)
@@ -189,6 +190,45 @@ def test_state_dict_reloads_at_another_world_size():
         torch.testing.assert_close(dict(model.named_parameters())[n], p, **TOL)
 
 
+def _train_small_chunks(*args, **kw):
+    """`_train` with the inner optimizer stepping 32-element (256-byte float64) chunks, so runs span many
+    chunks and chunks cut through parameters."""
+    import parlab.zero
+    parlab.zero.STEP_CHUNK_BYTES = 256
+    return _train(*args, **kw)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_chunked_inner_step_matches_single_process_and_reloads(stage):
+    """The flat step in chunks smaller than one parameter: parameters, kept gradients and the gathered
+    (joined) state equal one process; that state reloads (split back into chunks) and training goes on
+    exactly as one process would."""
+    first = parlab.run(_train_small_chunks, 2, "gpt", "adamw", stage, 2).results
+    ref, ref_opt = reference("gpt", "adamw", 2)
+    _check("gpt", stage, first, ref, ref_opt)
+    again = parlab.run(_train_small_chunks, 2, "gpt", "adamw", stage, 1, load=(first[0]["params"],
+                                                                               first[0]["state"], 2))
+    ref, ref_opt = reference("gpt", "adamw", 3)
+    for n, p in ref.named_parameters():
+        torch.testing.assert_close(again[1]["params"][n], p.detach(), **TOL)
+    expect = ref_opt.state_dict()["state"]
+    for i, st in expect.items():
+        for k, v in st.items():
+            torch.testing.assert_close(again[0]["state"]["state"][i][k], v, **TOL)
+
+
+def test_chunk_state_join_and_split_round_trip():
+    bounds = chunk_bounds(10, 4)
+    assert bounds == [(0, 4), (4, 8), (8, 10)]
+    run = {"step": torch.tensor(5.0), "exp_avg": torch.arange(10.0)}
+    parts = split_chunks(run, bounds, 10)
+    assert [p["exp_avg"].tolist() for p in parts] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+    assert len({id(p["step"]) for p in parts}) == 3          # each chunk counts its own steps
+    back = join_chunks(parts, bounds)
+    assert torch.equal(back["exp_avg"], run["exp_avg"]) and torch.equal(back["step"], run["step"])
+    assert join_chunks([{}, {}, {}], bounds) == {} and split_chunks({}, bounds, 10) == [{}, {}, {}]
+
+
 def _one_step_traffic(stage):
     rank, world = comm.get_rank(), comm.get_world_size()
     model = make("gpt")
@@ -354,6 +394,10 @@ def _direct_collectives():
         comm.reduce_scatter(want, x.clone(), op=op)
         comm.reduce_scatter_direct(got, x.clone(), op=op, label="direct rs")
         out[str(op)] = (want, got)
+        got = torch.empty(5, dtype=torch.float64)           # the same, sent as pieces of 2 + 3 elements per chunk
+        comm.reduce_scatter_pieces(got, [[x[j * 5:j * 5 + 2], x[j * 5 + 2:j * 5 + 5]] for j in range(n)], op=op,
+                                   label="pieces rs")
+        out[f"pieces {op}"] = (want, got)
     work = comm.reduce_scatter_direct(got := torch.empty(5, dtype=torch.float64), x.clone(), async_op=True)
     work.wait()
     out["async"] = (out[str(comm.ReduceOp.SUM)][0], got)
@@ -364,7 +408,8 @@ def _direct_collectives():
     errors = []
     for bad in (lambda: comm.reduce_scatter_direct(torch.empty(5), torch.empty(n * 5), op=comm.ReduceOp.MAX),
                 lambda: comm.reduce_scatter_direct(torch.empty(5), torch.empty(n * 5 + 1)),
-                lambda: comm.all_gather_direct([torch.empty(3)] * n, torch.empty(4))):
+                lambda: comm.all_gather_direct([torch.empty(3)] * n, torch.empty(4)),
+                lambda: comm.reduce_scatter_pieces(torch.empty(5), [[torch.empty(5)]] * (n - 1) + [[torch.empty(4)]])):
         try:
             bad()
         except ValueError as e:
@@ -398,14 +443,17 @@ def test_direct_collectives_equal_the_native_ones(world_size):
     for out, errors in res.results:
         for want, got in out.values():
             torch.testing.assert_close(got, want, rtol=0, atol=0)
-        assert len(errors) == 3 and "ReduceOp.SUM or ReduceOp.AVG" in errors[0]
+        assert len(errors) == 4 and "ReduceOp.SUM or ReduceOp.AVG" in errors[0]
         assert "expected the group size" in errors[1] and "outputs (one per group rank)" in errors[2]
+        assert "each adding up to the output's 5 elements" in errors[3]
     n = world_size
     for r in range(n):
         rs = res.trace.filter(rank=r, op="reduce_scatter", label="direct rs")
         ag = res.trace.filter(rank=r, op="all_gather", label="direct ag")
         assert len(rs.events) == 2 and len(ag.events) == 1
         assert rs.bytes_per_rank()[r] == pytest.approx(2 * (n - 1) / n * n * 5 * 8)
+        pieces = res.trace.filter(rank=r, op="reduce_scatter", label="pieces rs")
+        assert len(pieces.events) == 2 and pieces.bytes_per_rank()[r] == rs.bytes_per_rank()[r]
         assert ag.bytes_per_rank()[r] == pytest.approx((n - 1) / n * n * 4 * 8)
 
 
