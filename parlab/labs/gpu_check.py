@@ -11,8 +11,8 @@ reported, and the next one still runs); its whole output goes to ``LOGDIR/NN_NAM
 it. The table gives, per run, the exit status, the loss, tokens/s and the largest per-rank memory from the
 lab's ``summary:`` line (on GPUs ``torch.cuda.max_memory_allocated``, construction included) and the wall
 time. Then ``pytest`` runs the GPU tests (tests/test_gpu.py: NCCL collectives, CUDA-event timing, meta
-construction on the device; tests/test_labs.py: the labs' own checks, which pick NCCL when there are GPUs),
-each file on its own, and the table gives their summary lines.
+construction on the device; tests/test_labs.py: the labs' own checks, which pick NCCL when there are GPUs
+and start up to 4 ranks, so they need 4 GPUs), each file on its own, and the table gives their summary lines.
 
 Without CUDA it stops at once, saying so (``no CUDA device: ...``); `--dry-run` still prints the plan.
 The sizes: ``small`` (seconds per lab) and ``medium`` (a GPT-2-small-like width); the layouts need N in
