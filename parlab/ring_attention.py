@@ -185,15 +185,15 @@ def _attention_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: bo
     kernel's fp32 accumulators hold it [4]: the scores q k^T and the sum P V accumulate in float32; the
     probabilities P are rounded to the input dtype for the P V product, as FlashAttention does."""
     acc = _acc_dtype(q.dtype)
-    s = (q.to(acc) @ k.to(acc).transpose(-2, -1)).to(acc) / math.sqrt(q.shape[-1])   # (B, nh, cq, ck)
-    #  float32 for 16-bit inputs (the outer .to: under torch.autocast the matmul itself returns bf16);
-    #  rounding the scores to bf16 first would make lse disagree with the backward's float32 scores
-    if mask:
-        keep = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril()  # (cq, ck), cq == ck
-        s = s.masked_fill(~keep, float("-inf"))
-    lse = torch.logsumexp(s, dim=-1)                        # (B, nh, cq)
-    p = torch.exp(s - lse.unsqueeze(-1)).to(v.dtype).to(acc)   # (B, nh, cq, ck), P in the input's precision
-    return (p @ v.to(acc)).to(acc), lse                     # (B, nh, cq, hd) in float32+, (B, nh, cq)
+    with torch.autocast(q.device.type, enabled=False):      # the precision is set here, not by an outer autocast
+        s = q.to(acc) @ k.to(acc).transpose(-2, -1) / math.sqrt(q.shape[-1])   # (B, nh, cq, ck), float32+
+        #  (rounding the scores to bf16 first would make lse disagree with the backward's float32 scores)
+        if mask:
+            keep = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril()  # (cq, ck), cq == ck
+            s = s.masked_fill(~keep, float("-inf"))
+        lse = torch.logsumexp(s, dim=-1)                    # (B, nh, cq)
+        p = torch.exp(s - lse.unsqueeze(-1)).to(v.dtype).to(acc)   # (B, nh, cq, ck), P in the input's precision
+        return p @ v.to(acc), lse                           # (B, nh, cq, hd) in float32+, (B, nh, cq)
 
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -220,6 +220,11 @@ def _block_backward(dout, q, k, v, lse, delta, mask: bool):
     """Gradients of one block given the *final* lse of the queries (so P below is the true softmax
     restricted to this block): P = exp(S - lse); dV = P^T dO; dS = P * (dO V^T - delta); dQ = dS K / sqrt(hd);
     dK = dS^T Q / sqrt(hd), with delta = rowsum(dO * O) [4, algorithm 2]."""
+    with torch.autocast(lse.device.type, enabled=False):    # float32 math even if backward runs under autocast
+        return _block_backward_math(dout, q, k, v, lse, delta, mask)
+
+
+def _block_backward_math(dout, q, k, v, lse, delta, mask: bool):
     scale = 1.0 / math.sqrt(q.shape[-1])
     dout, q, k, v = (t.to(lse.dtype) for t in (dout, q, k, v))   # 16-bit inputs: the block's math in float32
     s = q @ k.transpose(-2, -1) * scale                     # (B, nh, cq, ck)
