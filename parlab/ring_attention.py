@@ -33,7 +33,8 @@ keeps dQ at home and sends dK/dV around the ring *with* their K/V block, so afte
 accumulated dK/dV arrive back at the rank that owns them.
 
 Mixed precision: with bf16 / fp16 inputs each block's scores q k^T, softmax and P V sums run in float32
-(the probabilities P are rounded to the input dtype for P V, as in FlashAttention), and the output and
+(the probabilities P are rounded to the input dtype for P V, as in FlashAttention; autocast is off inside
+a block, so an outer ``torch.autocast`` cannot round the scores to bf16), and the output and
 log-sum-exp accumulate in float32 across the P merges (out is cast to the input dtype once, at the
 end; lse is kept in float32 for the backward), as ring-flash-attention does [2]; dQ also sums its P
 blocks in float32. The travelling dK/dV are partial sums that every rank adds to, P times: they too
