@@ -25,6 +25,7 @@ import datetime
 import os
 import re
 import shlex
+import signal
 import subprocess
 import sys
 import time
@@ -159,13 +160,18 @@ def _environment() -> str:
 
 
 def _run(argv: list[str], log: str, timeout: float) -> tuple[int | str, str, float]:
+    """Run `argv` in its own process group (torchrun and its workers), output to `log`; past `timeout` the
+    whole group is killed, so no worker is left holding a GPU."""
     t = time.perf_counter()
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
     try:
-        proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
-        code, out = proc.returncode, proc.stdout + proc.stderr
-    except subprocess.TimeoutExpired as e:
+        out, _ = proc.communicate(timeout=timeout)
+        code = proc.returncode
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
         code = f"timeout {timeout:g} s"
-        out = "".join(x.decode() if isinstance(x, bytes) else (x or "") for x in (e.stdout, e.stderr))
     with open(log, "w") as f:
         f.write(shlex.join(argv) + "\n\n" + out)
     return code, out, time.perf_counter() - t
