@@ -32,19 +32,15 @@ recomputes each block's probabilities from the saved log-sum-exp (as FlashAttent
 keeps dQ at home and sends dK/dV around the ring *with* their K/V block, so after P hops the
 accumulated dK/dV arrive back at the rank that owns them.
 
-Mixed precision: with bf16 / fp16 inputs each block's scores q k^T, softmax and P V sums run in float32
-(the probabilities P are rounded to the input dtype for P V, as in FlashAttention; autocast is off inside
-a block, so an outer ``torch.autocast`` cannot round the scores to bf16), and the output and
-log-sum-exp accumulate in float32 across the P merges (out is cast to the input dtype once, at the
-end; lse is kept in float32 for the backward), as ring-flash-attention does [2]; dQ also sums its P
-blocks in float32. The travelling dK/dV are partial sums that every rank adds to, P times: they too
-accumulate in float32, so they travel in float32 (ring-flash-attention keeps its dK/dV buffers in
-float32 likewise [2]) and are cast to the input dtype once, at home. What travels, then: K/V blocks in
-the input dtype (they are data, not sums), dK/dV blocks in float32 (for bf16 / fp16 inputs twice the
-bytes of a K/V block; float64 stays float64). Measured against a float64 reference at P = 4, S = 64, bf16 (tests/test_ring_attention.py):
-max |error| of dK 0.0094, dV 0.0071 with float32 sums; 0.0114 and 0.0106 with the sums in bf16; and 0.020
-for dK when the scores q k^T were also rounded to bf16 before the softmax (they are float32 now, as in a
-fused kernel, so the forward's lse agrees with the backward's float32 scores).
+Mixed precision (bf16 / fp16 inputs): a block's scores q k^T, softmax and P V sums run in float32 (P is
+rounded to the input dtype for P V, as in FlashAttention; autocast is off inside a block); out and lse
+accumulate in float32 over the P merges (out is cast to the input dtype once, at the end; lse stays
+float32 for the backward), as in ring-flash-attention [2]; dQ sums its P blocks in float32. The
+travelling dK/dV are partial sums every rank adds to, so they accumulate, and therefore travel, in
+float32 (as ring-flash-attention's dk/dv [2]), cast to the input dtype once, at home. On the wire: K/V
+blocks in the input dtype (data, not sums), dK/dV in float32 (twice a bf16 K/V block's bytes). Measured
+against float64 at P = 4, S = 64 (tests/test_ring_attention.py): max |error| of dK 0.0094, dV 0.0071; with
+the dK/dV sums in bf16 0.0114, 0.0106; with bf16 scores as well, dK 0.020.
 
 Communication per rank (K/V block = 2 B nh c hd elements, one message):
     forward   (P - 1) K/V blocks
