@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from parlab.labs import LABS
 
@@ -48,8 +49,9 @@ def check_trace(trace, ranks):
 @pytest.mark.parametrize("name,ranks,options", RUNS, ids=[f"{n}-{r}ranks{''.join(o[-2:])}" for n, r, o in RUNS])
 def test_lab_runs_under_torchrun(name, ranks, options, tmp_path):
     out, trace = run_lab(name, ranks, options, tmp_path)
-    summary = re.search(r"^summary: lab=(\w+) world=(\d+) backend=gloo steps=2 loss=([\d.]+) tokens/s=(\d+) "
-                        r"max_mem/rank=([\d.]+) MB", out, re.M)
+    backend = "nccl" if torch.cuda.is_available() else "gloo"   # --backend auto (parlab.torchrun.init)
+    summary = re.search(rf"^summary: lab=(\w+) world=(\d+) backend={backend} steps=2 loss=([\d.]+) "
+                        r"tokens/s=(\d+) max_mem/rank=([\d.]+) MB", out, re.M)
     assert summary, out[-2000:]
     assert summary[1] == name and int(summary[2]) == ranks
     assert 0 < float(summary[3]) < 10 and int(summary[4]) > 0 and float(summary[5]) > 0

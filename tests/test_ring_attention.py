@@ -324,3 +324,16 @@ def test_ring_attention_runs_under_nccl_p2p_rules(P):
     S = 2 * P * 2
     res = parlab.run(_ring_serialised, P, S, timeout=60)
     _check_against_full([res[r] for r in range(P)], S, True, "zigzag")
+
+
+def test_block_scores_stay_float32_under_autocast():
+    from parlab.ring_attention import _attention_block
+    q, k, v, _ = _qkv_do(16, torch.bfloat16)                              # bf16 values, (B, nh, 16, hd)
+    with torch.autocast("cpu", dtype=torch.bfloat16):                     # the labs' --dtype bfloat16 mode
+        out, lse = _attention_block(q, k, v, mask=True)
+    assert out.dtype == lse.dtype == torch.float32
+    s = (q.double() @ k.double().transpose(-2, -1) / HD**0.5).masked_fill(~torch.ones(16, 16).tril().bool(),
+                                                                          float("-inf"))
+    # float32 scores of length-4 dot products: ~1e-7 relative of |lse| < 10. Scores rounded to bf16 (what
+    # autocast's matmul returns unless cast back) would be off by up to 2^-9 relative: ~1e-2 here.
+    torch.testing.assert_close(lse.double(), torch.logsumexp(s, -1), rtol=0, atol=1e-5)

@@ -11,8 +11,8 @@ reported, and the next one still runs); its whole output goes to ``LOGDIR/NN_NAM
 it. The table gives, per run, the exit status, the loss, tokens/s and the largest per-rank memory from the
 lab's ``summary:`` line (on GPUs ``torch.cuda.max_memory_allocated``, construction included) and the wall
 time. Then ``pytest`` runs the GPU tests (tests/test_gpu.py: NCCL collectives, CUDA-event timing, meta
-construction on the device; tests/test_labs.py: the labs' own checks, which pick NCCL when there are GPUs),
-each file on its own, and the table gives their summary lines.
+construction on the device; tests/test_labs.py: the labs' own checks, which pick NCCL when there are GPUs
+and start up to 4 ranks, so they need 4 GPUs), each file on its own, and the table gives their summary lines.
 
 Without CUDA it stops at once, saying so (``no CUDA device: ...``); `--dry-run` still prints the plan.
 The sizes: ``small`` (seconds per lab) and ``medium`` (a GPT-2-small-like width); the layouts need N in
@@ -25,6 +25,7 @@ import datetime
 import os
 import re
 import shlex
+import signal
 import subprocess
 import sys
 import time
@@ -159,13 +160,18 @@ def _environment() -> str:
 
 
 def _run(argv: list[str], log: str, timeout: float) -> tuple[int | str, str, float]:
+    """Run `argv` in its own process group (torchrun and its workers), output to `log`; past `timeout` the
+    whole group is killed, so no worker is left holding a GPU."""
     t = time.perf_counter()
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
     try:
-        proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
-        code, out = proc.returncode, proc.stdout + proc.stderr
-    except subprocess.TimeoutExpired as e:
+        out, _ = proc.communicate(timeout=timeout)
+        code = proc.returncode
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
         code = f"timeout {timeout:g} s"
-        out = "".join(x.decode() if isinstance(x, bytes) else (x or "") for x in (e.stdout, e.stderr))
     with open(log, "w") as f:
         f.write(shlex.join(argv) + "\n\n" + out)
     return code, out, time.perf_counter() - t
