@@ -5,8 +5,14 @@ AVG only on floating types), so tests on CPU/gloo fail where NCCL on GPUs would.
 pytest process; ranks started by `parlab.run` fork from it and inherit it (the spawn start method, used by one
 launch test only, starts fresh interpreters without it)."""
 import pytest
+import torch
 
 from parlab import comm
+
+# tests/gpu/ needs CUDA (NCCL collectives, CUDA events, meta construction on a GPU): it is collected only where
+# there is a device (`python -m parlab.labs.gpu_check` runs it on a GPU node), so a CPU run reports no skips;
+# tests/test_labs.py::test_gpu_tests_import_on_cpu checks on every machine that the file still imports.
+collect_ignore_glob = [] if torch.cuda.is_available() else ["gpu/*"]
 
 
 @pytest.fixture(autouse=True)

@@ -10,7 +10,7 @@ Each lab runs as ``python -m torch.distributed.run --standalone --nproc_per_node
 reported, and the next one still runs); its whole output goes to ``LOGDIR/NN_NAME.log`` and its trace next to
 it. The table gives, per run, the exit status, the loss, tokens/s and the largest per-rank memory from the
 lab's ``summary:`` line (on GPUs ``torch.cuda.max_memory_allocated``, construction included) and the wall
-time. Then ``pytest`` runs the GPU tests (tests/test_gpu.py: NCCL collectives, CUDA-event timing, meta
+time. Then ``pytest`` runs the GPU tests (tests/gpu/test_gpu.py: NCCL collectives, CUDA-event timing, meta
 construction on the device; tests/test_labs.py: the labs' own checks, which pick NCCL when there are GPUs
 and start up to 4 ranks, so they need 4 GPUs), each file on its own, and the table gives their summary lines.
 
@@ -38,7 +38,7 @@ SIZES = {   # model and batch per preset; layers are raised to 2 N for the inter
     "medium": dict(layers=12, hidden=768, heads=16, seq_len=1024, vocab=128, batch_per_gpu=8),
 }
 GPU_COUNTS = (1, 2, 4, 8)
-TESTS = ("tests/test_gpu.py", "tests/test_labs.py")
+TESTS = ("tests/gpu/test_gpu.py", "tests/test_labs.py")
 
 
 @dataclass
