@@ -266,6 +266,11 @@
       seen.add(n);
     }
     problems.push(...legendColourProblems(gd), ...logLabelProblems(gd));
+    gd.querySelectorAll(".legend rect.scrollbar").forEach(bar => {     // a legend taller than its figure scrolls:
+      const b = box(bar);                                              // its last entries are hidden on a slide
+      if (b.h > 0 && b.w > 0) problems.push(`legend does not fit the figure's height: it scrolls (` +
+        `${gd.querySelectorAll(".legend .traces").length} entries); make the figure taller or the legend shorter`);
+    });
     problems.push(...fontProblems(gd), ...rangeProblems(gd), ...clippedProblems(gd), ...hiddenAnnotationProblems(gd));
     return Array.from(new Set(problems));
   };

@@ -124,7 +124,8 @@ def planner_figure(estimates, cluster=None, marks: dict | None = None, title: st
         # as 2 s: label 1-2-5 steps in full instead
         yaxis=dict(title="estimated step time (s, log)", type="log", minorloglabels="none",
                    tickvals=_ticks_125([e.step_s for e in estimates])),
-        template="plotly_white", height=520,
+        # tall enough for the legend (a row per trace, a gap per tp group), which would scroll otherwise
+        template="plotly_white", height=max(520, 220 + 21 * len(fig.data) + 10 * len(tps)),
         legend=dict(title="tensor parallel size"), hovermode="closest")
     return fig
 
