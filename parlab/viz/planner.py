@@ -113,7 +113,7 @@ def planner_figure(estimates, cluster=None, marks: dict | None = None, title: st
             raise ValueError(f"mark {label!r}: no estimate has {spec}")
         e = found[0]
         fig.add_trace(go.Scatter(x=[e.total_bytes / GB], y=[e.step_s], mode="markers+text", text=[label],
-                                 textposition="bottom right", name=f"{label}: {e.layout}",
+                                 textposition="bottom left", name=f"{label}: {e.layout}",   # off the memory line
                                  marker=dict(symbol="circle-open", size=22, color="black", line=dict(width=2.5)),
                                  hovertext=[_hover(e)], hovertemplate="%{hovertext}<extra></extra>"))
     n_fit = len(fitting)
