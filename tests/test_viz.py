@@ -336,3 +336,13 @@ def test_planner_step_axis_labels_read_in_full():
     from parlab.viz.planner import _ticks_125
     assert _ticks_125([23.8, 230.0]) == [20.0, 50.0, 100.0, 200.0, 500.0]
     assert _ticks_125([0.03, 0.045]) == [0.03, 0.04, 0.05]                   # a narrow range: 1..9 steps
+
+
+def test_animation_heading_gives_a_calls_total_per_rank_not_per_arrow():
+    """Played step by step, each arrow carries a chunk (X/N): the heading must not call the total 'per arrow'."""
+    from parlab.viz.animation import Step, step_title
+    ar = Step("all_reduce", "collective", "", (0, 1, 2, 3), 16)
+    a2a = Step("all_to_all", "collective", "", (0, 1, 2, 3), 16)
+    assert step_title(ar).endswith("16 B payload, 24 B per arrow")                       # one frame per call
+    assert step_title(ar, per_call=False).endswith("16 B payload, 24 B sent per rank in all")
+    assert step_title(a2a, per_call=False).endswith("16 B payload, 12 B sent per rank in all")   # 3 arrows of 4 B
