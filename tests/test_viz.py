@@ -329,3 +329,20 @@ def test_memory_bars_write_totals_in_plain_numbers_when_asked():
     fig = memory_bars(cols, unit=1e9, unit_name="GB", totals=True)
     assert list(fig.data[-1].text) == ["2,800 GB", "733 GB", "388 GB", "43.8 GB"]      # not "2.8e+03 GB"
     assert all(d.text is None for d in fig.data[:-1]) and memory_bars(cols).data[-1].text is None
+
+
+def test_planner_step_axis_labels_read_in_full():
+    """Plotly's minor log labels write 20 s as "2"; the planner figure labels 1-2-5 steps in full instead."""
+    from parlab.viz.planner import _ticks_125
+    assert _ticks_125([23.8, 230.0]) == [20.0, 50.0, 100.0, 200.0, 500.0]
+    assert _ticks_125([0.03, 0.045]) == [0.03, 0.04, 0.05]                   # a narrow range: 1..9 steps
+
+
+def test_animation_heading_gives_a_calls_total_per_rank_not_per_arrow():
+    """Played step by step, each arrow carries a chunk (X/N): the heading must not call the total 'per arrow'."""
+    from parlab.viz.animation import Step, step_title
+    ar = Step("all_reduce", "collective", "", (0, 1, 2, 3), 16)
+    a2a = Step("all_to_all", "collective", "", (0, 1, 2, 3), 16)
+    assert step_title(ar).endswith("16 B payload, 24 B per arrow")                       # one frame per call
+    assert step_title(ar, per_call=False).endswith("16 B payload, 24 B sent per rank in all")
+    assert step_title(a2a, per_call=False).endswith("16 B payload, 12 B sent per rank in all")   # 3 arrows of 4 B

@@ -60,15 +60,27 @@ def test_checker_finds_each_kind_of_problem(tmp_path):
     assert len(list(tmp_path.rglob("*.png"))) == 7                   # a screenshot per figure
 
 
-def test_checker_finds_legend_entries_of_one_colour(tmp_path):
-    """Lesson 02's replay figure had "grad sync" and "untraced" in the same blue (their names hash to it)."""
+def test_checker_finds_legend_colours_scrolling_legends_and_single_digit_log_labels(tmp_path):
+    """Lesson 02's replay figure had "grad sync" and "untraced" in the same blue (their names hash to it); lesson
+    07's planner figure labelled 20 s as "2" (plotly's minor log labels)."""
     same = go.Figure([go.Bar(x=[1], y=["a"], orientation="h", name="grad sync", marker_color="#08519c"),
                       go.Bar(x=[2], y=["a"], orientation="h", name="untraced", marker_color="#08519c")])
     dashed = go.Figure([go.Scatter(x=[0, 1], y=[0, 1], name="measured", line_color="grey"),      # told apart
                         go.Scatter(x=[0, 1], y=[0, 2], name="ideal", line=dict(color="grey", dash="dash"))])
     ev = [Event(rank=r, kind="compute", op=op, start=s, end=s + 1.0) for r in (0, 1)
           for s, op in ((0.0, "grad sync"), (1.0, "untraced"), (2.0, "wait"), (3.0, "loss"))]
-    (p_same, p_dashed, p_timeline), _ = _problems(tmp_path, same, dashed, viz.timeline(ev))
+    digits = go.Figure(go.Scatter(x=[1, 2], y=[15, 250]))
+    digits.update_yaxes(type="log")
+    from parlab.viz.planner import _ticks_125
+    full = go.Figure(go.Scatter(x=[1, 2], y=[15, 250]))
+    full.update_yaxes(type="log", minorloglabels="none", tickvals=_ticks_125([15, 250]))
+    scrolls = go.Figure([go.Scatter(x=[0, 1], y=[i, i], name=f"series {i}") for i in range(30)])
+    scrolls.update_layout(height=300)                     # lesson 07's planner legend scrolled at 520 px
+    (p_same, p_dashed, p_timeline, p_digits, p_full, p_scrolls), _ = _problems(
+        tmp_path, same, dashed, viz.timeline(ev), digits, full, scrolls)
+    assert any(p.startswith("legend does not fit the figure's height") for p in p_scrolls), p_scrolls
+    assert p_digits[0].startswith('yaxis labels 20.0 as "2"'), p_digits          # (and small: 9 px)
+    assert p_full == [], p_full
     assert p_same == ['legend entries "grad sync" and "untraced" have the same colour rgb(8, 81, 156)'], p_same
     assert p_dashed == [] and p_timeline == [], (p_dashed, p_timeline)     # the timeline gives each its own
 

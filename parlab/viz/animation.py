@@ -207,6 +207,14 @@ def _initial_chunks(step: Step) -> tuple[int, dict[int, list[set]]] | None:
     return n, {r: [{i} for _ in range(n)] for i, r in enumerate(g)}      # all_reduce, reduce_scatter
 
 
+def _sent_by(edges) -> dict[int, float]:
+    """{rank: bytes its arrows carry} of a call's edges (src, dst, bytes)."""
+    out: dict[int, float] = {}
+    for a, _, nb in edges:
+        out[a] = out.get(a, 0) + nb
+    return out
+
+
 def step_title(step: Step, per_call: bool = True) -> str:
     """E.g. "all_reduce 'grads' on ranks [0, 1, 2, 3]: 64 B payload, 96 B per arrow" (per_call: the call's
     arrows are its total), or "..., 96 B sent per rank in all" when the call is played step by step (each
@@ -216,7 +224,7 @@ def step_title(step: Step, per_call: bool = True) -> str:
         return f"send rank {step.group[0]} → rank {step.group[1]}{label}: {style.human_bytes(step.nbytes)}"
     edges = step_edges(step)
     per_arrow = ("" if not edges else f", {style.human_bytes(edges[0][2])} per arrow" if per_call else
-                 f", {style.human_bytes(max(nb for _, _, nb in edges))} sent per rank in all")
+                 f", {style.human_bytes(max(_sent_by(edges).values()))} sent per rank in all")
     root = f" (root {step.root})" if step.root is not None else ""
     return (f"{step.op}{label} on ranks {list(step.group)}{root}: "
             f"{style.human_bytes(step.nbytes)} payload{per_arrow}")

@@ -183,6 +183,25 @@
     return out;
   }
 
+  // plotly labels minor log ticks with a single digit ("2" at 20 between 10 and 100): read as 2
+  function logLabelProblems(gd) {
+    const fl = gd._fullLayout, out = [];
+    for (const key of Object.keys(fl)) {
+      const ax = fl[key];
+      if (!/^[xy]axis\d*$/.test(key) || !ax || ax.type !== "log" || ax.visible === false) continue;
+      for (const t of (ax._vals || [])) {
+        const text = String(t.text || "").replace(/<[^>]*>/g, "").replace(/\u2212/g, "-").trim();
+        if (!/^-?\d+(\.\d+)?$/.test(text) || !(Number(text) > 0)) continue;
+        if (Math.abs(Math.log10(Number(text)) - t.x) > 0.01) {
+          out.push(`${key} labels ${Number(10 ** t.x).toPrecision(3)} as "${text}" (plotly's minor log labels): ` +
+                   "use minorloglabels='none' or tickvals");
+          break;
+        }
+      }
+    }
+    return out;
+  }
+
   // two legend entries in one colour cannot be told apart (e.g. two region names that hash to the same blue)
   function rgb(c) {
     const m = (c || "").match(/rgba?\(\s*([\d.]+)[,\s]+([\d.]+)[,\s]+([\d.]+)(?:[,\s/]+([\d.]+))?/);
@@ -246,7 +265,12 @@
       if (seen.has(n)) problems.push(`legend lists "${short(n)}" twice`);
       seen.add(n);
     }
-    problems.push(...legendColourProblems(gd));
+    problems.push(...legendColourProblems(gd), ...logLabelProblems(gd));
+    gd.querySelectorAll(".legend rect.scrollbar").forEach(bar => {     // a legend taller than its figure scrolls:
+      const b = box(bar);                                              // its last entries are hidden on a slide
+      if (b.h > 0 && b.w > 0) problems.push(`legend does not fit the figure's height: it scrolls (` +
+        `${gd.querySelectorAll(".legend .traces").length} entries); make the figure taller or the legend shorter`);
+    });
     problems.push(...fontProblems(gd), ...rangeProblems(gd), ...clippedProblems(gd), ...hiddenAnnotationProblems(gd));
     return Array.from(new Set(problems));
   };

@@ -13,7 +13,9 @@ a JupyterLab notebook, and `check.js` measures from the drawn page:
 * no text is cut off at the figure's edge;
 * every axis range lies within the data's (with half the data's span of margin; the data include shapes
   and annotations placed on that axis), so no marker stretches an axis to 10^70;
-* no legend entry is listed twice;
+* no legend entry is listed twice, no two entries look alike (same colour and swatch shape), and the legend
+  fits the figure's height (a legend that scrolls hides its last entries on a slide);
+* no log axis labels a minor tick with a single digit (plotly writes 20 as "2" between 10 and 100);
 * no text is smaller than 10 px (plotly shrinks bar labels to fit; ``<sup>`` is 70% of its font);
 * an animation (``parlab.viz.comm_animation``) has at least as many frames as its calls' algorithms have
   steps, and its frames are checked too (first, last and the one with the longest heading);

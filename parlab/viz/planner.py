@@ -52,6 +52,22 @@ def _matches(e, spec: dict) -> bool:
     return all(getattr(e, k) == v for k, v in spec.items())
 
 
+def _ticks_125(values) -> list[float]:
+    """1, 2, 5, 10, 20, 50, ... covering `values` (positive), one step beyond each end; 1, 2, 3, ..., 9 steps
+    when fewer than two of those fall inside the values' range."""
+    lo, hi = min(values), max(values)
+    for mantissas in ((1, 2, 5), tuple(range(1, 10))):
+        ticks, k = [], math.floor(math.log10(lo)) - 1
+        while not ticks or ticks[-1] < hi:
+            ticks += [m * 10.0 ** k for m in mantissas]
+            k += 1
+        i = max(j for j, t in enumerate(ticks) if t <= lo)
+        j = min(j for j, t in enumerate(ticks) if t >= hi)
+        if sum(lo <= t <= hi for t in ticks) >= 2:
+            break
+    return [float(f"{t:.6g}") for t in ticks[i:j + 1]]
+
+
 def planner_figure(estimates, cluster=None, marks: dict | None = None, title: str | None = None) -> go.Figure:
     """Memory per GPU (x) vs step time (y) of every layout in `estimates`; fitting ones filled, the rest open.
 
@@ -97,16 +113,19 @@ def planner_figure(estimates, cluster=None, marks: dict | None = None, title: st
             raise ValueError(f"mark {label!r}: no estimate has {spec}")
         e = found[0]
         fig.add_trace(go.Scatter(x=[e.total_bytes / GB], y=[e.step_s], mode="markers+text", text=[label],
-                                 textposition="bottom right", name=f"{label}: {e.layout}",
+                                 textposition="bottom left", name=f"{label}: {e.layout}",   # off the memory line
                                  marker=dict(symbol="circle-open", size=22, color="black", line=dict(width=2.5)),
                                  hovertext=[_hover(e)], hovertemplate="%{hovertext}<extra></extra>"))
     n_fit = len(fitting)
     fig.update_layout(
         title=title or f"{len(estimates)} candidate layouts, {n_fit} fit: memory per GPU vs step time",
         xaxis=dict(title="memory of the fullest GPU (GB, log)", type="log", minorloglabels="none"),
-        # step times often span one decade: keep plotly's 2, 5 labels, at 14 px so that their 75% is >= 10 px
-        yaxis=dict(title="estimated step time (s, log)", type="log", tickfont=dict(size=14)),
-        template="plotly_white", height=520,
+        # plotly's minor log labels are single digits ("2" for 20 s between 10 and 100), which a student reads
+        # as 2 s: label 1-2-5 steps in full instead
+        yaxis=dict(title="estimated step time (s, log)", type="log", minorloglabels="none",
+                   tickvals=_ticks_125([e.step_s for e in estimates])),
+        # tall enough for the legend (a row per trace, a gap per tp group), which would scroll otherwise
+        template="plotly_white", height=max(520, 220 + 21 * len(fig.data) + 10 * len(tps)),
         legend=dict(title="tensor parallel size"), hovermode="closest")
     return fig
 

@@ -42,7 +42,9 @@ def toggle(measured: Any, replayed: Any, title: str | None = None, labels: tuple
             out.add_trace(t)
         counts.append(len(fig.data))
     layout = views[start][0].layout
-    out.update_layout(template="plotly_white", barmode="overlay", hovermode="closest", height=layout.height,
+    # both views' legends share the figure, and the buttons take 20 px more of the top than a timeline does
+    height = max(fig.layout.height for fig, _, _ in views) + 20
+    out.update_layout(template="plotly_white", barmode="overlay", hovermode="closest", height=height,
                       yaxis=layout.yaxis, xaxis=layout.xaxis, legend=layout.legend,
                       # the title on the top line, the buttons on their own line under it: long labels never meet
                       title=dict(text=views[start][2], x=0.015, xanchor="left", y=1.0, yref="container", yanchor="top",

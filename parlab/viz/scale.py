@@ -104,7 +104,8 @@ def bubble_vs_microbatches(ms: Sequence[int], bubble: Sequence[float], busy_at_m
     """Bubble fraction of the step (bars) and the most stages ever busy at once (line, right axis) against the
     number of micro-batches m; bars with m < stages are red (the rule m >= p is broken)."""
     colors = ["#d62728" if m < stages else "#4c78a8" for m in ms]
-    fig = go.Figure(go.Bar(x=[str(m) for m in ms], y=list(bubble), marker_color=colors, name="bubble fraction",
+    fig = go.Figure(go.Bar(x=[str(m) for m in ms], y=list(bubble), marker_color=colors,
+                           name="idle fraction (red: m < p)",      # the swatch takes the first bar's colour
                            text=[f"{b:.0%}" for b in bubble], textposition="outside"))
     fig.add_scatter(x=[str(m) for m in ms], y=list(busy_at_most), mode="lines+markers", yaxis="y2",
                     name="most stages busy at once", line=dict(color="#333333"))
