@@ -33,7 +33,7 @@ ALLOWED: dict[tuple[str, str, str], str] = {
         "added to the CPU starts, then the indices move with idx.to(self.tokens.device)",
     ("data_parallel.py", "factory", "torch.tensor(x.shape)"):
         "copied into a slice of `meta` (on the input's device) by assignment, which copies across devices",
-    ("ring_attention.py", "factory", "torch.arange(j * size, (j + 1) * size)"):
+    ("ring_plan.py", "factory", "torch.arange(j * size, (j + 1) * size)"):
         "shard_positions returns index data on the CPU; shard_sequence moves it to x.device before use",
     ("labs/context_parallel.py", "factory", "torch.zeros(1, lab.args.seq_len)"):
         "only checks that the sequence splits (cp.shard raises on a bad length); never computed with",
