@@ -67,8 +67,11 @@ def test_checker_finds_legend_colours_scrolling_legends_and_single_digit_log_lab
                       go.Bar(x=[2], y=["a"], orientation="h", name="untraced", marker_color="#08519c")])
     dashed = go.Figure([go.Scatter(x=[0, 1], y=[0, 1], name="measured", line_color="grey"),      # told apart
                         go.Scatter(x=[0, 1], y=[0, 2], name="ideal", line=dict(color="grey", dash="dash"))])
+    # lesson 02's naive timeline drew "loss" in #3182bd beside backward's #4292c6 (RGB distance 25): one blue
+    near = go.Figure([go.Bar(x=[1], y=["a"], orientation="h", name="backward", marker_color="#4292c6"),
+                      go.Bar(x=[2], y=["a"], orientation="h", name="loss", marker_color="#3182bd")])
     ev = [Event(rank=r, kind="compute", op=op, start=s, end=s + 1.0) for r in (0, 1)
-          for s, op in ((0.0, "grad sync"), (1.0, "untraced"), (2.0, "wait"), (3.0, "loss"))]
+          for s, op in ((0.0, "grad sync"), (1.0, "untraced"), (2.0, "wait"), (3.0, "loss"), (4.0, "backward"))]
     digits = go.Figure(go.Scatter(x=[1, 2], y=[15, 250]))
     digits.update_yaxes(type="log")
     from parlab.viz.planner import _ticks_125
@@ -76,8 +79,9 @@ def test_checker_finds_legend_colours_scrolling_legends_and_single_digit_log_lab
     full.update_yaxes(type="log", minorloglabels="none", tickvals=_ticks_125([15, 250]))
     scrolls = go.Figure([go.Scatter(x=[0, 1], y=[i, i], name=f"series {i}") for i in range(30)])
     scrolls.update_layout(height=300)                     # lesson 07's planner legend scrolled at 520 px
-    (p_same, p_dashed, p_timeline, p_digits, p_full, p_scrolls), _ = _problems(
-        tmp_path, same, dashed, viz.timeline(ev), digits, full, scrolls)
+    (p_same, p_near, p_dashed, p_timeline, p_digits, p_full, p_scrolls), _ = _problems(
+        tmp_path, same, near, dashed, viz.timeline(ev), digits, full, scrolls)
+    assert [p.split(" have ")[0] for p in p_near] == ['legend entries "backward" and "loss"'], p_near
     assert any(p.startswith("legend does not fit the figure's height") for p in p_scrolls), p_scrolls
     assert p_digits[0].startswith('yaxis labels 20.0 as "2"'), p_digits          # (and small: 9 px)
     assert p_full == [], p_full

@@ -4,7 +4,7 @@
 (function () {
   const MIN_PX = 10;            // no text smaller than this
   const SLACK = 1;              // px of rounding allowed at the figure's edges and between boxes
-  const COLOUR_DIST = 24;       // legend swatches closer than this (RGB distance, 0..441) look the same colour
+  const COLOUR_DIST = 40;       // legend swatches closer than this (RGB distance, 0..441) look the same colour
 
   function box(el) {
     const r = el.getBoundingClientRect();

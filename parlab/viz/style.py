@@ -3,9 +3,9 @@
 Every figure in parlab colours an event the same way, so a student who learnt
 "red is all-reduce" in lesson 2 still reads lesson 9 at a glance:
 
-* compute spans share one colour family (blues), keyed by region name:
-  light blue forward, mid blue backward, navy optimizer; any other region
-  name gets a stable blue of its own;
+* compute spans are blues, keyed by region name: light blue forward, mid
+  blue backward, navy optimizer; any other region name gets a stable colour
+  of its own from a family of teals and purples, far from every other colour;
 * each collective op has its own distinct colour (all-reduce red,
   reduce-scatter orange, all-gather green, ...);
 * point-to-point messages are mustard (send) and pale yellow (recv);
@@ -28,7 +28,10 @@ COMPUTE_COLORS: dict[str, str] = {
     "optimizer": "#08306b",
     "untraced": "#bdbdbd",              # a replay's work outside every traced region (parlab.replay): grey, not blue
 }
-_COMPUTE_FAMILY = ("#c6dbef", "#6baed6", "#2171b5", "#08519c", "#deebf7", "#3182bd")   # other region names
+# other region names (loss, attention, ...): teals, purples and a deep blue, each at least 55 (RGB distance) from
+# the fixed compute colours, every collective and p2p colour and white, and 75 from each other, so that a region
+# never looks like backward (the old family had #3182bd, 25 from backward's #4292c6: the same blue on a projector)
+_COMPUTE_FAMILY = ("#01665e", "#542788", "#2d004b", "#225ea8", "#00441b", "#66c2a4")
 
 COLLECTIVE_COLORS: dict[str, str] = {
     "all_reduce": "#d62728",
