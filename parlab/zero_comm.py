@@ -10,8 +10,9 @@ whose gradients backward produces first (the last layers).
 Overlap (``overlap=True``, the default), as DDP overlaps its all-reduce [1]: a post-accumulate-grad hook on
 every trainable parameter notes its gradient; when every parameter of the next bucket has its gradient, the
 bucket's reduce-scatter starts asynchronously while backward computes the gradients of earlier layers. On
-gloo it sends every gradient piece of the bucket straight from ``.grad`` (`comm.reduce_scatter_pieces`: one
-message per piece, no staging copy); on other backends the pieces are first copied into the bucket's own
+gloo it sends the bucket's gradient pieces of at least `DIRECT_MIN_BYTES` straight from ``.grad``
+(`comm.reduce_scatter_pieces`: one message per piece, no copy) and each run of smaller pieces copied into a
+small staging buffer as one message; on other backends all pieces are first copied into the bucket's own
 staging slice for the native collective. Buckets start in index order on every rank (collectives
 match by call order). An autograd-engine callback at the end of each backward starts the buckets still
 waiting (a parameter without a gradient sends zeros), so every backward reduces every bucket exactly once.
@@ -26,8 +27,8 @@ at `reduce()` (tensor identity and version counter) and reduced again there, so 
 misses them; every rank must make the same sequence of backward calls, as under DDP.
 
 Cost: on NCCL (native collectives) one staging buffer as large as the parameters (per dtype), as DDP's
-buckets; ``overlap=False`` reduces at the step through one bucket-sized staging buffer instead. On gloo no
-staging buffer (the gradients are sent from where backward left them); the pieces must stay unchanged until
+buckets; ``overlap=False`` reduces at the step through one bucket-sized staging buffer instead. On gloo only
+the small pieces are staged (the big ones are sent from where backward left them); they must stay unchanged until
 the reduction is waited for, which `reduce()` does before anything reads the shard, and a gradient changed in
 place after its bucket was sent is noticed there and reduced again.
 
@@ -95,9 +96,10 @@ class ZeroComm:
                      for lay, (cs, _) in zip(layouts, self.buckets)]
         # Staging: with overlap every bucket has its own slice (several are in flight at once); without,
         # one bucket-sized buffer is reused, bucket after bucket.
-        # On gloo (direct) there is no staging: every gradient piece is sent from ``.grad`` itself.
+        # Each (Nd*seg,) with overlap, else (Nd*cs,). On gloo (direct) none: big gradient pieces are sent
+        # from .grad itself and small ones through the small per-bucket buffers below (self.small).
         self.staging = [torch.zeros(self.world * (lay.seg if overlap else cs), dtype=lay.dtype, device=device)
-                        for lay, (cs, _) in zip(layouts, self.buckets)] if not self.direct else []  # (Nd*seg,) | (Nd*cs,)
+                        for lay, (cs, _) in zip(layouts, self.buckets)] if not self.direct else []
         self.members = [sorted({x[0] for x in self.buckets[k][1][c] if not isinstance(x, int)})
                         for k, c in self.order]                   # parameter indices with a piece in the bucket
         self.touch: dict[int, list[int]] = {}                     # parameter index -> bucket positions
