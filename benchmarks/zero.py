@@ -226,7 +226,8 @@ def sweep(args) -> None:
     variants = SWEEP_VARIANTS + (["parlab-zero1-before"] if args.before else [])
     before = f" | ZeRO-1 at {args.before} ms | before / torch" if args.before else ""
     print("| model | params | parlab ZeRO-1 ms | parlab ZeRO-2 ms | torch ZeRO-1 ms | ZeRO-1 / torch | "
-          f"ZeRO-2 / torch{before} | CPU ms ZeRO-1 / ZeRO-2 / torch | load after |")
+          f"ZeRO-2 / torch{before} | CPU ms ZeRO-1 / ZeRO-2 / torch{' / before' if args.before else ''} | "
+          "load after |")
     print("|---" * (9 + 2 * bool(args.before)) + "|")
     before_dir = _extract_at(args.before) if args.before else None
     try:
@@ -250,7 +251,8 @@ def _sweep_rows(args, variants, before_dir) -> None:
             print(f"| {model_kind} | {res[0]['params'] / 1e6:.2f}M | {med['parlab-zero1'] * 1e3:.1f} | "
                   f"{med['parlab-zero2'] * 1e3:.1f} | {ref * 1e3:.1f} | {med['parlab-zero1'] / ref:.2f} | "
                   f"{med['parlab-zero2'] / ref:.2f} |{old} {cpu['parlab-zero1']:.0f} / {cpu['parlab-zero2']:.0f} / "
-                  f"{cpu['torch-zero1']:.0f} | {os.getloadavg()[0]:.1f} |", flush=True)
+                  f"{cpu['torch-zero1']:.0f}{' / %.0f' % cpu['parlab-zero1-before'] if args.before else ''} | "
+                  f"{os.getloadavg()[0]:.1f} |", flush=True)
 
 
 def main(argv=None):

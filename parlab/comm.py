@@ -57,7 +57,8 @@ __all__ = [
     "ReduceOp", "get_rank", "get_world_size", "group_ranks",
     "all_reduce", "broadcast", "reduce", "all_gather", "reduce_scatter", "all_to_all", "gather", "scatter",
     "barrier", "send", "recv", "isend", "irecv", "all_gather_dim", "reduce_scatter_dim", "all_gather_uneven",
-    "TracedWork", "reduce_scatter_direct", "all_gather_direct", "reduce_scatter_pieces", "strict", "StrictCommError", "Strict", "NCCL_DTYPES",
+    "TracedWork", "reduce_scatter_direct", "all_gather_direct", "strict", "StrictCommError", "Strict", "NCCL_DTYPES",
+    "reduce_scatter_pieces",
 ]
 
 ReduceOp = dist.ReduceOp

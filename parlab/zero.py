@@ -38,11 +38,13 @@ at most `bucket_numel` elements: bucket c is chunk c of every owner's segment, s
 reduce-scatter per bucket leaves each rank chunk c of its own segment and one all-gather
 per bucket sends it back (with a single bucket the all-gather runs in place, straight into
 the model). Gradients are reduce-scattered into a persistent (seg,) shard whose slices become
-the owned ``.grad`` (on gloo sent piece by piece straight from ``.grad``; on NCCL through
-persistent staging, one ``torch.cat`` per bucket): no multi-MB tensor is allocated per step. On gloo both collectives are built from
-point-to-point messages (`parlab.zero_comm` says why). For element-wise optimizers (SGD, Adam, AdamW, ...)
-the inner optimizer steps each parameter group's owned run of the segment as a few flat tensors
-(1 MiB chunks, so each pass of the update finds its operands in cache), not a Python loop over parameters.
+the owned ``.grad`` (on gloo pieces of 1 MiB or more straight from ``.grad``, smaller ones
+staged together; on NCCL through persistent staging, one ``torch.cat`` per bucket): no
+multi-MB tensor is allocated per step. On gloo both collectives are built from
+point-to-point messages (`parlab.zero_comm` says why). For element-wise optimizers (SGD,
+Adam, AdamW, ...) the inner optimizer steps each parameter group's owned run of the segment
+as a few flat tensors (1 MiB chunks, so each pass of the update finds its operands in
+cache), not a Python loop over parameters.
 
 Checkpoints. `state_dict()` gathers the full state in the format of the inner optimizer class;
 `save_sharded` / `load_sharded` write one verified file per rank (`parlab.checkpoint`) and
@@ -328,8 +330,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
             mine.update(saved)
         inner = [p for g in self.optim.param_groups for p in g["params"]]
         if self.flat_step:
-            by_chunk = {id(c): st for *_, members, t, bounds, chunks in self._runs
-                        for c, st in zip(chunks, split_chunks(merge_state(state, members, t.numel()), bounds, t.numel()))}
+            by_chunk = {}
+            for *_, members, t, bounds, chunks in self._runs:
+                run_state = merge_state(state, members, t.numel())
+                by_chunk.update(zip(map(id, chunks), split_chunks(run_state, bounds, t.numel())))
             local_state = {j: by_chunk[id(p)] for j, p in enumerate(inner) if by_chunk[id(p)]}
         else:
             local_state = {j: state[self._index[id(p)]] for j, p in enumerate(inner) if self._index[id(p)] in state}

@@ -10,8 +10,9 @@ whose gradients backward produces first (the last layers).
 Overlap (``overlap=True``, the default), as DDP overlaps its all-reduce [1]: a post-accumulate-grad hook on
 every trainable parameter notes its gradient; when every parameter of the next bucket has its gradient, the
 bucket's reduce-scatter starts asynchronously while backward computes the gradients of earlier layers. On
-gloo it sends every gradient piece of the bucket straight from ``.grad`` (`comm.reduce_scatter_pieces`: one
-message per piece, no staging copy); on other backends the pieces are first copied into the bucket's own
+gloo it sends the bucket's gradient pieces of at least `DIRECT_MIN_BYTES` straight from ``.grad``
+(`comm.reduce_scatter_pieces`: one message per piece, no copy) and each run of smaller pieces copied into a
+small staging buffer as one message; on other backends all pieces are first copied into the bucket's own
 staging slice for the native collective. Buckets start in index order on every rank (collectives
 match by call order). An autograd-engine callback at the end of each backward starts the buckets still
 waiting (a parameter without a gradient sends zeros), so every backward reduces every bucket exactly once.
@@ -26,8 +27,8 @@ at `reduce()` (tensor identity and version counter) and reduced again there, so 
 misses them; every rank must make the same sequence of backward calls, as under DDP.
 
 Cost: on NCCL (native collectives) one staging buffer as large as the parameters (per dtype), as DDP's
-buckets; ``overlap=False`` reduces at the step through one bucket-sized staging buffer instead. On gloo no
-staging buffer (the gradients are sent from where backward left them); the pieces must stay unchanged until
+buckets; ``overlap=False`` reduces at the step through one bucket-sized staging buffer instead. On gloo only
+the small pieces are staged (the big ones are sent from where backward left them); they must stay unchanged until
 the reduction is waited for, which `reduce()` does before anything reads the shard, and a gradient changed in
 place after its bucket was sent is noticed there and reduced again.
 
@@ -62,6 +63,10 @@ import torch.distributed as dist
 from . import comm
 from .zero_flat import FlatLayout, bucket_plans
 
+# On gloo a gradient piece of at least this many bytes is sent straight from .grad; smaller neighbouring
+# pieces are copied together and sent as one message (see ZeroComm.__init__).
+DIRECT_MIN_BYTES = 1 << 20
+
 __all__ = ["ZeroComm"]
 
 
@@ -91,9 +96,10 @@ class ZeroComm:
                      for lay, (cs, _) in zip(layouts, self.buckets)]
         # Staging: with overlap every bucket has its own slice (several are in flight at once); without,
         # one bucket-sized buffer is reused, bucket after bucket.
-        # On gloo (direct) there is no staging: every gradient piece is sent from ``.grad`` itself.
+        # Each (Nd*seg,) with overlap, else (Nd*cs,). On gloo (direct) none: big gradient pieces are sent
+        # from .grad itself and small ones through the small per-bucket buffers below (self.small).
         self.staging = [torch.zeros(self.world * (lay.seg if overlap else cs), dtype=lay.dtype, device=device)
-                        for lay, (cs, _) in zip(layouts, self.buckets)] if not self.direct else []  # (Nd*seg,) | (Nd*cs,)
+                        for lay, (cs, _) in zip(layouts, self.buckets)] if not self.direct else []
         self.members = [sorted({x[0] for x in self.buckets[k][1][c] if not isinstance(x, int)})
                         for k, c in self.order]                   # parameter indices with a piece in the bucket
         self.touch: dict[int, list[int]] = {}                     # parameter index -> bucket positions
@@ -110,6 +116,29 @@ class ZeroComm:
                 per[-1].append(x)
                 filled += x if isinstance(x, int) else x[2] - x[1]
             self.by_rank.append(per)
+        # gloo: each bucket's messages, per rank: a piece of at least DIRECT_MIN_BYTES goes straight from
+        # .grad; a run of smaller neighbours is copied into one slice of a small per-bucket staging buffer and
+        # goes as one message. Every message costs a rendezvous of the two ranks' threads (milliseconds on a
+        # loaded machine), every copied byte CPU time: big pieces are not copied, small ones not sent alone.
+        self.msgs, self.small = [], []            # per bucket: per rank [(entries, length, staging start | None)]
+        for pos, per in enumerate(self.by_rank if self.direct else ()):
+            k, used, rows = self.order[pos][0], 0, []
+            min_n = max(1, DIRECT_MIN_BYTES // flats[k].element_size())
+            for plan in per:
+                row: list = []
+                for x in plan:
+                    n = x if isinstance(x, int) else x[2] - x[1]
+                    if n >= min_n:
+                        row.append(([x], n, None))
+                    elif row and row[-1][2] is not None:                 # extend the staged run
+                        row[-1] = (row[-1][0] + [x], row[-1][1] + n, row[-1][2])
+                        used += n
+                    else:
+                        row.append(([x], n, used))
+                        used += n
+                rows.append(row)
+            self.msgs.append(rows)
+            self.small.append(torch.zeros(used, dtype=layouts[k].dtype, device=device))      # (staged elements,)
         self.works: list = [None] * len(self.order)
         self.copied: dict[int, tuple] = {}       # index -> (grad, its version) when last copied into staging
         self.sync = True                         # False inside ShardedOptimizer.no_sync()
@@ -139,6 +168,14 @@ class ZeroComm:
         g = self.params[i].grad
         return g.reshape(-1)[a:b] if g is not None else pad[:b - a]
 
+    def _message(self, k: int, entries: list, n: int, start: int | None, small: torch.Tensor) -> torch.Tensor:
+        """One message of a bucket on gloo: a gradient piece itself, or small pieces copied into staging."""
+        if start is None:
+            return self._piece(entries[0], self.pads[k])
+        buf = small[start:start + n]                                                     # (n,)
+        torch.cat([self._piece(x, self.pads[k]) for x in entries], out=buf)
+        return buf
+
     @torch.no_grad()
     def _launch(self, pos: int, async_op: bool = True) -> None:
         """Copy bucket `pos`'s gradient pieces into staging and start its averaging reduce-scatter."""
@@ -150,8 +187,9 @@ class ZeroComm:
             g = self.params[i].grad
             self.copied[i] = (g, None if g is None else g._version)
         label = f"zero grads {k}.{self.order[pos][1]}"
-        if self.direct:                          # gloo: each piece sent straight from .grad (no staging copy)
-            pieces = [[self._piece(x, self.pads[k]) for x in plan] for plan in self.by_rank[pos]]
+        if self.direct:                          # gloo: big pieces straight from .grad, small ones staged
+            pieces = [[self._message(k, entries, n, start, self.small[pos]) for entries, n, start in row]
+                      for row in self.msgs[pos]]
             self.works[pos] = comm.reduce_scatter_pieces(self.shards[k][lo:lo + n], pieces, op=comm.ReduceOp.AVG,
                                                          group=self.group, async_op=async_op, label=label)
         else:

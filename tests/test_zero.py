@@ -357,6 +357,27 @@ def test_overlap_matches_single_process_and_starts_during_backward(stage, world_
         assert len(rs) == STEPS * res[r]["buckets"] and res[r]["buckets"] > 2   # one round per step
 
 
+def _train_overlap_mixed_messages(*args, **kw):
+    """`_train_overlap` with gloo's message rule moved down to 512 bytes (64 float64 elements): the weight
+    matrices go as messages straight from .grad, the 32-element norms and biases are staged together."""
+    import parlab.zero_comm
+    parlab.zero_comm.DIRECT_MIN_BYTES = 512
+    return _train_overlap(*args, **kw)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("pattern", ["one", "plain", "no_sync last"])
+def test_gradients_sent_from_grad_match_single_process(pattern, world_size):
+    """Gradient pieces sent from .grad itself and small ones staged, in one bucket: one process's result,
+    also when k backward calls accumulate into .grad while earlier rounds' messages were sent from it."""
+    for stage in (1, 2):
+        res = parlab.run(_train_overlap_mixed_messages, world_size, stage, 2, pattern, bucket_numel=4000)
+        ref = _reference_accumulated(2, pattern)
+        for out in res.results:
+            for n, p in ref.items():
+                torch.testing.assert_close(out["params"][n], p.detach(), **TOL)
+
+
 @pytest.mark.parametrize("pattern", ["plain", "no_sync", "no_sync last"])
 def test_overlap_accumulation_matches_single_process(pattern):
     """Two backward calls per step without zero_grad, with and without no_sync(), at ZeRO-2: the same
