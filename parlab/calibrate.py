@@ -13,6 +13,9 @@ at once (so each rank gets the share of the machine it has in a real run):
 * training steps (CPU): forward, backward and AdamW steps of small GPTs of a few shapes, metered and timed;
   with the products' rates kept, the per-op cost and a factor on the memory time are refitted to them
   (`parlab.calibrate_step`): a single op in a loop does not pay what an op inside autograd does;
+* overlap (CPU): the same compute timed alone and with a ring step's send and receive in flight; when the
+  messages slow it by half their own time or more, gloo is moving them with the ranks' cores and the
+  description says `comm_overlap` False (the replay then charges asynchronous calls to their rank);
 * point to point: every rank sends to the next and receives from the previous at once (isend / irecv, as a ring
   step does), over the same sizes; fitted the same way (t = latency + X / B) into `p2p_latency`, `p2p_bw`;
 * collectives, like nccl-tests: all-reduce over message sizes 4 B .. 16 MiB, median time per size, algorithm
