@@ -15,7 +15,8 @@ at once (so each rank gets the share of the machine it has in a real run):
   (`parlab.calibrate_step`): a single op in a loop does not pay what an op inside autograd does;
 * overlap (CPU): the same compute timed alone and with a ring step's send and receive in flight; when the
   messages slow it by half their own time or more, gloo is moving them with the ranks' cores and the
-  description says `comm_overlap` False (the replay then charges asynchronous calls to their rank);
+  description says `comm_overlap` False (the replay then charges asynchronous calls to their rank), and the
+  p2p latency and bandwidth are refitted to what the messages slowed the compute by (their cost inside a step);
 * point to point: every rank sends to the next and receives from the previous at once (isend / irecv, as a ring
   step does), over the same sizes; fitted the same way (t = latency + X / B) into `p2p_latency`, `p2p_bw`;
 * collectives, like nccl-tests: all-reduce over message sizes 4 B .. 16 MiB, median time per size, algorithm
@@ -234,7 +235,7 @@ def measure_rank(device: str = "cpu", sizes=SIZES, reps: int = 5, min_time: floa
     return {"allreduce": rows, "p2p": p2p, "samples": samples, "steps": step_rows, "overlap": overlap}
 
 
-def _overlap_rows(dev, sizes=(1 << 16, 1 << 18, 1 << 20), target: float = 3e-3, reps: int = 5) -> list:
+def _overlap_rows(dev, sizes=(1 << 12, 1 << 16, 1 << 18, 1 << 20), target: float = 3e-3, reps: int = 5) -> list:
     """(bytes, seconds of some compute alone, seconds of the same compute with a ring step's send and receive of
     that size in flight), medians of `reps`: does a message in flight slow the rank's compute down by its time
     (gloo moving bytes with the rank's own core) or hide behind it (`Hardware.comm_overlap`)?"""
@@ -320,6 +321,13 @@ def describe(per_rank: list[dict], n: int, name: str) -> tuple[Hardware, str]:
     if over:       # exposed: how much longer the compute took with a message in flight, per message time
         exposed = [(b - a) / (p2p_lat + size / p2p_bw) for size, a, b in over]
         hw = hw.with_(comm_overlap=statistics.median(exposed) < 0.5)
+        in_step = None
+        if not hw.comm_overlap:    # the messages take the core: their cost inside a step is what they slowed it by
+            try:
+                in_step = fit_alpha_beta([(size, b - a) for size, a, b in over if b > a], n, factor=1.0)
+                hw = hw.with_(p2p_latency=in_step[0], p2p_bw=in_step[1])
+            except (ValueError, RuntimeError):
+                in_step = None                                    # too few or too noisy: the isolated fit stays
     lines = [f"{'size':>10} {'time us':>10} {'algbw GB/s':>11} {'busbw GB/s':>11} {'fit us':>9}"]
     for size, t in rows:
         lines.append(f"{size:>10} {t * 1e6:>10.1f} {size / t / 1e9:>11.4f} {2 * (n - 1) / n * size / t / 1e9:>11.4f} "
@@ -334,6 +342,9 @@ def describe(per_rank: list[dict], n: int, name: str) -> tuple[Hardware, str]:
             f"{size} B: compute {a * 1e3:.2f} -> {b * 1e3:.2f} ms ({e:.2f} x the message time)"
             for (size, a, b), e in zip(over, exposed))
             + f"; comm_overlap {hw.comm_overlap} (overlap when the median is below 0.5)")
+        if in_step:
+            lines.append(f"p2p inside a step (what the messages slowed the compute by): latency "
+                         f"{in_step[0] * 1e6:.1f} us, bandwidth {in_step[1] / 1e9:.3f} GB/s (replaces the fit above)")
     cache = (f"{single.cache_bw / 1e9:.2f} GB/s for ops of working set <= {single.cache_bytes / 2 ** 20:g} MiB, "
              if single.cache_bw else "one memory level: ")
     bmm = f"batched products {single.bmm_flops / 1e9:.2f} GFLOP/s, " if single.bmm_flops else ""

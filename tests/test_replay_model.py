@@ -426,7 +426,7 @@ def _per_rank(exposed_fraction):
         nbytes = 12 * numel
         samples.append((0.0, nbytes, 1, TWO.compute_time(0, nbytes, 1, ((size_class(nbytes), nbytes),)), nbytes, 0.0))
     steps = [(f, b, k, TWO.compute_time(f, b, 0, h, fb) + k * 2e-5, h, fb) for f, b, k, h, fb in _STEPS]
-    overlap = [(x, 3e-3, 3e-3 + exposed_fraction * (lat + x / bw)) for x in (1 << 16, 1 << 18, 1 << 20)]
+    overlap = [(x, 3e-3, 3e-3 + exposed_fraction * (lat + x / bw)) for x in (1 << 12, 1 << 16, 1 << 18, 1 << 20)]
     return {"allreduce": allreduce, "p2p": p2p, "samples": samples, "steps": steps, "overlap": overlap}
 
 
@@ -438,3 +438,8 @@ def test_calibration_describes_overlap_and_the_step_fit_from_its_measurements():
     assert serial.p2p_latency == pytest.approx(3e-5, rel=1e-3) and serial.p2p_bw == pytest.approx(1e9, rel=1e-3)
     overlapped, _ = describe([_per_rank(0.05)] * 2, 2, "synthetic")
     assert overlapped.comm_overlap is True
+    assert overlapped.p2p_latency == pytest.approx(3e-5, rel=1e-3)      # overlapping: the isolated fit stays
+    # messages that slow the compute by twice their isolated time: inside a step they cost 60 us + X / 0.5 GB/s
+    slow, text = describe([_per_rank(2.0)] * 2, 2, "synthetic")
+    assert slow.comm_overlap is False and "p2p inside a step" in text
+    assert slow.p2p_latency == pytest.approx(6e-5, rel=1e-3) and slow.p2p_bw == pytest.approx(5e8, rel=1e-3)
