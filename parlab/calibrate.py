@@ -325,9 +325,11 @@ def describe(per_rank: list[dict], n: int, name: str) -> tuple[Hardware, str]:
         if not hw.comm_overlap:    # the messages take the core: their cost inside a step is what they slowed it by
             try:
                 in_step = fit_alpha_beta([(size, b - a) for size, a, b in over if b > a], n, factor=1.0)
+            except (ValueError, RuntimeError):        # the slow-down does not grow with the size: a latency only,
+                lat = statistics.median((b - a) - size / p2p_bw for size, a, b in over)   # at the isolated bandwidth
+                in_step = (lat, p2p_bw) if lat > p2p_lat else None
+            if in_step:
                 hw = hw.with_(p2p_latency=in_step[0], p2p_bw=in_step[1])
-            except (ValueError, RuntimeError):
-                in_step = None                                    # too few or too noisy: the isolated fit stays
     lines = [f"{'size':>10} {'time us':>10} {'algbw GB/s':>11} {'busbw GB/s':>11} {'fit us':>9}"]
     for size, t in rows:
         lines.append(f"{size:>10} {t * 1e6:>10.1f} {size / t / 1e9:>11.4f} {2 * (n - 1) / n * size / t / 1e9:>11.4f} "

@@ -2,6 +2,7 @@
 its calibration fit, JSON back-compatibility, and the split of a span at its communication by metered work."""
 import dataclasses
 import json
+import statistics
 
 import pytest
 import torch
@@ -443,3 +444,10 @@ def test_calibration_describes_overlap_and_the_step_fit_from_its_measurements():
     slow, text = describe([_per_rank(2.0)] * 2, 2, "synthetic")
     assert slow.comm_overlap is False and "p2p inside a step" in text
     assert slow.p2p_latency == pytest.approx(6e-5, rel=1e-3) and slow.p2p_bw == pytest.approx(5e8, rel=1e-3)
+    # a slow-down of 5 ms whatever the size (a busy machine's scheduling): a latency at the isolated bandwidth
+    flat = _per_rank(1.0)
+    flat["overlap"] = [(x, 3e-3, 8e-3) for x, _, _ in flat["overlap"]]
+    busy, _ = describe([flat] * 2, 2, "synthetic")
+    sizes = [x for x, _, _ in flat["overlap"]]
+    assert busy.comm_overlap is False and busy.p2p_bw == pytest.approx(1e9, rel=1e-3)
+    assert busy.p2p_latency == pytest.approx(5e-3 - statistics.median(x / 1e9 for x in sizes), rel=1e-3)
