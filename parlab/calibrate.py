@@ -231,43 +231,11 @@ def measure_rank(device: str = "cpu", sizes=SIZES, reps: int = 5, min_time: floa
             if i:                                                  # the first one sets up the connection
                 times.append(time.perf_counter() - t0)
         p2p.append((size, statistics.median(times)))
-    overlap = _overlap_rows(dev, reps=reps) if steps and not gpu else []
+    overlap = []
+    if steps and not gpu:
+        from .calibrate_step import overlap_rows
+        overlap = overlap_rows(dev, _timeit, reps=reps)
     return {"allreduce": rows, "p2p": p2p, "samples": samples, "steps": step_rows, "overlap": overlap}
-
-
-def _overlap_rows(dev, sizes=(1 << 12, 1 << 16, 1 << 18, 1 << 20), target: float = 3e-3, reps: int = 5) -> list:
-    """(bytes, seconds of some compute alone, seconds of the same compute with a ring step's send and receive of
-    that size in flight), medians of `reps`: does a message in flight slow the rank's compute down by its time
-    (gloo moving bytes with the rank's own core) or hide behind it (`Hardware.comm_overlap`)?"""
-    n, r = dist.get_world_size(), dist.get_rank()
-    a = torch.randn(192, 192, device=dev)
-    per = _timeit(lambda: a @ a, dev, min_time=0.05)
-    k = max(1, round(target / per))
-
-    def work():
-        for _ in range(k):
-            a @ a
-    rows = []
-    for size in sizes:
-        out, into = torch.ones(size // 4, device=dev), torch.empty(size // 4, device=dev)
-        alone, both = [], []
-        for i in range(reps + 1):
-            dist.barrier()
-            t0 = time.perf_counter()
-            work()
-            t1 = time.perf_counter()
-            dist.barrier()
-            t2 = time.perf_counter()
-            works = [dist.isend(out, (r + 1) % n), dist.irecv(into, (r - 1) % n)]
-            work()
-            for w in works:
-                w.wait()
-            t3 = time.perf_counter()
-            if i:                                                  # the first one sets up the buffers
-                alone.append(t1 - t0)
-                both.append(t3 - t2)
-        rows.append((size, statistics.median(alone), statistics.median(both)))
-    return rows
 
 
 def fit_alpha_beta(rows, n: int, factor: float | None = None) -> tuple[float, float]:
@@ -318,18 +286,12 @@ def describe(per_rank: list[dict], n: int, name: str) -> tuple[Hardware, str]:
     over = [(size, statistics.median(r["overlap"][i][1] for r in per_rank),
              statistics.median(r["overlap"][i][2] for r in per_rank))
             for i, (size, _, _) in enumerate(per_rank[0].get("overlap") or ())]
-    if over:       # exposed: how much longer the compute took with a message in flight, per message time
-        exposed = [(b - a) / (p2p_lat + size / p2p_bw) for size, a, b in over]
-        hw = hw.with_(comm_overlap=statistics.median(exposed) < 0.5)
-        in_step = None
-        if not hw.comm_overlap:    # the messages take the core: their cost inside a step is what they slowed it by
-            try:
-                in_step = fit_alpha_beta([(size, b - a) for size, a, b in over if b > a], n, factor=1.0)
-            except (ValueError, RuntimeError):        # the slow-down does not grow with the size: a latency only,
-                lat = statistics.median((b - a) - size / p2p_bw for size, a, b in over)   # at the isolated bandwidth
-                in_step = (lat, p2p_bw) if lat > p2p_lat else None
-            if in_step:
-                hw = hw.with_(p2p_latency=in_step[0], p2p_bw=in_step[1])
+    if over:                                                    # does a message in flight take the core?
+        from .calibrate_step import fit_overlap
+        overlap_fit = fit_overlap(over, p2p_lat, p2p_bw, n)
+        hw = hw.with_(comm_overlap=overlap_fit["overlap"])
+        if overlap_fit["in_step"]:
+            hw = hw.with_(p2p_latency=overlap_fit["in_step"][0], p2p_bw=overlap_fit["in_step"][1])
     lines = [f"{'size':>10} {'time us':>10} {'algbw GB/s':>11} {'busbw GB/s':>11} {'fit us':>9}"]
     for size, t in rows:
         lines.append(f"{size:>10} {t * 1e6:>10.1f} {size / t / 1e9:>11.4f} {2 * (n - 1) / n * size / t / 1e9:>11.4f} "
@@ -342,11 +304,12 @@ def describe(per_rank: list[dict], n: int, name: str) -> tuple[Hardware, str]:
     if over:
         lines.append("a ring step's send + receive in flight during compute: " + ", ".join(
             f"{size} B: compute {a * 1e3:.2f} -> {b * 1e3:.2f} ms ({e:.2f} x the message time)"
-            for (size, a, b), e in zip(over, exposed))
+            for (size, a, b), e in zip(over, overlap_fit["exposed"]))
             + f"; comm_overlap {hw.comm_overlap} (overlap when the median is below 0.5)")
-        if in_step:
+        if overlap_fit["in_step"]:
+            lat, bw = overlap_fit["in_step"]
             lines.append(f"p2p inside a step (what the messages slowed the compute by): latency "
-                         f"{in_step[0] * 1e6:.1f} us, bandwidth {in_step[1] / 1e9:.3f} GB/s (replaces the fit above)")
+                         f"{lat * 1e6:.1f} us, bandwidth {bw / 1e9:.3f} GB/s (replaces the fit above)")
     cache = (f"{single.cache_bw / 1e9:.2f} GB/s for ops of working set <= {single.cache_bytes / 2 ** 20:g} MiB, "
              if single.cache_bw else "one memory level: ")
     bmm = f"batched products {single.bmm_flops / 1e9:.2f} GFLOP/s, " if single.bmm_flops else ""
