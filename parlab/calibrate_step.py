@@ -30,6 +30,10 @@ whose cores each run a rank, gloo moves the bytes with those cores and the compu
 messages' time, or more (a rank that blocks waits for the scheduler). When the median slow-down is half the
 isolated message time or more, the description gets `comm_overlap` False and a p2p latency and bandwidth fitted
 to the slow-down (the per-message cost inside a step).
+
+References: vTrain (Bang et al., MICRO 2024) likewise takes operator costs from profiled training iterations
+rather than from operators run alone; the model choice is leave-one-out cross-validation (Stone, "Cross-validatory
+choice and assessment of statistical predictions", J. R. Stat. Soc. B, 1974).
 """
 from __future__ import annotations
 
