@@ -142,6 +142,23 @@ def _trace(dicts):
     return Trace([Event(**{**d, "group": tuple(d["group"])}) for d in dicts])
 
 
+def _split(tr):
+    """Compute spans, untraced work and communication (blocking time, or issue to completion) per rank, in ms."""
+    n = len(tr.ranks)
+    comp = 0.0
+    for r in tr.ranks:                                       # outermost spans only (a region inside a region once)
+        end = float("-inf")
+        for e in sorted((e for e in tr.events if e.rank == r and e.kind == "compute" and e.op != "untraced"),
+                        key=lambda e: (e.start, -e.end)):
+            if e.end > end:
+                comp += e.end - max(e.start, end)
+                end = e.end
+    comp /= n
+    untraced = sum(e.duration for e in tr.events if e.op == "untraced") / n
+    comm = sum(e.duration for e in tr.events if e.kind in ("collective", "p2p")) / n
+    return f"{comp * 1e3:.1f} / {untraced * 1e3:.1f} / {comm * 1e3:.1f}"
+
+
 def self_consistency(hw, world, steps):
     rows = []
     for name, make in WORKLOADS.items():
@@ -153,6 +170,10 @@ def self_consistency(hw, world, steps):
         again = step_time(replay(per_step[steps + 1], hw))     # a second metered step: the same program and work
         rows.append((name, measured, step_time(metered), replayed, again))
         spread = [step_time(t) * 1e3 for t in per_step[:steps]]
+        mid = sorted(per_step[:steps], key=step_time)[steps // 2]
+        out = replay(metered, hw)
+        print(f"{'':<15} where the time goes (ms per rank: compute spans / untraced work / communication calls, "
+              f"waits included): measured {_split(mid)}, replayed {_split(out)}", flush=True)
         print(f"{name:<15} measured {measured * 1e3:8.1f} ms (min {min(spread):.1f}, max {max(spread):.1f})   metered step "
               f"{step_time(metered) * 1e3:8.1f} ms   replayed {replayed * 1e3:8.1f} ms (second metered step "
               f"{again * 1e3:.1f})   replayed / measured {replayed / measured:5.2f}", flush=True)

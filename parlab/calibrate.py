@@ -13,6 +13,10 @@ at once (so each rank gets the share of the machine it has in a real run):
 * training steps (CPU): forward, backward and AdamW steps of small GPTs of a few shapes, metered and timed;
   with the products' rates kept, the per-op cost and a factor on the memory time are refitted to them
   (`parlab.calibrate_step`): a single op in a loop does not pay what an op inside autograd does;
+* overlap (CPU): the same compute timed alone and with a ring step's send and receive in flight; when the
+  messages slow it by half their own time or more, gloo is moving them with the ranks' cores and the
+  description says `comm_overlap` False (the replay then charges asynchronous calls to their rank), and the
+  p2p latency and bandwidth are refitted to what the messages slowed the compute by (their cost inside a step);
 * point to point: every rank sends to the next and receives from the previous at once (isend / irecv, as a ring
   step does), over the same sizes; fitted the same way (t = latency + X / B) into `p2p_latency`, `p2p_bw`;
 * collectives, like nccl-tests: all-reduce over message sizes 4 B .. 16 MiB, median time per size, algorithm
@@ -227,7 +231,11 @@ def measure_rank(device: str = "cpu", sizes=SIZES, reps: int = 5, min_time: floa
             if i:                                                  # the first one sets up the connection
                 times.append(time.perf_counter() - t0)
         p2p.append((size, statistics.median(times)))
-    return {"allreduce": rows, "p2p": p2p, "samples": samples, "steps": step_rows}
+    overlap = []
+    if steps and not gpu:
+        from .calibrate_step import overlap_rows
+        overlap = overlap_rows(dev, _timeit, reps=reps)
+    return {"allreduce": rows, "p2p": p2p, "samples": samples, "steps": step_rows, "overlap": overlap}
 
 
 def fit_alpha_beta(rows, n: int, factor: float | None = None) -> tuple[float, float]:
@@ -275,6 +283,15 @@ def describe(per_rank: list[dict], n: int, name: str) -> tuple[Hardware, str]:
         hw = apply_step_fit(hw, c_op, beta, gamma)
         hw = hw.with_(source=hw.source + f"; per-op cost and memory fitted to {len(steps)} training steps "
                       f"(parlab.calibrate_step)")
+    over = [(size, statistics.median(r["overlap"][i][1] for r in per_rank),
+             statistics.median(r["overlap"][i][2] for r in per_rank))
+            for i, (size, _, _) in enumerate(per_rank[0].get("overlap") or ())]
+    if over:                                                    # does a message in flight take the core?
+        from .calibrate_step import fit_overlap
+        overlap_fit = fit_overlap(over, p2p_lat, p2p_bw, n)
+        hw = hw.with_(comm_overlap=overlap_fit["overlap"])
+        if overlap_fit["in_step"]:
+            hw = hw.with_(p2p_latency=overlap_fit["in_step"][0], p2p_bw=overlap_fit["in_step"][1])
     lines = [f"{'size':>10} {'time us':>10} {'algbw GB/s':>11} {'busbw GB/s':>11} {'fit us':>9}"]
     for size, t in rows:
         lines.append(f"{size:>10} {t * 1e6:>10.1f} {size / t / 1e9:>11.4f} {2 * (n - 1) / n * size / t / 1e9:>11.4f} "
@@ -284,6 +301,15 @@ def describe(per_rank: list[dict], n: int, name: str) -> tuple[Hardware, str]:
     lines.append("point to point (every rank sends to the next at once): " + ", ".join(
         f"{size} B {t * 1e6:.0f} us" for size, t in p2p_rows))
     lines.append(f"p2p fit: latency {p2p_lat * 1e6:.1f} us, bandwidth {p2p_bw / 1e9:.3f} GB/s")
+    if over:
+        lines.append("a ring step's send + receive in flight during compute: " + ", ".join(
+            f"{size} B: compute {a * 1e3:.2f} -> {b * 1e3:.2f} ms ({e:.2f} x the message time)"
+            for (size, a, b), e in zip(over, overlap_fit["exposed"]))
+            + f"; comm_overlap {hw.comm_overlap} (overlap when the median is below 0.5)")
+        if overlap_fit["in_step"]:
+            lat, bw = overlap_fit["in_step"]
+            lines.append(f"p2p inside a step (what the messages slowed the compute by): latency "
+                         f"{lat * 1e6:.1f} us, bandwidth {bw / 1e9:.3f} GB/s (replaces the fit above)")
     cache = (f"{single.cache_bw / 1e9:.2f} GB/s for ops of working set <= {single.cache_bytes / 2 ** 20:g} MiB, "
              if single.cache_bw else "one memory level: ")
     bmm = f"batched products {single.bmm_flops / 1e9:.2f} GFLOP/s, " if single.bmm_flops else ""

@@ -1,4 +1,5 @@
-"""Calibration from training steps: the per-op and per-byte costs that single ops do not show.
+"""Calibration inside a step: the per-op, per-byte and per-message costs that single ops and isolated
+messages do not show.
 
 `parlab.calibrate` fits the replay's compute model (`parlab.hardware`) to single ops timed in a loop: a matrix
 product, an add, a copy. A training step costs more per op than that: each aten op of autograd's backward and
@@ -22,6 +23,17 @@ to (leave-one-out over the shapes: each shape predicted by the fit to the others
 error). The description then has kernel_overhead = c (the cost of one op inside a training step: autograd's
 and the optimizer's bookkeeping, Python between ops), its product rates divided by gamma and its bandwidths
 divided by beta. The shapes are not the benchmark's workloads (those are only checked, never fitted).
+
+Messages inside a step (`overlap_rows`, `fit_overlap`): the same compute is timed alone and with a ring step's
+send and receive in flight. On GPUs, and on a CPU with cores to spare, the messages hide behind it; on a CPU
+whose cores each run a rank, gloo moves the bytes with those cores and the compute slows down by about the
+messages' time, or more (a rank that blocks waits for the scheduler). When the median slow-down is half the
+isolated message time or more, the description gets `comm_overlap` False and a p2p latency and bandwidth fitted
+to the slow-down (the per-message cost inside a step).
+
+References: vTrain (Bang et al., MICRO 2024) likewise takes operator costs from profiled training iterations
+rather than from operators run alone; the model choice is leave-one-out cross-validation (Stone, "Cross-validatory
+choice and assessment of statistical predictions", J. R. Stat. Soc. B, 1974).
 """
 from __future__ import annotations
 
@@ -32,7 +44,7 @@ import torch
 
 from .hardware import Hardware
 
-__all__ = ["STEP_SHAPES", "MODELS", "step_samples", "fit_step", "apply_step_fit"]
+__all__ = ["STEP_SHAPES", "MODELS", "step_samples", "fit_step", "apply_step_fit", "overlap_rows", "fit_overlap"]
 
 #: (n_embd, n_layer, n_head, seq_len, rows) of the calibration steps: widths, depths and lengths around the
 #: lessons' toy models, none of them a shape benchmarks/replay.py reports
@@ -160,3 +172,58 @@ def apply_step_fit(hw: Hardware, c: float, beta: float, gamma: float = 1.0) -> H
         if hw.cache_bw is not None:
             changes["cache_bw"] = hw.cache_bw / beta
     return hw.with_(**changes)
+
+
+def overlap_rows(dev, timeit, sizes=(1 << 12, 1 << 16, 1 << 18, 1 << 20), target: float = 3e-3, reps: int = 5) -> list:
+    """(bytes, seconds of some compute alone, seconds of the same compute with a ring step's send and receive of
+    that size in flight), medians of `reps`: does a message in flight slow the rank's compute down by its time
+    (gloo moving bytes with the rank's own core) or hide behind it (`Hardware.comm_overlap`)? Run on every rank
+    of an initialised process group; `timeit(fn, device, min_time)` times one call."""
+    import torch.distributed as dist
+    n, r = dist.get_world_size(), dist.get_rank()
+    a = torch.randn(192, 192, device=dev)
+    per = timeit(lambda: a @ a, dev, min_time=0.05)
+    k = max(1, round(target / per))
+
+    def work():
+        for _ in range(k):
+            a @ a
+    rows = []
+    for size in sizes:
+        out, into = torch.ones(size // 4, device=dev), torch.empty(size // 4, device=dev)
+        alone, both = [], []
+        for i in range(reps + 1):
+            dist.barrier()
+            t0 = time.perf_counter()
+            work()
+            t1 = time.perf_counter()
+            dist.barrier()
+            t2 = time.perf_counter()
+            works = [dist.isend(out, (r + 1) % n), dist.irecv(into, (r - 1) % n)]
+            work()
+            for w in works:
+                w.wait()
+            t3 = time.perf_counter()
+            if i:                                                  # the first one sets up the buffers
+                alone.append(t1 - t0)
+                both.append(t3 - t2)
+        rows.append((size, statistics.median(alone), statistics.median(both)))
+    return rows
+
+def fit_overlap(over, p2p_latency: float, p2p_bw: float, n: int) -> dict:
+    """From `overlap_rows` (medians over the ranks) and the isolated p2p fit: dict(exposed (per size: the
+    slow-down in units of the isolated message time), overlap (the median below 0.5), in_step ((latency, bw) of
+    the messages inside a step, or None)). Without overlap the slow-down is the messages' cost inside a step:
+    fitted as latency + X / bandwidth, or, when it does not grow with the size (a busy machine's scheduling),
+    as a latency at the isolated bandwidth."""
+    from .calibrate import fit_alpha_beta
+    exposed = [(b - a) / (p2p_latency + size / p2p_bw) for size, a, b in over]
+    overlap = statistics.median(exposed) < 0.5
+    in_step = None
+    if not overlap:
+        try:
+            in_step = fit_alpha_beta([(size, b - a) for size, a, b in over if b > a], n, factor=1.0)
+        except (ValueError, RuntimeError):
+            lat = statistics.median((b - a) - size / p2p_bw for size, a, b in over)
+            in_step = (lat, p2p_bw) if lat > p2p_latency else None
+    return dict(exposed=exposed, overlap=overlap, in_step=in_step)

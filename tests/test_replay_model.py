@@ -2,6 +2,7 @@
 its calibration fit, JSON back-compatibility, and the split of a span at its communication by metered work."""
 import dataclasses
 import json
+import statistics
 
 import pytest
 import torch
@@ -409,3 +410,44 @@ def test_without_overlap_an_async_message_holds_its_rank_and_a_send_receive_pair
     assert preset("dgx-h100").comm_overlap is True
     old = {k: v for k, v in preset("dgx-a100").to_dict().items() if k != "comm_overlap"}
     assert Hardware.from_dict(old).comm_overlap is True     # a description written before the field: overlap
+
+
+def _per_rank(exposed_fraction):
+    """One rank's calibration measurements, synthetic and exact: links of 30 us + X / 1 GB/s (p2p) and
+    100 us + X / 2 GB/s (all-reduce, 2 ranks), single ops and training steps at TWO's rates (steps: 20 us per op),
+    and compute slowed by `exposed_fraction` x the message time while a ring step's messages are in flight."""
+    from parlab.calibrate import SIZES
+    lat, bw = 3e-5, 1e9
+    allreduce = [(x, 1e-4 + x / 2e9) for x in SIZES]
+    p2p = [(x, lat + x / bw) for x in SIZES]
+    samples = [(2.0 * n ** 3, 0, 1, TWO.compute_time(2.0 * n ** 3, 0, 1), 0, 0.0) for n in (32, 64, 128, 256)]
+    samples += [(2.0 * 4 * 64 ** 3, 0, 1, TWO.compute_time(2.0 * 4 * 64 ** 3, 0, 1, (), 2.0 * 4 * 64 ** 3), 0,
+                 2.0 * 4 * 64 ** 3)]
+    for numel in (1 << 10, 1 << 14, 1 << 16, 1 << 20, 1 << 22, 1 << 23):
+        nbytes = 12 * numel
+        samples.append((0.0, nbytes, 1, TWO.compute_time(0, nbytes, 1, ((size_class(nbytes), nbytes),)), nbytes, 0.0))
+    steps = [(f, b, k, TWO.compute_time(f, b, 0, h, fb) + k * 2e-5, h, fb) for f, b, k, h, fb in _STEPS]
+    overlap = [(x, 3e-3, 3e-3 + exposed_fraction * (lat + x / bw)) for x in (1 << 12, 1 << 16, 1 << 18, 1 << 20)]
+    return {"allreduce": allreduce, "p2p": p2p, "samples": samples, "steps": steps, "overlap": overlap}
+
+
+def test_calibration_describes_overlap_and_the_step_fit_from_its_measurements():
+    from parlab.calibrate import describe
+    serial, text = describe([_per_rank(1.0)] * 2, 2, "synthetic")
+    assert serial.comm_overlap is False and "comm_overlap False" in text
+    assert serial.kernel_overhead == pytest.approx(2e-5, rel=1e-3)      # the steps' per-op cost, not the single ops'
+    assert serial.p2p_latency == pytest.approx(3e-5, rel=1e-3) and serial.p2p_bw == pytest.approx(1e9, rel=1e-3)
+    overlapped, _ = describe([_per_rank(0.05)] * 2, 2, "synthetic")
+    assert overlapped.comm_overlap is True
+    assert overlapped.p2p_latency == pytest.approx(3e-5, rel=1e-3)      # overlapping: the isolated fit stays
+    # messages that slow the compute by twice their isolated time: inside a step they cost 60 us + X / 0.5 GB/s
+    slow, text = describe([_per_rank(2.0)] * 2, 2, "synthetic")
+    assert slow.comm_overlap is False and "p2p inside a step" in text
+    assert slow.p2p_latency == pytest.approx(6e-5, rel=1e-3) and slow.p2p_bw == pytest.approx(5e8, rel=1e-3)
+    # a slow-down of 5 ms whatever the size (a busy machine's scheduling): a latency at the isolated bandwidth
+    flat = _per_rank(1.0)
+    flat["overlap"] = [(x, 3e-3, 8e-3) for x, _, _ in flat["overlap"]]
+    busy, _ = describe([flat] * 2, 2, "synthetic")
+    sizes = [x for x, _, _ in flat["overlap"]]
+    assert busy.comm_overlap is False and busy.p2p_bw == pytest.approx(1e9, rel=1e-3)
+    assert busy.p2p_latency == pytest.approx(5e-3 - statistics.median(x / 1e9 for x in sizes), rel=1e-3)
