@@ -11,11 +11,12 @@ So calibration also times whole single-process training steps (forward, backward
 a few shapes (`STEP_SHAPES`), each step metered once by the replay's own meter (`parlab.replay_meter`) for its
 FLOPs F (F_b of them batched), memory-bound bytes M (by working-set class) and ops K, and timed unmetered
 (median of several). With the single-op fit's times of those products, T_F = (F - F_b) / F_mm + F_b / F_bmm,
-and of those bytes, T_mem(M) (cache and memory levels), three nested models of a step's time:
+and of those bytes, T_mem(M) (cache and memory levels), four models of a step's time:
 
     per-op        t_step  =  T_F          +  K x c  +  T_mem(M)
     + memory      t_step  =  T_F          +  K x c  +  beta x T_mem(M)
-    + products    t_step  =  gamma x T_F  +  K x c  +  beta x T_mem(M)
+    + products    t_step  =  gamma x T_F  +  K x c  +  T_mem(M)
+    + both        t_step  =  gamma x T_F  +  K x c  +  beta x T_mem(M)
 
 each fitted by least squares on relative error (c >= 0, beta and gamma > 0). F, M and K all grow with a model's
 size, so the larger models can fit noise: calibration keeps the one that best predicts a step it was not fitted
@@ -102,7 +103,7 @@ def _mem_time(hw: Hardware, b: float, hist) -> float:
     return hw.compute_time(0.0, b, 0, hist)
 
 
-MODELS = (("c",), ("c", "beta"), ("c", "beta", "gamma"))
+MODELS = (("c",), ("c", "beta"), ("c", "gamma"), ("c", "beta", "gamma"))
 
 
 def _fit_one(rows, free) -> tuple[float, dict] | None:

@@ -373,12 +373,13 @@ def test_the_step_fit_recovers_the_per_op_cost_and_the_factors_from_exact_sample
 
 def test_the_step_fit_keeps_the_per_op_model_when_the_larger_ones_fit_noise():
     from parlab.calibrate_step import fit_step
-    # steps that follow the per-op model (single-op rates right, 20 us per op), each timed up to 8% off: the
-    # larger models bend to the noise and predict the left-out steps worse, so the per-op model is kept
+    # steps that follow the per-op model (single-op rates right, 20 us per op), each timed up to 7% off: here the
+    # larger models bend to the noise and predict the left-out steps worse (leave-one-out errors 8.3% against
+    # 12-13%), so the per-op model is kept (with other noise a larger model can win: the choice is by prediction)
     c = 2e-5
-    got = fit_step(TWO, _step_rows(c, 1.0, 1.0, noise=(1.08, 0.93, 1.05, 0.95, 1.02)))
+    got = fit_step(TWO, _step_rows(c, 1.0, 1.0, noise=(1.06, 0.95, 0.93, 1.05, 1.02)))
     assert got["model"] == ("c",) and (got["beta"], got["gamma"]) == (1.0, 1.0)
-    assert got["c"] == pytest.approx(c, rel=0.25)          # 8% noise on steps of which the ops are 7-60%
+    assert got["c"] == pytest.approx(c, rel=0.25)          # 7% noise on steps of which the ops are 7-60%
     assert got["cv"] == min(got["cv_all"].values())
 
 
