@@ -56,6 +56,19 @@ def _shift_round(r: int, n: int, j: int, send, recv) -> list:
     return [send(), recv()]
 
 
+def _sum_into(out: torch.Tensor, mine: torch.Tensor, received, n: int, op) -> None:
+    """Finish a direct reduce-scatter on one span: `out` holds the chunk received first (N > 1); add this rank's
+    own chunk `mine` and the other received chunks, then divide by N for AVG. With N = 1, `out` = `mine`."""
+    if n == 1:
+        out.copy_(mine)
+        return
+    out.add_(mine)
+    for e in received:
+        out.add_(e)
+    if op == ReduceOp.AVG:
+        out.div_(n)
+
+
 def reduce_scatter_direct(output: torch.Tensor, tensor: torch.Tensor, op=ReduceOp.SUM, group=None,
                           async_op: bool = False, label: str = ""):
     """`reduce_scatter` (SUM or AVG) built from point-to-point messages, the "direct" algorithm: rank r sends
@@ -83,15 +96,7 @@ def reduce_scatter_direct(output: torch.Tensor, tensor: torch.Tensor, op=ReduceO
             works += _shift_round(r, n, j, send, recv)
 
         def finish():
-            mine = flat[r * m:(r + 1) * m]
-            if n == 1:
-                out.copy_(mine)
-            else:
-                out.add_(mine)
-                for e in extra:
-                    out.add_(e)
-            if op == ReduceOp.AVG:
-                out.div_(n)
+            _sum_into(out, flat[r * m:(r + 1) * m], extra, n, op)
         work = _Messages(works, finish)
         if not async_op:
             work.wait()
@@ -138,14 +143,7 @@ def reduce_scatter_pieces(output: torch.Tensor, pieces: Sequence[Sequence[torch.
                 p = p.reshape(-1)
                 for c in range(a, b, step):
                     o = out[c:min(b, c + step)]
-                    if n == 1:
-                        o.copy_(p[c - a:c - a + o.numel()])
-                        continue
-                    o.add_(p[c - a:c - a + o.numel()])
-                    for e in extra:
-                        o.add_(e[c:c + o.numel()])
-                    if op == ReduceOp.AVG:
-                        o.div_(n)
+                    _sum_into(o, p[c - a:c - a + o.numel()], (e[c:c + o.numel()] for e in extra), n, op)
         work = _Messages(works, finish)
         if not async_op:
             work.wait()
