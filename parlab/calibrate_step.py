@@ -48,9 +48,10 @@ from .hardware import Hardware
 __all__ = ["STEP_SHAPES", "MODELS", "step_samples", "fit_step", "apply_step_fit", "overlap_rows", "fit_overlap"]
 
 #: (n_embd, n_layer, n_head, seq_len, rows) of the calibration steps: widths, depths and lengths around the
-#: lessons' toy models, none of them a shape benchmarks/replay.py reports
+#: lessons' toy models, none of them a shape benchmarks/replay.py reports; the last two as large as the benchmark's
+#: steps (tens of ms), so that a replay of those is not an extrapolation from far smaller steps
 STEP_SHAPES = ((48, 2, 2, 32, 4), (96, 2, 4, 48, 6), (64, 3, 2, 96, 2), (160, 1, 4, 40, 8), (80, 2, 2, 24, 12),
-               (112, 1, 4, 128, 2))
+               (112, 1, 4, 128, 2), (144, 3, 4, 64, 6), (96, 5, 4, 80, 6))
 
 
 def _gpt_step(n_embd: int, n_layer: int, n_head: int, seq: int, rows: int):
@@ -70,12 +71,14 @@ def _gpt_step(n_embd: int, n_layer: int, n_head: int, seq: int, rows: int):
     return step
 
 
-def step_samples(shapes=STEP_SHAPES, reps: int = 5, barrier=None) -> list[tuple]:
+def step_samples(shapes=STEP_SHAPES, reps: int = 9, barrier=None) -> list[tuple]:
     """(flops, bytes, kernels, median seconds, size histogram, batched flops) of one training step per shape:
-    metered once (the replay's meter), timed `reps` times unmetered. `barrier` (e.g. parlab.comm.barrier) lines
-    the ranks up before each shape, so that every rank gets the share of the machine it has in a real run."""
+    metered once (the replay's meter), timed `reps` times unmetered. The repetitions go round the shapes (one
+    step of each shape, then the next round), so that a change of the machine's load during calibration shifts
+    every shape alike instead of tilting the fit. `barrier` (e.g. parlab.comm.barrier) lines the ranks up before
+    each round, so that every rank gets the share of the machine it has in a real run."""
     from .replay_meter import CostMeter
-    out = []
+    steps, metered = [], []
     for shape in shapes:
         step = _gpt_step(*shape)
         step()
@@ -83,16 +86,17 @@ def step_samples(shapes=STEP_SHAPES, reps: int = 5, barrier=None) -> list[tuple]
         meter = CostMeter()
         with meter:
             step()
-        f, b, k, hist, fb = meter.state()
+        steps.append(step)
+        metered.append(meter.state())
+    times = [[] for _ in shapes]
+    for _ in range(reps):
         if barrier is not None:
             barrier()
-        times = []
-        for _ in range(reps):
+        for step, ts in zip(steps, times):
             t0 = time.perf_counter()
             step()
-            times.append(time.perf_counter() - t0)
-        out.append((f, b, k, statistics.median(times), hist, fb))
-    return out
+            ts.append(time.perf_counter() - t0)
+    return [(f, b, k, statistics.median(ts), hist, fb) for (f, b, k, hist, fb), ts in zip(metered, times)]
 
 
 def _flop_time(hw: Hardware, f: float, fb: float) -> float:

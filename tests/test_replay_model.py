@@ -383,6 +383,30 @@ def test_the_step_fit_keeps_the_per_op_model_when_the_larger_ones_fit_noise():
     assert got["cv"] == min(got["cv_all"].values())
 
 
+
+def test_step_samples_time_the_shapes_round_by_round(monkeypatch):
+    """A load change during calibration must shift every shape alike: the timed repetitions go round the shapes
+    (one step of each, then the next round), each shape's time is the median of its own repetitions."""
+    import parlab.calibrate_step as cs
+    calls, clock = [], [0.0]
+
+    def fake_step(n_embd, *_):
+        def step():
+            calls.append(n_embd)
+            clock[0] += n_embd * 1e-3 * (1 + len(calls) % 3)     # a shape's steps differ: the median picks one
+        return step
+    monkeypatch.setattr(cs, "_gpt_step", fake_step)
+    monkeypatch.setattr(cs.time, "perf_counter", lambda: clock[0])
+    rounds = []
+    got = cs.step_samples(shapes=((10,), (20,), (30,)), reps=3, barrier=lambda: rounds.append(len(calls)))
+    # per shape: two warm-ups and one metered step, then 3 rounds of (10, 20, 30), a barrier before each round
+    assert calls == [10] * 3 + [20] * 3 + [30] * 3 + [10, 20, 30] * 3
+    assert rounds == [9, 12, 15]
+    times = {10: [], 20: [], 30: []}
+    for i, shape in enumerate(calls[9:], start=10):
+        times[shape].append(shape * 1e-3 * (1 + i % 3))
+    assert [row[3] for row in got] == pytest.approx([sorted(times[s])[1] for s in (10, 20, 30)])
+
 # ---------------------------------------------------------------------- communication that takes the rank's core
 def _ring_step(msg_bytes, flops):
     """Two ranks: each issues a send to the other and a receive from it, computes, then waits for both."""
