@@ -234,7 +234,7 @@ def measure_rank(device: str = "cpu", sizes=SIZES, reps: int = 5, min_time: floa
     overlap = []
     if steps and not gpu:
         from .calibrate_step import overlap_rows
-        overlap = overlap_rows(dev, _timeit, reps=reps)
+        overlap = overlap_rows(dev, _timeit, reps=3 * reps)     # noisier than the isolated calls: 3x the repetitions
     return {"allreduce": rows, "p2p": p2p, "samples": samples, "steps": step_rows, "overlap": overlap}
 
 

@@ -179,11 +179,13 @@ def apply_step_fit(hw: Hardware, c: float, beta: float, gamma: float = 1.0) -> H
     return hw.with_(**changes)
 
 
-def overlap_rows(dev, timeit, sizes=(1 << 12, 1 << 16, 1 << 18, 1 << 20), target: float = 3e-3, reps: int = 5) -> list:
+def overlap_rows(dev, timeit, sizes=(1 << 12, 1 << 16, 1 << 18, 1 << 20), target: float = 3e-3,
+                 reps: int = 15) -> list:
     """(bytes, seconds of some compute alone, seconds of the same compute with a ring step's send and receive of
     that size in flight), medians of `reps`: does a message in flight slow the rank's compute down by its time
-    (gloo moving bytes with the rank's own core) or hide behind it (`Hardware.comm_overlap`)? Run on every rank
-    of an initialised process group; `timeit(fn, device, min_time)` times one call."""
+    (gloo moving bytes with the rank's own core) or hide behind it (`Hardware.comm_overlap`)? The repetitions go
+    round the sizes (every size once, then the next round), so that a change of load tilts no size. Run on every
+    rank of an initialised process group; `timeit(fn, device, min_time)` times one call."""
     import torch.distributed as dist
     n, r = dist.get_world_size(), dist.get_rank()
     a = torch.randn(192, 192, device=dev)
@@ -193,11 +195,10 @@ def overlap_rows(dev, timeit, sizes=(1 << 12, 1 << 16, 1 << 18, 1 << 20), target
     def work():
         for _ in range(k):
             a @ a
-    rows = []
-    for size in sizes:
-        out, into = torch.ones(size // 4, device=dev), torch.empty(size // 4, device=dev)
-        alone, both = [], []
-        for i in range(reps + 1):
+    bufs = [(torch.ones(size // 4, device=dev), torch.empty(size // 4, device=dev)) for size in sizes]
+    alone, both = [[] for _ in sizes], [[] for _ in sizes]
+    for i in range(reps + 1):
+        for j, (out, into) in enumerate(bufs):
             dist.barrier()
             t0 = time.perf_counter()
             work()
@@ -209,11 +210,11 @@ def overlap_rows(dev, timeit, sizes=(1 << 12, 1 << 16, 1 << 18, 1 << 20), target
             for w in works:
                 w.wait()
             t3 = time.perf_counter()
-            if i:                                                  # the first one sets up the buffers
-                alone.append(t1 - t0)
-                both.append(t3 - t2)
-        rows.append((size, statistics.median(alone), statistics.median(both)))
-    return rows
+            if i:                                                  # the first round sets up the buffers
+                alone[j].append(t1 - t0)
+                both[j].append(t3 - t2)
+    return [(size, statistics.median(al), statistics.median(bo)) for size, al, bo in zip(sizes, alone, both)]
+
 
 def fit_overlap(over, p2p_latency: float, p2p_bw: float, n: int) -> dict:
     """From `overlap_rows` (medians over the ranks) and the isolated p2p fit: dict(exposed (per size: the
