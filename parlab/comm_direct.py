@@ -44,6 +44,15 @@ class _Messages:
     def is_completed(self) -> bool:
         return not self._works and self._finish is None
 
+    @classmethod
+    def start(cls, works: list, finish=None, async_op: bool = False) -> "_Messages | None":
+        """The handle for `async_op`; a blocking call waits here and returns None, as torch's collectives do."""
+        work = cls(works, finish)
+        if async_op:
+            return work
+        work.wait()
+        return None
+
 
 def _shift_round(r: int, n: int, j: int, send, recv) -> list:
     """Post round j of a shift exchange (rank r sends to r + j and receives from r - j, mod n) in an order that
@@ -97,10 +106,7 @@ def reduce_scatter_direct(output: torch.Tensor, tensor: torch.Tensor, op=ReduceO
 
         def finish():
             _sum_into(out, flat[r * m:(r + 1) * m], extra, n, op)
-        work = _Messages(works, finish)
-        if not async_op:
-            work.wait()
-        return work if async_op else None
+        return _Messages.start(works, finish, async_op=async_op)
     return _run("reduce_scatter", "collective", call, tensor, _nbytes(tensor), group, None, label, async_op)
 
 
@@ -144,10 +150,7 @@ def reduce_scatter_pieces(output: torch.Tensor, pieces: Sequence[Sequence[torch.
                 for c in range(a, b, step):
                     o = out[c:min(b, c + step)]
                     _sum_into(o, p[c - a:c - a + o.numel()], (e[c:c + o.numel()] for e in extra), n, op)
-        work = _Messages(works, finish)
-        if not async_op:
-            work.wait()
-        return work if async_op else None
+        return _Messages.start(works, finish, async_op=async_op)
     return _run("reduce_scatter", "collective", call, output, _nbytes(output) * n, group, None, label, async_op)
 
 
@@ -173,8 +176,5 @@ def all_gather_direct(outputs: Sequence[torch.Tensor], tensor: torch.Tensor, gro
             works += _shift_round(r, n, j, send, recv)
         if outputs[r].data_ptr() != tensor.data_ptr():
             outputs[r].copy_(tensor)
-        work = _Messages(works)
-        if not async_op:
-            work.wait()
-        return work if async_op else None
+        return _Messages.start(works, async_op=async_op)
     return _run("all_gather", "collective", call, tensor, _nbytes(tensor) * n, group, None, label, async_op)

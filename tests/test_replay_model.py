@@ -383,7 +383,6 @@ def test_the_step_fit_keeps_the_per_op_model_when_the_larger_ones_fit_noise():
     assert got["cv"] == min(got["cv_all"].values())
 
 
-
 def test_step_samples_time_the_shapes_round_by_round(monkeypatch):
     """A load change during calibration must shift every shape alike: the timed repetitions go round the shapes
     (one step of each, then the next round), each shape's time is the median of its own repetitions."""
@@ -406,6 +405,7 @@ def test_step_samples_time_the_shapes_round_by_round(monkeypatch):
     for i, shape in enumerate(calls[9:], start=10):
         times[shape].append(shape * 1e-3 * (1 + i % 3))
     assert [row[3] for row in got] == pytest.approx([sorted(times[s])[1] for s in (10, 20, 30)])
+
 
 # ---------------------------------------------------------------------- communication that takes the rank's core
 def _ring_step(msg_bytes, flops):
