@@ -10,13 +10,19 @@ at once (so each rank gets the share of the machine it has in a real run):
   bandwidths of the cache level and of memory with the working-set size that separates them, and the per-kernel
   cost c (on a CPU, c is mostly framework overhead per op; `fit_compute` keeps one bandwidth when two do not fit
   clearly better);
+* special functions: exp, GeLU and logsumexp of a few sizes; what their bytes and kernel do not explain, per
+  result, is `special_rate` (`parlab.calibrate_special`);
 * training steps (CPU): forward, backward and AdamW steps of small GPTs of a few shapes, metered and timed;
   with the products' rates kept, the per-op cost and a factor on the memory time are refitted to them
   (`parlab.calibrate_step`): a single op in a loop does not pay what an op inside autograd does;
 * overlap (CPU): the same compute timed alone and with a ring step's send and receive in flight; when the
   messages slow it by half their own time or more, gloo is moving them with the ranks' cores and the
-  description says `comm_overlap` False (the replay then charges asynchronous calls to their rank), and the
-  p2p latency and bandwidth are refitted to what the messages slowed the compute by (their cost inside a step);
+  description says `comm_overlap` False (the replay then charges asynchronous calls to their rank); without the
+  training-step programs below, the p2p latency and bandwidth are refitted to what the messages slowed the compute
+  by (their cost inside a step);
+* communication inside training steps (CPU): DDP- and FSDP-wrapped GPT steps run on every rank, timed and
+  replayed; `comm_delay`, how much later a transfer ends inside a step than alone, is fitted to make the replays
+  match (`parlab.calibrate_comm`);
 * point to point: every rank sends to the next and receives from the previous at once (isend / irecv, as a ring
   step does), over the same sizes; fitted the same way (t = latency + X / B) into `p2p_latency`, `p2p_bw`;
 * collectives, like nccl-tests: all-reduce over message sizes 4 B .. 16 MiB, median time per size, algorithm
@@ -156,7 +162,7 @@ def _metered(fn) -> tuple[float, int, int, int, float]:
     meter = CostMeter()
     with meter:
         fn()
-    f, b, k, hist, fb = meter.state()
+    f, b, k, hist, fb, _ = meter.state()
     return f, b, k, max((v for _, v in hist), default=0), fb
 
 
@@ -196,6 +202,8 @@ def measure_rank(device: str = "cpu", sizes=SIZES, reps: int = 5, min_time: floa
     gpu = dev.type == "cuda"
     dtype = torch.bfloat16 if gpu else torch.float32
     samples = _compute_samples(dev, dtype, gpu, min_time)
+    from .calibrate_special import special_samples
+    special = special_samples(dev, dtype, _timeit, min_time / 2, gpu)
     step_rows = []
     if steps and not gpu:
         from .calibrate_step import step_samples
@@ -231,11 +239,14 @@ def measure_rank(device: str = "cpu", sizes=SIZES, reps: int = 5, min_time: floa
             if i:                                                  # the first one sets up the connection
                 times.append(time.perf_counter() - t0)
         p2p.append((size, statistics.median(times)))
-    overlap = []
+    overlap, programs = [], []
     if steps and not gpu:
+        from .calibrate_comm import step_traces
         from .calibrate_step import overlap_rows
         overlap = overlap_rows(dev, _timeit, reps=3 * reps)     # noisier than the isolated calls: 3x the repetitions
-    return {"allreduce": rows, "p2p": p2p, "samples": samples, "steps": step_rows, "overlap": overlap}
+        programs = step_traces()
+    return {"allreduce": rows, "p2p": p2p, "samples": samples, "steps": step_rows, "overlap": overlap,
+            "special": special, "programs": programs}
 
 
 def fit_alpha_beta(rows, n: int, factor: float | None = None) -> tuple[float, float]:
@@ -273,6 +284,11 @@ def describe(per_rank: list[dict], n: int, name: str) -> tuple[Hardware, str]:
                   cache_bytes=fit["cache_bytes"],
                   intra_latency=hop, inter_latency=hop, p2p_bw=p2p_bw, p2p_latency=p2p_lat,
                   source=f"parlab.calibrate on {n} ranks, {time.strftime('%Y-%m-%d %H:%M', time.gmtime())} UTC")
+    special = [(*s[:4], statistics.median(r["special"][i][4] for r in per_rank))
+               for i, s in enumerate(per_rank[0].get("special") or ())]
+    if special:                                                 # exp, log, erf beyond their bytes
+        from .calibrate_special import fit_special_rate
+        hw = hw.with_(special_rate=fit_special_rate(hw, special))
     single = hw
     steps = [(*s[:3], statistics.median(r["steps"][i][3] for r in per_rank), *s[4:])
              for i, s in enumerate(per_rank[0].get("steps") or ())]
@@ -290,50 +306,20 @@ def describe(per_rank: list[dict], n: int, name: str) -> tuple[Hardware, str]:
         from .calibrate_step import fit_overlap
         overlap_fit = fit_overlap(over, p2p_lat, p2p_bw, n)
         hw = hw.with_(comm_overlap=overlap_fit["overlap"])
-        if overlap_fit["in_step"]:
-            hw = hw.with_(p2p_latency=overlap_fit["in_step"][0], p2p_bw=overlap_fit["in_step"][1])
-    lines = [f"{'size':>10} {'time us':>10} {'algbw GB/s':>11} {'busbw GB/s':>11} {'fit us':>9}"]
-    for size, t in rows:
-        lines.append(f"{size:>10} {t * 1e6:>10.1f} {size / t / 1e9:>11.4f} {2 * (n - 1) / n * size / t / 1e9:>11.4f} "
-                     f"{(alpha + 2 * (n - 1) / n * size / bw) * 1e6:>9.1f}")
-    lines.append(f"all-reduce fit: alpha {alpha * 1e6:.1f} us ({hop * 1e6:.2f} us per ring step), bandwidth "
-                 f"{bw / 1e9:.3f} GB/s")
-    lines.append("point to point (every rank sends to the next at once): " + ", ".join(
-        f"{size} B {t * 1e6:.0f} us" for size, t in p2p_rows))
-    lines.append(f"p2p fit: latency {p2p_lat * 1e6:.1f} us, bandwidth {p2p_bw / 1e9:.3f} GB/s")
-    if over:
-        lines.append("a ring step's send + receive in flight during compute: " + ", ".join(
-            f"{size} B: compute {a * 1e3:.2f} -> {b * 1e3:.2f} ms ({e:.2f} x the message time)"
-            for (size, a, b), e in zip(over, overlap_fit["exposed"]))
-            + f"; comm_overlap {hw.comm_overlap} (overlap when the median is below 0.5)")
-        if overlap_fit["in_step"]:
-            lat, bw = overlap_fit["in_step"]
-            lines.append(f"p2p inside a step (what the messages slowed the compute by): latency "
-                         f"{lat * 1e6:.1f} us, bandwidth {bw / 1e9:.3f} GB/s (replaces the fit above)")
-    cache = (f"{single.cache_bw / 1e9:.2f} GB/s for ops of working set <= {single.cache_bytes / 2 ** 20:g} MiB, "
-             if single.cache_bw else "one memory level: ")
-    bmm = f"batched products {single.bmm_flops / 1e9:.2f} GFLOP/s, " if single.bmm_flops else ""
-    lines.append(f"compute fit (single ops): {single.peak_flops / 1e9:.2f} GFLOP/s, {bmm}{cache}"
-                 f"{single.mem_bw / 1e9:.2f} GB/s, {single.kernel_overhead * 1e6:.2f} us per kernel (median time of "
-                 f"{n} ranks per sample)")
-    from .hardware import size_class
-    n_mm = sum(1 for s in pooled if s[0])                       # products first, then an add and a copy per size
-    for i, (f, b, k, t, ws, fb) in enumerate(pooled):
-        model = single.compute_time(f, b, k, ((size_class(ws), b),) if b else (), fb)
-        what = ("bmm" if fb else "matmul") if f else ("add" if (i - n_mm) % 2 == 0 else "copy")
-        lines.append(f"  {what:>6} {f:>12.3g} FLOP {b:>10} B  {t * 1e6:>9.1f} us "
-                     f"measured, {model * 1e6:>9.1f} us fitted")
-    if steps:
-        lines.append(f"training steps (AdamW): {c_op * 1e6:.2f} us per op, products' time x {gamma:.2f}, memory "
-                     f"time x {beta:.2f}: {hw.peak_flops / 1e9:.2f} GFLOP/s, {hw.mem_bw / 1e9:.2f} GB/s (single-op "
-                     f"fit above); per step: ops, measured, single-op model, step model")
-        lines.append("  leave-one-out RMS relative error per model (the lowest is kept): " + ", ".join(
-            f"{' + '.join(m)} {e:.1%}" for m, e in sf["cv_all"].items()))
-        for f, b, k, t, hist, fb in steps:
-            lines.append(f"  {k:>6} ops {f:>12.3g} FLOP {b:>11} B  {t * 1e3:>8.2f} ms measured, "
-                         f"{single.compute_time(f, b, k, hist, fb) * 1e3:>8.2f} ms single-op fit, "
-                         f"{hw.compute_time(f, b, k, hist, fb) * 1e3:>8.2f} ms step fit")
-    return hw, "\n".join(lines)
+    programs = per_rank[0].get("programs")
+    if over and overlap_fit["in_step"] and not programs:        # without training-step programs: the probe's cost
+        hw = hw.with_(p2p_latency=overlap_fit["in_step"][0], p2p_bw=overlap_fit["in_step"][1])
+    step_comm = None
+    if programs:                                                # what a transfer costs inside a training step
+        from .calibrate_comm import fit_step_comm, merge
+        merged = merge([r["programs"] for r in per_rank])
+        step_comm = fit_step_comm(hw, merged)
+        hw = hw.with_(comm_delay=step_comm["delay"], source=hw.source + f"; communication inside a step fitted to "
+                      f"{len(merged)} DDP and FSDP training steps (parlab.calibrate_comm)")
+    from .calibrate_report import report
+    return hw, report(n, hw, single, rows=rows, alpha=alpha, bw=bw, p2p_rows=p2p_rows, p2p_lat=p2p_lat,
+                      p2p_bw=p2p_bw, over=over, overlap_fit=overlap_fit if over else None, programs=bool(programs),
+                      step_comm=step_comm, pooled=pooled, steps=steps, step_fit=sf if steps else None)
 
 
 def _rank_main(sizes, reps, min_time, steps=True) -> dict:

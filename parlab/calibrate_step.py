@@ -11,12 +11,13 @@ So calibration also times whole single-process training steps (forward, backward
 a few shapes (`STEP_SHAPES`), each step metered once by the replay's own meter (`parlab.replay_meter`) for its
 FLOPs F (F_b of them batched), memory-bound bytes M (by working-set class) and ops K, and timed unmetered
 (median of several). With the single-op fit's times of those products, T_F = (F - F_b) / F_mm + F_b / F_bmm,
-and of those bytes, T_mem(M) (cache and memory levels), four models of a step's time:
+and of those bytes, T_mem(M) (cache and memory levels), and of its special-function results, T_sp (exp, erf:
+`parlab.calibrate_special`, held as measured), four models of a step's time:
 
-    per-op        t_step  =  T_F          +  K x c  +  T_mem(M)
-    + memory      t_step  =  T_F          +  K x c  +  beta x T_mem(M)
-    + products    t_step  =  gamma x T_F  +  K x c  +  T_mem(M)
-    + both        t_step  =  gamma x T_F  +  K x c  +  beta x T_mem(M)
+    per-op        t_step  =  T_F          +  K x c  +  T_mem(M)         +  T_sp
+    + memory      t_step  =  T_F          +  K x c  +  beta x T_mem(M)  +  T_sp
+    + products    t_step  =  gamma x T_F  +  K x c  +  T_mem(M)         +  T_sp
+    + both        t_step  =  gamma x T_F  +  K x c  +  beta x T_mem(M)  +  T_sp
 
 each fitted by least squares on relative error (c >= 0, beta and gamma > 0). F, M and K all grow with a model's
 size, so the larger models can fit noise: calibration keeps the one that best predicts a step it was not fitted
@@ -72,7 +73,8 @@ def _gpt_step(n_embd: int, n_layer: int, n_head: int, seq: int, rows: int):
 
 
 def step_samples(shapes=STEP_SHAPES, reps: int = 9, barrier=None) -> list[tuple]:
-    """(flops, bytes, kernels, median seconds, size histogram, batched flops) of one training step per shape:
+    """(flops, bytes, kernels, median seconds, size histogram, batched flops, special-function results) of one
+    training step per shape:
     metered once (the replay's meter), timed `reps` times unmetered. The repetitions go round the shapes (one
     step of each shape, then the next round), so that a change of the machine's load during calibration shifts
     every shape alike instead of tilting the fit. `barrier` (e.g. parlab.comm.barrier) lines the ranks up before
@@ -96,7 +98,7 @@ def step_samples(shapes=STEP_SHAPES, reps: int = 9, barrier=None) -> list[tuple]
             t0 = time.perf_counter()
             step()
             ts.append(time.perf_counter() - t0)
-    return [(f, b, k, statistics.median(ts), hist, fb) for (f, b, k, hist, fb), ts in zip(metered, times)]
+    return [(f, b, k, statistics.median(ts), hist, fb, sp) for (f, b, k, hist, fb, sp), ts in zip(metered, times)]
 
 
 def _flop_time(hw: Hardware, f: float, fb: float) -> float:
@@ -107,19 +109,24 @@ def _mem_time(hw: Hardware, b: float, hist) -> float:
     return hw.compute_time(0.0, b, 0, hist)
 
 
+def _special_time(hw: Hardware, special: float) -> float:
+    return hw.compute_time(special=special)
+
+
 MODELS = (("c",), ("c", "beta"), ("c", "gamma"), ("c", "beta", "gamma"))
 
 
 def _fit_one(rows, free) -> tuple[float, dict] | None:
-    """(relative squared error, {c, beta, gamma}) of t = gamma T_F + c K + beta T_mem over rows (T_F, K, T_mem,
-    t), the terms not in `free` held at 1 (c at 0); least squares on relative error, c >= 0, beta, gamma > 0."""
+    """(relative squared error, {c, beta, gamma}) of t = gamma T_F + c K + beta T_mem + T_sp over rows (T_F, K,
+    T_mem, t, T_sp), the terms not in `free` held at 1 (c at 0); least squares on relative error, c >= 0, beta,
+    gamma > 0."""
     import itertools
     col = {"gamma": 0, "c": 1, "beta": 2}
     best = None
     optional = [f for f in free if f == "c"]                      # only c may drop out (to 0)
     for drop in itertools.chain([()], ([f] for f in optional)):
         keep = [f for f in free if f not in drop]
-        fixed = [sum(r[col[n]] for n in ("gamma", "beta") if n not in free) for r in rows]
+        fixed = [sum(r[col[n]] for n in ("gamma", "beta") if n not in free) + r[4] for r in rows]
         a = torch.tensor([[r[col[n]] / r[3] for n in keep] for r in rows], dtype=torch.float64, device="cpu")
         rhs = torch.tensor([[1 - fx / r[3]] for fx, r in zip(fixed, rows)], dtype=torch.float64, device="cpu")
         if keep:
@@ -136,14 +143,15 @@ def _fit_one(rows, free) -> tuple[float, dict] | None:
 
 
 def _predict(row, p) -> float:
-    return p["gamma"] * row[0] + p["c"] * row[1] + p["beta"] * row[2]
+    return p["gamma"] * row[0] + p["c"] * row[1] + p["beta"] * row[2] + row[4]
 
 
 def fit_step(hw: Hardware, samples) -> dict:
     """The step model (module docstring) fitted to `step_samples` rows with the single-op rates of `hw`:
     dict(c, beta, gamma, model (its free terms), cv (leave-one-out RMS relative error of the kept model),
     cv_all ({model: its leave-one-out error}))."""
-    rows = [(_flop_time(hw, f, fb), float(k), _mem_time(hw, b, hist), t) for f, b, k, t, hist, fb in samples]
+    rows = [(_flop_time(hw, s[0], s[5]), float(s[2]), _mem_time(hw, s[1], s[4]), s[3],
+             _special_time(hw, s[6] if len(s) > 6 else 0.0)) for s in samples]
     if len(rows) < 4:
         raise ValueError(f"fitting the step model needs at least 4 training-step samples, got {len(rows)}")
     if any(not r[3] > 0 for r in rows):

@@ -4,10 +4,12 @@ A `Hardware` is a few numbers per GPU (plain data, JSON in and out), enough for 
 `parlab.replay` times a trace with:
 
 * compute, roofline style (Williams, Waterman, Patterson, "Roofline", CACM 2009): a span that did F FLOPs in
-  matrix products, moved M bytes in memory-bound ops and launched K kernels takes
+  matrix products, moved M bytes in memory-bound ops, computed S special-function results and launched K kernels
+  takes
 
       (F - F_b) / (peak_flops x efficiency)  +  F_b / bmm_flops
-          +  M_cache / (cache_bw x mem_efficiency)  +  (M - M_cache) / (mem_bw x mem_efficiency)  +  K x kernel_overhead
+          +  M_cache / (cache_bw x mem_efficiency)  +  (M - M_cache) / (mem_bw x mem_efficiency)
+          +  S / special_rate  +  K x kernel_overhead
 
   `efficiency` is kernel-level: the fraction of the datasheet's dense peak that large matrix products (GEMMs)
   sustain, measured per kernel, not per training step (the replay simulates bubbles and communication itself).
@@ -25,6 +27,12 @@ A `Hardware` is a few numbers per GPU (plain data, JSON in and out), enough for 
   F_b are the FLOPs of batched products (bmm, baddbmm, attention kernels; `Event.batched_flops`), which a CPU
   runs at a rate of its own, `bmm_flops` (optional: None on the GPU presets, where they go at the product rate).
 
+  Special functions (optional): S results of exp, log, erf, ... (`Event.special`, the ops of
+  `parlab.replay_meter.SPECIAL_OPS`: softmax, logsumexp, GeLU) add S / special_rate on top of their bytes. A GPU
+  computes them on its SFUs, 16 results per clock per SM (CUDA C++ Programming Guide, throughput of native
+  arithmetic instructions, compute capability 8.0 and 9.0), about 1/250 of its product rate; a CPU in software,
+  often slower than memory moves their operands (`parlab calibrate` measures it). None: no cost beyond the bytes.
+
   Two-level memory (optional, a CPU's caches; None on the GPU presets): M_cache are the bytes of the ops whose
   working set (the bytes an op reads and writes, as `parlab.replay_meter` counts them) fits in `cache_bytes`;
   they move at `cache_bw`, every other byte at `mem_bw`. The meter records each span's bytes per power-of-two
@@ -34,6 +42,13 @@ A `Hardware` is a few numbers per GPU (plain data, JSON in and out), enough for 
   PERFORMANCE.md counts them): a collective over N ranks takes ``base_latency + steps x hop_latency +
   factor x X / bandwidth`` on the slowest link its group crosses (NVLink inside a node, InfiniBand across
   nodes); `collective_time` has the factors and steps of each op, ring and (for all-reduce across nodes) tree.
+* inside a step (`comm_delay`; a CPU's description only): every transfer ends `comm_delay` seconds later than
+  the link model says, without keeping a rank busy: a rank that blocks in the call, or waits for it, waits that
+  much longer; compute issued meanwhile hides it. On a CPU whose cores each run a rank, a call made in the
+  middle of a training step hands its work to the backend's threads, which must first get a core (and, on a
+  virtual machine whose idle cores halt, wake one up): in FSDP steps here a 0.8 MB all-gather took 2.4-4.3 ms
+  where the same call alone took 0.5-0.9 ms (benchmarks/README.md). `parlab calibrate` fits it to distributed
+  training steps (`parlab.calibrate_comm`); 0 on the GPU presets (the link model is the whole cost).
 * overlap (`comm_overlap`): on GPUs a collective or message issued asynchronously runs beside compute (NCCL's
   kernels, copy engines; True on the presets). On a CPU whose cores each run a rank, gloo moves the bytes with
   the ranks' own cores, so an asynchronous call does not overlap the rank's compute: with comm_overlap False the
@@ -101,6 +116,8 @@ class Hardware:
     cache_bytes: float = 0.0        # working-set size up to which an op runs at cache_bw
     bmm_flops: float | None = None  # FLOP/s of batched products (bmm, attention); None: peak_flops x efficiency
     comm_overlap: bool = True       # asynchronous communication overlaps compute (False: it takes the rank's core)
+    special_rate: float | None = None  # special-function results per second (exp, log, erf; None: no extra cost)
+    comm_delay: float = 0.0         # seconds a transfer inside a training step ends later than the link model says
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -130,11 +147,15 @@ class Hardware:
                                            or not isinstance(self.bmm_flops, (int, float)) or not self.bmm_flops > 0):
             raise ValueError(f"hardware {self.name!r}: bmm_flops must be a positive rate (FLOP/s) or None, "
                              f"got {self.bmm_flops!r}")
+        if self.special_rate is not None and (isinstance(self.special_rate, bool) or not isinstance(
+                self.special_rate, (int, float)) or not self.special_rate > 0):
+            raise ValueError(f"hardware {self.name!r}: special_rate must be a positive rate (results per second) or "
+                             f"None, got {self.special_rate!r}")
         if not isinstance(self.comm_overlap, bool):
             raise ValueError(f"hardware {self.name!r}: comm_overlap must be true or false, got {self.comm_overlap!r}")
         if self.p2p_bw is not None and not (isinstance(self.p2p_bw, (int, float)) and self.p2p_bw > 0):
             raise ValueError(f"hardware {self.name!r}: p2p_bw must be a positive rate or None, got {self.p2p_bw!r}")
-        for k in ("kernel_overhead", "base_latency", "intra_latency", "inter_latency"):
+        for k in ("kernel_overhead", "base_latency", "intra_latency", "inter_latency", "comm_delay"):
             v = getattr(self, k)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0:
                 raise ValueError(f"hardware {self.name!r}: {k} must be a time >= 0 in seconds, got {v!r}")
@@ -179,11 +200,11 @@ class Hardware:
         return float(sum(b for k, b in mem_hist if 2.0 ** (k + 1) <= self.cache_bytes))
 
     def compute_time(self, flops: float = 0.0, nbytes: float = 0.0, kernels: int = 0, mem_hist=(),
-                     batched_flops: float = 0.0) -> float:
+                     batched_flops: float = 0.0, special: float = 0.0) -> float:
         """Seconds of a compute span: matrix FLOPs at the sustained peak (the `batched_flops` among them at
         `bmm_flops` when given), memory-bound bytes at the sustained bandwidth of their level (cache or memory,
-        by `mem_hist`: (k, bytes) per working-set size class 2^k), plus a fixed cost per kernel (see the module
-        docstring)."""
+        by `mem_hist`: (k, bytes) per working-set size class 2^k), `special` function results at `special_rate`
+        (when given), plus a fixed cost per kernel (see the module docstring)."""
         cached = min(self.cached_bytes(mem_hist), float(nbytes))
         batched = min(float(batched_flops), float(flops)) if self.bmm_flops is not None else 0.0
         t = ((flops - batched) / (self.peak_flops * self.efficiency)
@@ -192,6 +213,8 @@ class Hardware:
             t += batched / self.bmm_flops
         if cached:
             t += cached / (self.cache_bw * self.mem_efficiency)
+        if special and self.special_rate is not None:
+            t += special / self.special_rate
         return t + kernels * self.kernel_overhead
 
     def link(self, crosses_nodes: bool) -> tuple[float, float]:
@@ -264,6 +287,9 @@ def _dgx_a100() -> Hardware:
         # A100 (Dao, FlashAttention-2, arXiv:2307.08691, section 1); we take the low end, 0.8
         efficiency=0.8,
         mfu=0.5,                # end to end: Megatron-LM on A100, 44-52% of peak (Narayanan et al. SC'21, table 1)
+        # special functions (exp, log): 16 per clock per SM (CUDA C++ Programming Guide, arithmetic instruction
+        # throughput, compute capability 8.0) x 108 SMs x 1.41 GHz boost (NVIDIA A100 whitepaper)
+        special_rate=108 * 16 * 1.41e9,
         source="NVIDIA A100 datasheet, DGX A100 user guide; NCCL tuning.cc latencies")
 
 
@@ -279,6 +305,9 @@ def _dgx_h100() -> Hardware:
         # arXiv:2407.08608, section 1, contrasting FlashAttention-2's 35%); the low end, 0.8
         efficiency=0.8,
         mfu=0.5,                # end to end: the A100's figure (no published H100 Megatron table here)
+        # special functions: "989 TFLOPS of FP16 matmul but only 3.9 TFLOPS of special functions" (Shah et al.,
+        # FlashAttention-3, arXiv:2407.08608); 16 per clock per SM x 132 SMs x ~1.83 GHz gives the same
+        special_rate=3.9e12,
         source="NVIDIA H100 datasheet, DGX H100 user guide; NCCL tuning.cc latencies")
 
 

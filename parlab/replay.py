@@ -3,9 +3,10 @@
 `replay(trace, hardware)` keeps the program every rank ran (its order of compute spans, collectives,
 messages and waits, from `parlab.replay_program.build_programs`) and gives every step a new duration:
 
-* compute spans from their work (`Event.flops`, `nbytes`, `kernels`, `mem_hist`, metered by
+* compute spans from their work (`Event.flops`, `nbytes`, `kernels`, `mem_hist`, `special`, metered by
   `parlab.trace.count_costs`) on the hardware's roofline (`Hardware.compute_time`: products at the kernel-level
-  efficiency, memory-bound bytes at the cache's or memory's bandwidth by working set);
+  efficiency, memory-bound bytes at the cache's or memory's bandwidth by working set, special functions at
+  their own rate);
 * collectives and messages from the alpha-beta model of their algorithm (`Hardware.collective_time`: ring,
   or tree for an all-reduce across nodes where that is faster), on the slowest link the group crosses. Which
   groups cross nodes follows from the placement: rank r sits on node ``r // gpus_per_node`` (torchrun's and
@@ -24,7 +25,9 @@ A discrete-event loop then runs every rank's program against the others, with th
                        program that polled its sends for completion cannot deadlock in the replay
 
 On hardware whose communication does not overlap compute (`Hardware.comm_overlap` False: gloo on a CPU with a
-rank per core) an asynchronous call also holds its rank for its cost when it is issued.
+rank per core) an asynchronous call also holds its rank for its cost when it is issued. A calibrated CPU's
+`Hardware.comm_delay` makes every transfer end that much later without holding a rank (the backend's threads
+waiting for a core inside a step): a blocking call pays it, compute issued after an asynchronous call hides it.
 
 The result is an ordinary `parlab.Trace` (times from 0, in seconds; `trace.hardware` names the hardware), so
 `parlab.viz.timeline`, the animations and `Trace.to_chrome` draw it unchanged. Every rank starts at 0; time a
@@ -100,7 +103,7 @@ def default_costs(hardware: Hardware, placement: Placement, compute_scale: float
 
     def compute(e: Event) -> float:
         if e.flops or e.nbytes or e.kernels or (metered and compute_scale is None):
-            return hardware.compute_time(e.flops, e.nbytes, e.kernels, e.mem_hist, e.batched_flops)
+            return hardware.compute_time(e.flops, e.nbytes, e.kernels, e.mem_hist, e.batched_flops, e.special)
         if compute_scale is not None:
             return e.duration * compute_scale
         raise ReplayError(f"compute span {e.op!r} ({e.label or 'no label'}) of rank {e.rank} carries no work "
@@ -147,15 +150,16 @@ def replay(trace: Trace, hardware: Hardware, *, grid: ParallelGrid | None = None
         raise
     except ValueError as err:
         raise ReplayError(str(err)) from None
-    events = _run(programs, serial=not hardware.comm_overlap)
+    events = _run(programs, serial=not hardware.comm_overlap, delay=hardware.comm_delay)
     return Trace(events, hardware.name)
 
 
-def _run(programs: dict[int, list[Step]], serial: bool = False) -> list[Event]:
+def _run(programs: dict[int, list[Step]], serial: bool = False, delay: float = 0.0) -> list[Event]:
     """The discrete-event loop: advance every rank as far as its dependencies allow, until all are done.
     `serial` (`Hardware.comm_overlap` False): an asynchronous call also occupies its rank for its cost when issued
     (calls issued at the same moment, e.g. a ring step's send and receive, overlap each other: calibration times
-    them as one pair)."""
+    them as one pair). `delay` (`Hardware.comm_delay`): every transfer between two or more ranks ends that much
+    later than its cost says, without occupying a rank (a rank that waits for it waits longer)."""
     ranks = sorted(programs)
     pos = {r: 0 for r in ranks}
     clock = {r: 0.0 for r in ranks}
@@ -172,7 +176,7 @@ def _run(programs: dict[int, list[Step]], serial: bool = False) -> list[Event]:
         if key in done or not set(members) <= set(got):
             return
         start = max([*got.values(), *(stream[(m, members)] for m in members)])
-        end = start + step.cost
+        end = start + step.cost + (delay if len(members) > 1 else 0.0)
         for m in members:
             stream[(m, members)] = end
         done[key] = (start, end)
@@ -182,7 +186,7 @@ def _run(programs: dict[int, list[Step]], serial: bool = False) -> list[Event]:
         if key in done or len(got) < 2:
             return
         start = max(got.values())
-        done[key] = (start, start + step.cost)
+        done[key] = (start, start + step.cost + delay)
 
     burst: dict[int, float] = {}                                   # serial: when the rank's run of async calls began
 

@@ -9,6 +9,11 @@
     bytes    read and written by every other op (the memory-bound ones: elementwise, reductions, norms,
              softmax, copies): the sizes of its tensor inputs and outputs
     kernels  the number of ops counted (views and metadata ops launch nothing and count nothing)
+    special  elements computed by special functions (exp, log, erf, tanh, sigmoid, sin, cos: `SPECIAL_OPS`,
+             e.g. in softmax, logsumexp and GeLU), over and above their bytes: they run on a unit of their own
+             (a GPU's SFUs: 16 results per clock per SM, so an H100 has 989 TFLOP/s of products but only about 3.9
+             TFLOP/s of exponentials, FlashAttention-3, Shah et al. 2024), and a CPU evaluates them in software
+             at a few per nanosecond, slower than memory moves their bytes (`parlab.hardware.Hardware.special_rate`)
     mem_hist the same bytes by size class of the op's working set (its bytes read and written): k -> bytes of
              the ops with working sets in [2^k, 2^(k+1)), so that a two-level memory model
              (`parlab.hardware.Hardware.cache_bw`) can charge cache-sized ops and DRAM-sized ops differently
@@ -29,9 +34,17 @@ from torch.utils.flop_counter import flop_registry
 
 from .hardware import size_class
 
-__all__ = ["CostMeter"]
+__all__ = ["CostMeter", "SPECIAL_OPS"]
 
 _SKIP_NAMESPACES = ("c10d", "_c10d_functional", "c10d_functional", "prim", "profiler")
+
+#: aten ops that evaluate a special function per element of their largest operand (softmax and logsumexp: an
+#: exponential per input element; GeLU (erf) and its backward; SiLU and sigmoid: one exponential)
+SPECIAL_OPS = frozenset({
+    "exp", "exp_", "exp2", "expm1", "log", "log_", "log2", "log10", "log1p", "logsumexp", "logaddexp",
+    "_softmax", "_log_softmax", "_log_softmax_backward_data", "gelu", "gelu_", "gelu_backward", "tanh", "tanh_",
+    "sigmoid", "sigmoid_", "silu", "silu_", "silu_backward", "erf", "erf_", "erfinv", "sin", "cos", "tan",
+    "softplus", "elu", "_safe_softmax"})
 
 
 def _tensor_bytes(obj) -> int:
@@ -39,24 +52,31 @@ def _tensor_bytes(obj) -> int:
     return sum(t.numel() * t.element_size() for t in leaves if isinstance(t, torch.Tensor))
 
 
+def _largest(*objs) -> int:
+    leaves = [t for obj in objs for t in tree_flatten(obj)[0] if isinstance(t, torch.Tensor)]
+    return max((t.numel() for t in leaves), default=0)
+
+
 class CostMeter(TorchDispatchMode):
-    """Running totals of (FLOPs, bytes of memory-bound ops, kernels) of the ops run inside ``with meter:``, and
-    the bytes per working-set size class (`mem_hist`)."""
+    """Running totals of (FLOPs, bytes of memory-bound ops, kernels) of the ops run inside ``with meter:``, the
+    bytes per working-set size class (`mem_hist`), the batched products' FLOPs and the special-function
+    elements."""
 
     def __init__(self):
         super().__init__()
         self.flops, self.bytes, self.kernels = 0.0, 0, 0
         self.hist: dict[int, int] = {}
         self.batched = 0.0          # the part of flops done by batched products
+        self.special = 0            # elements computed by special functions (SPECIAL_OPS)
 
     def totals(self) -> tuple[float, int, int]:
         return self.flops, self.bytes, self.kernels
 
-    def state(self) -> tuple[float, int, int, tuple[tuple[int, int], ...], float]:
-        """The running totals, the size histogram ((k, bytes), ...) and the batched products' FLOPs, as
-        `parlab.trace.Event.meter_at` keeps them: a replay splits a span at its communication by the work done
-        between (`parlab.replay_program`)."""
-        return self.flops, self.bytes, self.kernels, tuple(sorted(self.hist.items())), self.batched
+    def state(self) -> tuple[float, int, int, tuple[tuple[int, int], ...], float, int]:
+        """The running totals, the size histogram ((k, bytes), ...), the batched products' FLOPs and the
+        special-function elements, as `parlab.trace.Event.meter_at` keeps them: a replay splits a span at its
+        communication by the work done between (`parlab.replay_program`)."""
+        return self.flops, self.bytes, self.kernels, tuple(sorted(self.hist.items())), self.batched, self.special
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -78,4 +98,6 @@ class CostMeter(TorchDispatchMode):
                 self.kernels += 1
                 k = size_class(moved)
                 self.hist[k] = self.hist.get(k, 0) + moved
+                if packet.__name__ in SPECIAL_OPS:
+                    self.special += _largest(args, kwargs, out)
         return out

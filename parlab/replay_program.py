@@ -142,31 +142,38 @@ def _program(rank: int, evs: list[Event], compute_cost, comm_cost, untraced: boo
     return [s for _, _, s in steps]
 
 
+def _totals(s: tuple) -> tuple:
+    """Running totals (flops, bytes, kernels, size histogram, batched flops, special elements); () when there
+    are none. A trace recorded before special elements were counted has five: its special count is 0."""
+    return (*s, 0) if len(s) == 5 else s if len(s) == 6 else ()
+
+
 def _state(st: Step) -> tuple:
     """The meter's running totals where a point step happened (at a wait: when the program waited)."""
-    return st.event.meter_waited if st.kind == "wait" else st.event.meter_at
+    return _totals(st.event.meter_waited if st.kind == "wait" else st.event.meter_at)
 
 
 def _minus(b: tuple, a: tuple) -> tuple:
-    """Work between two running totals (flops, bytes, kernels, size histogram, batched flops)."""
-    return b[0] - a[0], b[1] - a[1], b[2] - a[2], hist_sub(b[3], a[3]), b[4] - a[4]
+    """Work between two running totals (`_totals`)."""
+    return b[0] - a[0], b[1] - a[1], b[2] - a[2], hist_sub(b[3], a[3]), b[4] - a[4], b[5] - a[5]
 
 
 def _span_start(c: Event) -> tuple:
     """The meter's running totals when span `c` began: its end totals less its own work."""
-    end = c.meter_at
+    end = _totals(c.meter_at)
     return (end[0] - c.flops, end[1] - c.nbytes, end[2] - c.kernels, hist_sub(end[3], c.mem_hist),
-            end[4] - c.batched_flops)
+            end[4] - c.batched_flops, end[5] - c.special)
 
 
 def _untraced_work(rank: int, outer: list[Event], points, compute_cost) -> list[tuple[float, int, Step]]:
     """Compute steps for the work the meter counted outside every compute span (module docstring): between
     two consecutive metered moments of the rank (its calls, waits, marks, the starts and ends of its spans, in
     the order of the kernels counted) that no span covers, placed after the first of the two."""
-    marks = [(at, _state(st)) for at, _, st in points if len(_state(st)) == 5]
-    spans = [(_span_start(c), c.meter_at) for c in outer if len(c.meter_at) == 5]
-    marks += [(c.start, s) for c, (s, _) in zip((c for c in outer if len(c.meter_at) == 5), spans)]
-    marks += [(c.end, c.meter_at) for c in outer if len(c.meter_at) == 5]
+    marks = [(at, _state(st)) for at, _, st in points if _state(st)]
+    metered = [c for c in outer if _totals(c.meter_at)]
+    spans = [(_span_start(c), _totals(c.meter_at)) for c in metered]
+    marks += [(c.start, s) for c, (s, _) in zip(metered, spans)]
+    marks += [(c.end, e) for c, (_, e) in zip(metered, spans)]
     marks.sort(key=lambda m: (m[1][2], m[0]))                 # kernels counted so far: the program's order
     covered = sorted((s[2], e[2]) for s, e in spans)          # the kernels each span ran (spans do not nest)
     starts = [s for s, _ in covered]
@@ -179,7 +186,8 @@ def _untraced_work(rank: int, outer: list[Event], points, compute_cost) -> list[
         if i >= 0 and b[2] <= covered[i][1]:
             continue                                          # inside a span: its own cost covers it
         ev = Event(rank, "compute", "untraced", t, max(t, t_next), flops=work[0], nbytes=work[1], kernels=work[2],
-                   mem_hist=work[3], batched_flops=max(work[4], 0.0), label="metered work outside any traced region")
+                   mem_hist=work[3], batched_flops=max(work[4], 0.0), special=max(work[5], 0),
+                   label="metered work outside any traced region")
         out.append((t, _LAST, Step("compute", ev, compute_cost(ev))))
     return out
 
@@ -189,9 +197,9 @@ def _piece_costs(c: Event, states: list[tuple], cost: float, compute_cost) -> li
     counted between the cuts (module docstring); None when the trace does not say (no running totals, work given
     by hand that the totals do not match) or the cost model is not additive over work (the pieces would not sum
     to `cost`)."""
-    if len(c.meter_at) != 5 or any(len(s) != 5 for s in states):
+    if not _totals(c.meter_at) or not all(states):
         return None
-    end = c.meter_at
+    end = _totals(c.meter_at)
     marks = [_span_start(c), *states, end]
     pieces = []
     for a, b in zip(marks, marks[1:]):
@@ -202,7 +210,8 @@ def _piece_costs(c: Event, states: list[tuple], cost: float, compute_cost) -> li
                 or any(v < 0 for _, v in work[3])):
             return None
         pieces.append(dataclasses.replace(c, flops=max(work[0], 0.0), nbytes=max(work[1], 0), kernels=work[2],
-                                          mem_hist=work[3], batched_flops=min(max(work[4], 0.0), max(work[0], 0.0))))
+                                          mem_hist=work[3], batched_flops=min(max(work[4], 0.0), max(work[0], 0.0)),
+                                          special=max(work[5], 0)))
     costs = [compute_cost(p) for p in pieces]
     if abs(sum(costs) - cost) > 1e-9 * max(abs(cost), 1e-300):
         return None

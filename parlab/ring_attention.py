@@ -89,11 +89,17 @@ def _attention_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: bo
         s = q.to(acc) @ k.to(acc).transpose(-2, -1) / math.sqrt(q.shape[-1])   # (B, nh, cq, ck), float32+
         #  (rounding the scores to bf16 first would make lse disagree with the backward's float32 scores)
         if mask:
-            keep = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril()  # (cq, ck), cq == ck
-            s = s.masked_fill(~keep, float("-inf"))
+            s += _causal_bias(s)                            # -inf above the diagonal (cq == ck)
         lse = torch.logsumexp(s, dim=-1)                    # (B, nh, cq)
         p = torch.exp(s - lse.unsqueeze(-1)).to(v.dtype).to(acc)   # (B, nh, cq, ck), P in the input's precision
         return p @ v.to(acc), lse                           # (B, nh, cq, hd) in float32+, (B, nh, cq)
+
+
+def _causal_bias(s: torch.Tensor) -> torch.Tensor:
+    """(cq, ck): 0 on and below the diagonal, -inf above it, added to the scores s (B, nh, cq, ck) of a
+    diagonal block: the same result as ``s.masked_fill(~tril, -inf)``, but an add broadcasts in vectorised code
+    on a CPU, where masked_fill with a broadcast mask ran ~8x slower (250 us vs 30 us for 4 x 256 x 256)."""
+    return torch.full(s.shape[-2:], float("-inf"), dtype=s.dtype, device=s.device).triu(1)
 
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -129,8 +135,7 @@ def _block_backward_math(dout, q, k, v, lse, delta, mask: bool):
     dout, q, k, v = (t.to(lse.dtype) for t in (dout, q, k, v))   # 16-bit inputs: the block's math in float32
     s = q @ k.transpose(-2, -1) * scale                     # (B, nh, cq, ck)
     if mask:
-        keep = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril()
-        s = s.masked_fill(~keep, float("-inf"))
+        s += _causal_bias(s)
     p = torch.exp(s - lse.unsqueeze(-1))                     # (B, nh, cq, ck), masked entries 0
     dv = p.transpose(-2, -1) @ dout                          # (B, nh, ck, hd)
     ds = p * (dout @ v.transpose(-2, -1) - delta.unsqueeze(-1))  # (B, nh, cq, ck)

@@ -271,17 +271,20 @@ def scale_work(trace: Trace, flops: float = 1.0, comm_bytes: float = 1.0, mem_by
                          "parlab.trace.count_costs() (or give regions flops=...)")
     mem = flops if mem_bytes is None else mem_bytes
     out = []
-    for e in trace.events:
+
+    def scaled(t):
         # the meter's running totals are scaled alike (a replay splits spans by them); the size classes of the
         # memory-bound ops are dropped: the bigger model's ops do not fit any cache, every byte goes at mem_bw
-        at = ((e.meter_at[0] * flops, e.meter_at[1] * mem, e.meter_at[2], (), e.meter_at[4] * flops)
-              if len(e.meter_at) == 5 else e.meter_at)
+        return (t[0] * flops, t[1] * mem, t[2], (), t[4] * flops, *(v * mem for v in t[5:])) if len(t) in (5, 6) else t
+    for e in trace.events:
+        at, waited = scaled(e.meter_at), scaled(e.meter_waited)
         if e.kind == "compute":
             out.append(dataclasses.replace(e, flops=e.flops * flops, nbytes=round(e.nbytes * mem), mem_hist=(),
-                                           batched_flops=e.batched_flops * flops, meter_at=at))
+                                           batched_flops=e.batched_flops * flops, special=e.special * mem,
+                                           meter_at=at))
         elif e.kind in ("collective", "p2p"):
             out.append(dataclasses.replace(e, nbytes=round(e.nbytes * comm_bytes), numel=round(e.numel * comm_bytes),
-                                           meter_at=at))
+                                           meter_at=at, meter_waited=waited))
         else:
-            out.append(dataclasses.replace(e, meter_at=at))
+            out.append(dataclasses.replace(e, meter_at=at, meter_waited=waited))
     return Trace(out, trace.hardware)

@@ -72,10 +72,11 @@ class Event:
     waited: float | None = None
     # Metered runs (count_costs) only: a compute span's memory-bound bytes per working-set size class,
     # ((k, bytes), ...) for working sets in [2^k, 2^(k+1)); and on every event the meter's running totals when
-    # it was recorded, (flops, bytes, kernels, size histogram, batched flops), so a replay can split a span
-    # by the work done.
+    # it was recorded, (flops, bytes, kernels, size histogram, batched flops, special elements), so a replay
+    # can split a span by the work done (a trace recorded before special elements were counted has 5 of them).
     mem_hist: tuple = ()
     batched_flops: float = 0.0  # the part of flops done by batched products (bmm, attention), metered runs only
+    special: float = 0.0        # elements computed by special functions (exp, log, erf, ...), metered runs only
     meter_at: tuple = ()
     meter_waited: tuple = ()    # an asynchronous call: the meter's running totals when it was first waited for
 
@@ -103,7 +104,7 @@ class Recorder:
         self.rank = rank
         self.events: list[Event] = []
         self.meter = None          # a cost meter while `count_costs()` is active
-        self._stamp = (0.0, 0, 0, (), 0.0)  # the meter's state (CostMeter.state) when the last event was added
+        self._stamp = (0.0, 0, 0, (), 0.0, 0)  # the meter's state (CostMeter.state) when the last event was added
         self.clock = clock
         self.device = DeviceClock() if clock == "cuda-events" else None   # CUDA events to retime at the end
 
@@ -115,6 +116,7 @@ class Recorder:
                 event.flops, event.nbytes, event.kernels = (a - b for a, b in zip(state[:3], self._stamp[:3]))
                 event.mem_hist = hist_sub(state[3], self._stamp[3])
                 event.batched_flops = state[4] - self._stamp[4]
+                event.special = state[5] - self._stamp[5]
             event.meter_at = state
             self._stamp = state
         self.events.append(event)
@@ -198,10 +200,11 @@ def region(name: str, label: str = "", flops: float | None = None, nbytes: int |
             ev.flops, ev.nbytes, ev.kernels = (a - b for a, b in zip(after[:3], before[:3]))
             ev.mem_hist = hist_sub(after[3], before[3])
             ev.batched_flops = after[4] - before[4]
+            ev.special = after[5] - before[5]
         if flops is not None:
             ev.flops, ev.batched_flops = float(flops), 0.0
         if nbytes is not None:
-            ev.nbytes, ev.mem_hist = int(nbytes), ()
+            ev.nbytes, ev.mem_hist, ev.special = int(nbytes), (), 0.0
         rec.add(ev)
         rec.device_span(ev, device_start)
 
@@ -210,7 +213,8 @@ def region(name: str, label: str = "", flops: float | None = None, nbytes: int |
 def count_costs() -> Iterator[None]:
     """Meter the work of every torch op run inside the block, for the compute spans of the active recorder:
     FLOPs of matrix products and attention (the formulas of ``torch.utils.flop_counter``), bytes read and
-    written by every other op (memory-bound: elementwise, norms, softmax), and the number of ops (kernels).
+    written by every other op (memory-bound: elementwise, norms, softmax), the special-function results
+    (exp, log, erf: softmax, GeLU; `parlab.replay_meter.SPECIAL_OPS`) and the number of ops (kernels).
     Views and communication ops count nothing. A no-op when tracing is off. Costs a few microseconds per op,
     so time a run without it and replay a run with it (``parlab.replay``)."""
     rec = current_recorder()

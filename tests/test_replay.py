@@ -294,10 +294,17 @@ def test_metered_spans_carry_flops_bytes_and_kernels_and_replay_by_the_roofline(
     fwd, bwd, given = rec.events
     assert fwd.flops > 0 and fwd.nbytes > 0 and fwd.kernels > 0
     assert bwd.flops == 2 * fwd.flops                     # backward of a product: two products of the same size
-    assert (given.flops, given.nbytes) == (123.0, 7)
+    assert (given.flops, given.nbytes, given.special) == (123.0, 7, 0)
+    # special functions, one per element: forward softmax (B nh S^2) and GeLU (B S 4E) per layer, and the loss's
+    # log-softmax (B S V); backward GeLU's and log-softmax's (softmax's backward evaluates none)
+    B, S, E, nh, layers, V = 2, 8, 16, 2, 2, 32
+    assert fwd.special == layers * (B * nh * S * S + B * S * 4 * E) + B * S * V
+    assert bwd.special == layers * B * S * 4 * E + B * S * V
     out = replay(Trace(rec.events), preset("dgx-h100"))
     h = preset("dgx-h100")
-    assert out.events[0].duration == pytest.approx(h.compute_time(fwd.flops, fwd.nbytes, fwd.kernels), rel=1e-12)
+    assert out.events[0].duration == pytest.approx(h.compute_time(fwd.flops, fwd.nbytes, fwd.kernels,
+                                                                  special=fwd.special), rel=1e-12)
+    assert h.compute_time(special=3.9e12) == pytest.approx(1.0)   # the H100's 3.9 T special results / s
 
 
 # ---------------------------------------------------------------------- calibration fits (pure)

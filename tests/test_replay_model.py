@@ -281,10 +281,10 @@ def test_a_metered_trace_rebuilt_from_json_records_keeps_what_a_replay_needs():
     tr = parlab.run(_work_between_regions, 2, 16, 8, trace=True, echo=False).trace
     spans = [e for e in tr.events if e.kind == "compute"]
     assert spans and all(e.mem_hist is not None for e in spans)
-    assert all(len(e.meter_at) == 5 for e in tr.events)                  # every event carries the running totals
+    assert all(len(e.meter_at) == 6 for e in tr.events)                  # every event carries the running totals
     assert any(e.meter_waited for e in tr.events if e.asynchronous)       # the async all-reduce was waited for
     back = viz.from_records(json.loads(json.dumps(tr.records(relative=False))))
-    # every field, the new ones included (mem_hist, batched_flops, meter_at, meter_waited), comes back as Event
+    # every field, the new ones included (mem_hist, batched_flops, special, meter_at, meter_waited), comes back as Event
     # keeps it (JSON turns the tuples into lists)
     assert back.events == tr.events
     assert replay(back, TWO).events == replay(tr, TWO).events

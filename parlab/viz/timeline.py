@@ -47,8 +47,8 @@ ASYNC_SHIFT = 0.25   # ... in the lower part of the lane (rank 0 is at the top; 
 _GROUP_TITLES = {"compute": "compute regions", "collective": "collectives", "p2p": "point-to-point",
                  "mark": "instants"}
 _EVENT_FIELDS = ("rank", "kind", "op", "start", "end", "group", "peer", "numel", "nbytes", "dtype", "label",
-                 "asynchronous", "flops", "kernels", "waited", "clock", "mem_hist", "batched_flops", "meter_at",
-                 "meter_waited")
+                 "asynchronous", "flops", "kernels", "waited", "clock", "mem_hist", "batched_flops", "special",
+                 "meter_at", "meter_waited")
 
 
 def _hist(h) -> tuple:
@@ -57,7 +57,8 @@ def _hist(h) -> tuple:
 
 
 def _meter(m) -> tuple:
-    """The meter's running totals (flops, bytes, kernels, histogram, batched flops) back to `Event`'s tuple."""
+    """The meter's running totals (flops, bytes, kernels, histogram, batched flops[, special results]) back to
+    `Event`'s tuple."""
     m = tuple(m)
     return m[:3] + (_hist(m[3]),) + m[4:] if len(m) >= 4 else m
 

@@ -1,0 +1,138 @@
+"""Calibration of communication inside a training step: what a call costs in the middle of a real step.
+
+A collective timed alone (`parlab.calibrate`'s nccl-tests-like loop) is not what it costs inside a training step
+on a CPU whose cores each run a rank: there the call hands its work to gloo's threads, which must first get a
+core (and, on a virtual machine whose idle cores halt, wake one up). Here a 0.8 MB all-gather inside FSDP's
+backward took 2.4-4.3 ms where the same call alone took 0.5-0.9 ms, and a ring-attention message of 256 KB
+arrived 4-6 ms after it was sent (benchmarks/README.md). A single message timed inside a loop of products
+(`parlab.calibrate_step.overlap_rows`) varied too much to fit this from.
+
+So calibration runs real distributed training steps (`PROGRAMS`: DDP- and FSDP-wrapped GPTs of shapes that are
+not the benchmark's, on every rank at once), times a few traced steps, meters one, and replays it on the
+description calibrated so far. What the replay misses is put on the transfers: each ends
+
+    comm_delay  seconds later than the link model says (`parlab.hardware.Hardware.comm_delay`)
+
+without keeping a rank busy, so a blocking call pays it, an asynchronous one pays what the compute issued
+after it does not cover. One number, fitted (`fit_step_comm`) to make the replayed steps match the measured
+ones: least squares on log(replayed / measured) by a grid search, refined around its best point (the replayed
+step is not linear in it). A per-byte term was tried as well and fitted to nothing on this machine, and a
+latency charged to the issuing rank fitted DDP's many asynchronous calls 15-25% too slow (benchmarks/README.md).
+Pipeline and ring-attention steps are not among the programs: benchmarks/replay.py checks them, and DDP and
+ZeRO-3 steps of other shapes, against the result.
+
+Reference: vTrain (Bang et al., MICRO 2024) and Echo (2024) likewise take communication costs inside training
+iterations from profiles of the running framework rather than from isolated collective benchmarks.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+
+import torch
+
+from .hardware import Hardware
+
+__all__ = ["PROGRAMS", "step_traces", "merge", "fit_step_comm"]
+
+#: (wrapper, (n_embd, n_layer, n_head, seq_len, rows), DDP bucket cap in MiB) of the calibration programs; none
+#: is a shape benchmarks/replay.py reports (n_embd 128, 4 layers, 4 heads, 64 tokens, 8 rows, 0.25 MiB buckets)
+PROGRAMS = (("ddp", (96, 3, 4, 64, 8), 0.25), ("ddp", (160, 2, 4, 48, 6), 1.0),
+            ("fsdp", (112, 3, 4, 64, 6), None), ("fsdp", (144, 2, 4, 48, 8), None))
+
+
+def _program(wrapper: str, shape, bucket_mb):
+    from . import comm
+    from .data_parallel import DistributedDataParallel
+    from .fsdp import FullyShardedDataParallel
+    from .models import GPT, GPTConfig
+    n_embd, n_layer, n_head, seq, rows = shape
+    cfg = GPTConfig(vocab_size=128, seq_len=seq, n_layer=n_layer, n_head=n_head, n_embd=n_embd)
+    model = (DistributedDataParallel(GPT(cfg, seed=0), bucket_cap_mb=bucket_mb) if wrapper == "ddp"
+             else FullyShardedDataParallel(GPT(cfg, seed=0)))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(comm.get_rank())
+    x = torch.randint(cfg.vocab_size, (rows, seq), generator=g, device="cpu")      # (B, S); gloo, CPU only
+    y = torch.randint(cfg.vocab_size, (rows, seq), generator=g, device="cpu")      # (B, S)
+
+    def step():
+        _, loss = model(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return step
+
+
+def step_traces(steps: int = 11, programs=PROGRAMS) -> list[list[list[dict]]]:
+    """Run on every rank of an initialised process group: for each program one step traced inside
+    `count_costs()`, then `steps` traced steps, each between barriers in a recorder of its own; the timed steps
+    go round the programs (one step of each, then the next round), so that a change of the machine's load
+    shifts every program alike. This rank's events of each step as dicts, the metered step last (merge the
+    ranks' with `merge`)."""
+    from . import comm
+    from .trace import count_costs, recording
+
+    def traced(step, metered=False):
+        comm.barrier()
+        with recording() as rec:
+            if metered:
+                with count_costs():
+                    step()
+            else:
+                step()
+        return [dataclasses.asdict(e) for e in rec.events]
+    made = []
+    for wrapper, shape, bucket_mb in programs:
+        step = _program(wrapper, shape, bucket_mb)
+        step()
+        step()                                                             # warm-up: buckets, AdamW's states
+        made.append((step, traced(step, metered=True)))
+    out = [[] for _ in made]
+    for _ in range(steps):
+        for (step, _), per_step in zip(made, out):
+            per_step.append(traced(step))
+    return [per_step + [metered] for (_, metered), per_step in zip(made, out)]
+
+
+def merge(per_rank: list) -> list[tuple[float, "object"]]:
+    """(median measured step seconds, metered step as a Trace) of each program, from every rank's
+    `step_traces`."""
+    from .replay import step_time
+    from .trace import Event, Trace
+
+    def trace(dicts):
+        return Trace([Event(**{**d, "group": tuple(d["group"])}) for d in dicts])
+    out = []
+    for j in range(len(per_rank[0])):
+        steps = [trace([d for rank in per_rank for d in rank[j][i]]) for i in range(len(per_rank[0][j]))]
+        out.append((statistics.median(step_time(t) for t in steps[:-1]), steps[-1]))
+    return out
+
+
+def _replayed(hw: Hardware, metered) -> float:
+    from .replay import replay, step_time
+    return step_time(replay(metered, hw))
+
+
+def _error(hw: Hardware, programs) -> float:
+    return sum(math.log(_replayed(hw, tr) / t) ** 2 for t, tr in programs)
+
+
+def fit_step_comm(hw: Hardware, programs, top: float = 10e-3, grid: int = 41, rounds: int = 3) -> dict:
+    """`comm_delay` fitted to `programs` ((measured seconds, metered Trace), from `merge`) replayed on `hw`
+    (module docstring): a `grid`-point search over [0, `top`] seconds, refined `rounds` times around the best
+    point. dict(delay, before (replayed / measured per program without it), after (with it))."""
+    lo, hi = 0.0, top
+    best = (float("inf"), 0.0)
+    for _ in range(rounds):
+        for i in range(grid):
+            d = lo + (hi - lo) * i / (grid - 1)
+            err = _error(hw.with_(comm_delay=d), programs)
+            if err < best[0]:
+                best = (err, d)
+        step = (hi - lo) / (grid - 1)
+        lo, hi = max(0.0, best[1] - step), best[1] + step
+    fitted = hw.with_(comm_delay=best[1])
+    return dict(delay=best[1], before=[_replayed(hw.with_(comm_delay=0.0), tr) / t for t, tr in programs],
+                after=[_replayed(fitted, tr) / t for t, tr in programs])

@@ -1,0 +1,154 @@
+"""What a step costs beyond products and bytes: special functions (exp, erf) counted by the meter and charged at
+their own rate, and the delay of a transfer inside a training step (`Hardware.comm_delay`), with the calibration
+fits that measure both (`parlab.calibrate_special`, `parlab.calibrate_comm`)."""
+import dataclasses
+
+import pytest
+import torch
+
+from parlab.hardware import Hardware, preset
+from parlab.replay import replay, step_time
+from parlab.replay_meter import CostMeter
+from parlab.trace import Event, Trace
+
+# 1 FLOP/s, free memory and kernels, links of 1 byte/s without latency: times are easy to add up by hand
+UNIT = Hardware("unit", peak_flops=1.0, mem_bw=1e300, intra_bw=1.0, inter_bw=1.0, efficiency=1.0,
+                mem_efficiency=1.0, base_latency=0.0, intra_latency=0.0, inter_latency=0.0)
+
+
+# ---------------------------------------------------------------------- special functions
+def test_the_meter_counts_one_special_result_per_element_of_the_largest_operand():
+    x = torch.randn(12, 10)
+    cases = [(lambda: x.exp(), 120), (lambda: torch.nn.functional.gelu(x), 120),
+             (lambda: x.logsumexp(-1), 120),                   # an exponential per input element, 12 outputs
+             (lambda: x.softmax(-1), 120), (lambda: x + x, 0), (lambda: x @ x.T, 0)]
+    for fn, want in cases:
+        meter = CostMeter()
+        with meter:
+            fn()
+        assert meter.special == want and meter.state()[5] == want
+
+
+def test_special_results_cost_their_rate_on_top_of_their_bytes_and_nothing_without_one():
+    h = UNIT.with_(mem_bw=100.0)
+    assert h.compute_time(0.0, 400, 0, (), 0.0, 50) == pytest.approx(4.0)          # no rate: bytes only
+    assert h.with_(special_rate=10.0).compute_time(0.0, 400, 0, (), 0.0, 50) == pytest.approx(4.0 + 5.0)
+    # the presets: 16 per clock per SM (A100: 108 SMs at 1.41 GHz), the H100's 3.9 T / s (FlashAttention-3)
+    assert preset("dgx-a100").special_rate == pytest.approx(108 * 16 * 1.41e9)
+    assert preset("dgx-h100").special_rate == 3.9e12
+    for bad in (0.0, -1.0, True, "fast"):
+        with pytest.raises(ValueError, match="special_rate must be a positive rate"):
+            UNIT.with_(special_rate=bad)
+
+
+def test_a_trace_recorded_before_special_results_were_counted_replays_as_before():
+    """Running totals of five (no special count) split a span exactly as six with a special count of 0."""
+    def trace(extra):
+        evs = []
+        for r in (0, 1):
+            evs += [Event(r, "compute", "step", 0.0, 3.0, flops=6.0, kernels=2, meter_at=(6.0, 0, 2, (), 0.0, *extra)),
+                    Event(r, "collective", "all_reduce", 1.0, 2.0, group=(0, 1), nbytes=4,
+                          meter_at=(2.0, 0, 1, (), 0.0, *extra))]
+        return Trace(evs)
+    old, new = replay(trace(()), UNIT), replay(trace((0,)), UNIT)
+    assert [(e.op, e.start, e.end) for e in old.events] == [(e.op, e.start, e.end) for e in new.events]
+    pieces = sorted((e.start, e.end) for e in old.events if e.rank == 0 and e.kind == "compute")
+    # cut at the all-reduce (4 s) by the metered flops, 2 before it and 4 after (not by the measured 1 s and 1 s)
+    assert pieces == [(0.0, 2.0), (6.0, 10.0)]
+
+
+def test_the_special_rate_fit_recovers_the_rate_of_exact_samples():
+    from parlab.calibrate_special import fit_special_rate
+    h = UNIT.with_(mem_bw=1e9, kernel_overhead=1e-6)
+    rate = 2e8
+    samples = [(8 * n, 1, ((20, 8 * n),), n, h.compute_time(0.0, 8 * n, 1, ((20, 8 * n),)) + n / rate)
+               for n in (1 << 14, 1 << 16, 1 << 18)]
+    assert fit_special_rate(h, samples) == pytest.approx(rate)
+    no_slower = [(b, k, hist, n, h.compute_time(0.0, b, k, hist)) for b, k, hist, n, _ in samples]
+    assert fit_special_rate(h, no_slower) is None            # free beyond their bytes: no rate at all
+
+
+# ---------------------------------------------------------------------- a transfer's delay inside a step
+def _two_ranks(asynchronous: bool, compute_after: float):
+    """Each rank: compute 1 s, an all-reduce of 2 bytes (2 s on UNIT's ring: 2(N-1)/N x 2 B / 1 B/s), then
+    `compute_after` s of compute; asynchronous: issued before that compute and waited for after it."""
+    evs = []
+    for r in (0, 1):
+        evs += [Event(r, "compute", "a", 0.0, 1.0, flops=1.0),
+                Event(r, "collective", "all_reduce", 1.0, 1.0, group=(0, 1), nbytes=2, asynchronous=asynchronous,
+                      waited=9.0 if asynchronous else None),
+                Event(r, "compute", "b", 2.0, 3.0, flops=compute_after)]
+    return Trace(evs)
+
+
+def test_a_delay_lengthens_a_blocking_call_and_hides_behind_compute_issued_after_an_async_one():
+    assert step_time(replay(_two_ranks(False, 1.0), UNIT)) == 4.0                     # 1 + 2 + 1
+    assert step_time(replay(_two_ranks(False, 1.0), UNIT.with_(comm_delay=0.5))) == 4.5
+    # asynchronous, 3 s of compute after the issue: the transfer (2 s, + 0.5 s delay) ends under it
+    assert step_time(replay(_two_ranks(True, 3.0), UNIT)) == 4.0
+    assert step_time(replay(_two_ranks(True, 3.0), UNIT.with_(comm_delay=0.5))) == 4.0
+    # ... unless the delay outlasts the compute: the wait then holds the rank until the transfer ends
+    assert step_time(replay(_two_ranks(True, 3.0), UNIT.with_(comm_delay=1.5))) == pytest.approx(4.5)
+    # the delay does not keep the rank busy: on a CPU description (no overlap) the issue costs the transfer's 2 s,
+    # and the delay only shows where the rank waits
+    serial = UNIT.with_(comm_overlap=False)
+    assert step_time(replay(_two_ranks(True, 1.0), serial)) == 4.0                    # 1 + 2 (at issue) + 1
+    assert step_time(replay(_two_ranks(True, 1.0), serial.with_(comm_delay=0.5))) == 4.0   # ends at 3.5 < 4
+    assert step_time(replay(_two_ranks(True, 1.0), serial.with_(comm_delay=1.5))) == 4.5
+    assert preset("dgx-h100").comm_delay == 0.0 and preset("dgx-a100").comm_delay == 0.0
+    for bad in (-1e-3, "1 ms", None):
+        with pytest.raises(ValueError, match="comm_delay must be a time >= 0"):
+            UNIT.with_(comm_delay=bad)
+
+
+def _measured(metered: Trace, hw: Hardware, delay: float) -> float:
+    return step_time(replay(metered, hw.with_(comm_delay=delay)))
+
+
+def test_the_step_fit_recovers_a_known_delay_from_programs_replayed_with_it():
+    from parlab.calibrate_comm import fit_step_comm
+    programs = [(_measured(tr, UNIT, 2.5e-3), tr) for tr in (_two_ranks(False, 1.0), _two_ranks(False, 0.2))]
+    fit = fit_step_comm(UNIT, programs)
+    assert fit["delay"] == pytest.approx(2.5e-3, abs=1e-6)     # grid of 0.25 ms refined twice: to 0.16 us
+    assert fit["after"] == pytest.approx([1.0, 1.0], abs=1e-3)
+    assert all(b < 1 for b in fit["before"])
+    tr = programs[0][1]
+    none = fit_step_comm(UNIT, [(step_time(replay(tr, UNIT)), tr)])
+    assert none["delay"] == 0.0                                  # replayed = measured already: no delay
+
+
+def test_calibration_puts_the_fitted_delay_in_the_description_and_its_report():
+    """describe() with training-step programs among a rank's measurements: the programs' steps (as each rank
+    returns them: event dicts per step, the metered step last) fit comm_delay, which replaces the message probe's
+    in-step p2p cost."""
+    from test_replay_model import _per_rank
+    from parlab.calibrate import describe
+    base, _ = describe([_per_rank(2.0)] * 2, 2, "synthetic")
+    assert base.comm_delay == 0.0 and base.p2p_latency == pytest.approx(6e-5, rel=1e-3)   # the probe's in-step cost
+    metered = Trace([dataclasses.replace(e, flops=e.flops * 1e-3) for e in _two_ranks(False, 1.0).events])
+    hw_programs = base.with_(comm_delay=0.0)
+    measured = replay(metered, hw_programs.with_(comm_delay=3e-3))
+    per_rank = []
+    for r in (0, 1):
+        steps = [[dataclasses.asdict(e) for e in measured.events if e.rank == r]] * 3
+        per_rank.append(dict(_per_rank(2.0), programs=[steps + [[dataclasses.asdict(e) for e in metered.events
+                                                                   if e.rank == r]]] * 4))
+    hw, text = describe(per_rank, 2, "synthetic")
+    assert hw.p2p_latency == pytest.approx(3e-5, rel=1e-3)      # the isolated fit: the programs measure in-step
+    assert "not used: the training-step programs below measure it" in text
+    assert "communication inside training steps (DDP, FSDP): each transfer ends" in text
+    assert hw.comm_delay > 0 and "parlab.calibrate_comm" in hw.source
+    assert step_time(replay(metered, hw)) == pytest.approx(step_time(measured), rel=2e-3)
+
+
+# ---------------------------------------------------------------------- rank processes keep freed memory
+def test_keeping_freed_memory_is_harmless_where_there_is_no_glibc(monkeypatch):
+    import ctypes
+
+    import parlab.rank_process as rp
+    rp._keep_freed_memory()                                     # on this Linux: glibc's mallopt, no error
+
+    def missing(name):
+        raise OSError(f"{name}: cannot open shared object file")
+    monkeypatch.setattr(ctypes, "CDLL", missing)
+    rp._keep_freed_memory()                                     # elsewhere: nothing happens
