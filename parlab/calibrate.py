@@ -203,7 +203,7 @@ def measure_rank(device: str = "cpu", sizes=SIZES, reps: int = 5, min_time: floa
     dtype = torch.bfloat16 if gpu else torch.float32
     samples = _compute_samples(dev, dtype, gpu, min_time)
     from .calibrate_special import special_samples
-    special = special_samples(dev, dtype, _timeit, min_time / 2, gpu)
+    special = special_samples(dev, dtype, _timeit, min_time / 2, gpu, barrier=comm.barrier)
     step_rows = []
     if steps and not gpu:
         from .calibrate_step import step_samples

@@ -22,9 +22,10 @@ from .hardware import Hardware
 __all__ = ["special_samples", "fit_special_rate"]
 
 
-def special_samples(dev, dtype, timeit, min_time: float, gpu: bool = False) -> list[tuple]:
+def special_samples(dev, dtype, timeit, min_time: float, gpu: bool = False, barrier=None) -> list[tuple]:
     """(bytes, kernels, size histogram, special results, seconds) of single exp, GeLU and logsumexp calls of
-    several sizes, as the replay's meter counts them; `timeit(fn, device, min_time)` times one call."""
+    several sizes, as the replay's meter counts them; `timeit(fn, device, min_time)` times one call. `barrier`
+    (e.g. parlab.comm.barrier) lines the ranks up before each, so that all of them time it at once."""
     from .replay_meter import CostMeter
     sizes = (1 << 20, 1 << 22, 1 << 24) if gpu else (1 << 14, 1 << 16, 1 << 18, 1 << 20)
     out = []
@@ -35,6 +36,8 @@ def special_samples(dev, dtype, timeit, min_time: float, gpu: bool = False) -> l
             with meter:
                 fn()
             _, b, k, hist, _, special = meter.state()
+            if barrier is not None:
+                barrier()
             out.append((b, k, hist, special, timeit(fn, dev, min_time)))
     return out
 
