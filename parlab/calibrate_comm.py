@@ -30,7 +30,6 @@ import dataclasses
 import math
 import statistics
 
-import torch
 
 from .hardware import Hardware
 
@@ -43,25 +42,16 @@ PROGRAMS = (("ddp", (96, 3, 4, 64, 8), 0.25), ("ddp", (160, 2, 4, 48, 6), 1.0),
 
 
 def _program(wrapper: str, shape, bucket_mb):
+    """One training step of program (`wrapper`, `shape`, `bucket_mb`) on this rank (its own tokens)."""
+    import functools
+
     from . import comm
+    from .calibrate_step import _gpt_step
     from .data_parallel import DistributedDataParallel
     from .fsdp import FullyShardedDataParallel
-    from .models import GPT, GPTConfig
-    n_embd, n_layer, n_head, seq, rows = shape
-    cfg = GPTConfig(vocab_size=128, seq_len=seq, n_layer=n_layer, n_head=n_head, n_embd=n_embd)
-    model = (DistributedDataParallel(GPT(cfg, seed=0), bucket_cap_mb=bucket_mb) if wrapper == "ddp"
-             else FullyShardedDataParallel(GPT(cfg, seed=0)))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    g = torch.Generator().manual_seed(comm.get_rank())
-    x = torch.randint(cfg.vocab_size, (rows, seq), generator=g, device="cpu")      # (B, S); gloo, CPU only
-    y = torch.randint(cfg.vocab_size, (rows, seq), generator=g, device="cpu")      # (B, S)
-
-    def step():
-        _, loss = model(x, y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    return step
+    wrap = (functools.partial(DistributedDataParallel, bucket_cap_mb=bucket_mb) if wrapper == "ddp"
+            else FullyShardedDataParallel)
+    return _gpt_step(*shape, wrap=wrap, data_seed=comm.get_rank())
 
 
 def step_traces(steps: int = 11, programs=PROGRAMS) -> list[list[list[dict]]]:

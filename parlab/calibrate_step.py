@@ -55,12 +55,14 @@ STEP_SHAPES = ((48, 2, 2, 32, 4), (96, 2, 4, 48, 6), (64, 3, 2, 96, 2), (160, 1,
                (112, 1, 4, 128, 2), (144, 3, 4, 64, 6), (96, 5, 4, 80, 6))
 
 
-def _gpt_step(n_embd: int, n_layer: int, n_head: int, seq: int, rows: int):
+def _gpt_step(n_embd: int, n_layer: int, n_head: int, seq: int, rows: int, wrap=None, data_seed: int = 0):
+    """One AdamW training step of a small GPT (vocab 128) on fixed random tokens, as a function; `wrap` (e.g.
+    a DDP or FSDP constructor) wraps the model first (`parlab.calibrate_comm`)."""
     from .models import GPT, GPTConfig
     cfg = GPTConfig(vocab_size=128, seq_len=seq, n_layer=n_layer, n_head=n_head, n_embd=n_embd)
-    model = GPT(cfg, seed=0)
+    model = GPT(cfg, seed=0) if wrap is None else wrap(GPT(cfg, seed=0))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    g = torch.Generator().manual_seed(0)
+    g = torch.Generator().manual_seed(data_seed)
     x = torch.randint(cfg.vocab_size, (rows, seq), generator=g, device="cpu")            # (B, S)
     y = torch.randint(cfg.vocab_size, (rows, seq), generator=g, device="cpu")            # (B, S)
 

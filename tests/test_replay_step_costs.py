@@ -152,3 +152,22 @@ def test_keeping_freed_memory_is_harmless_where_there_is_no_glibc(monkeypatch):
         raise OSError(f"{name}: cannot open shared object file")
     monkeypatch.setattr(ctypes, "CDLL", missing)
     rp._keep_freed_memory()                                     # elsewhere: nothing happens
+
+
+def test_calibration_programs_run_on_every_rank_and_merge_into_measured_steps_and_one_metered():
+    """The calibration's DDP and FSDP steps on 2 gloo ranks: timed steps go round the programs, the metered one is
+    last and carries the work a replay needs and the program's collectives (all-reduces, all-gathers)."""
+    import parlab
+    from parlab.calibrate_comm import merge, step_traces
+    programs = (("ddp", (32, 1, 2, 16, 2), 0.01), ("fsdp", (32, 2, 2, 16, 2), None))
+    res = parlab.run(step_traces, 2, 2, programs, backend="gloo", echo=False)
+    assert [len(p) for p in res.results[0]] == [3, 3]          # 2 timed steps + the metered one, per program
+    merged = merge(res.results)
+    ops = [{e.op for e in tr.events if e.kind == "collective"} for _, tr in merged]
+    assert "all_reduce" in ops[0] and {"all_gather", "reduce_scatter"} <= ops[1]
+    for measured, metered in merged:
+        assert measured > 0 and sorted({e.rank for e in metered.events}) == [0, 1]
+        assert all(len(e.meter_at) == 6 for e in metered.events)             # metered: every event has totals
+        # the work of the wrappers' regions, and of what runs between them (found from those totals)
+        out = replay(metered, preset("dgx-h100"))
+        assert sum(e.flops for e in out.events if e.kind == "compute") > 0 and step_time(out) > 0
