@@ -58,8 +58,9 @@ def report(n: int, hw: Hardware, single: Hardware, *, rows, alpha, bw, p2p_rows,
         lines.append(f"  {what:>6} {f:>12.3g} FLOP {b:>10} B  {t * 1e6:>9.1f} us "
                      f"measured, {model * 1e6:>9.1f} us fitted")
     if steps:
-        lines.append(f"training steps (AdamW): {step_fit['c'] * 1e6:.2f} us per op, products' time x {step_fit['gamma']:.2f}, memory "
-                     f"time x {step_fit['beta']:.2f}: {hw.peak_flops / 1e9:.2f} GFLOP/s, {hw.mem_bw / 1e9:.2f} GB/s (single-op "
+        c, gamma, beta = step_fit["c"], step_fit["gamma"], step_fit["beta"]
+        lines.append(f"training steps (AdamW): {c * 1e6:.2f} us per op, products' time x {gamma:.2f}, memory "
+                     f"time x {beta:.2f}: {hw.peak_flops / 1e9:.2f} GFLOP/s, {hw.mem_bw / 1e9:.2f} GB/s (single-op "
                      f"fit above); per step: ops, measured, single-op model, step model")
         lines.append("  leave-one-out RMS relative error per model (the lowest is kept): " + ", ".join(
             f"{' + '.join(m)} {e:.1%}" for m, e in step_fit["cv_all"].items()))

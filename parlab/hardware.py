@@ -44,7 +44,8 @@ A `Hardware` is a few numbers per GPU (plain data, JSON in and out), enough for 
   nodes); `collective_time` has the factors and steps of each op, ring and (for all-reduce across nodes) tree.
 * inside a step (`comm_delay`; a CPU's description only): every transfer ends `comm_delay` seconds later than
   the link model says, without keeping a rank busy: a rank that blocks in the call, or waits for it, waits that
-  much longer; compute issued meanwhile hides it. On a CPU whose cores each run a rank, a call made in the
+  much longer; compute issued meanwhile hides it; the group's next collective starts after it (gloo and NCCL run
+  a group's calls in order). On a CPU whose cores each run a rank, a call made in the
   middle of a training step hands its work to the backend's threads, which must first get a core (and, on a
   virtual machine whose idle cores halt, wake one up): in FSDP steps here a 0.8 MB all-gather took 2.4-4.3 ms
   where the same call alone took 0.5-0.9 ms (benchmarks/README.md). `parlab calibrate` fits it to distributed

@@ -159,7 +159,8 @@ def _run(programs: dict[int, list[Step]], serial: bool = False, delay: float = 0
     `serial` (`Hardware.comm_overlap` False): an asynchronous call also occupies its rank for its cost when issued
     (calls issued at the same moment, e.g. a ring step's send and receive, overlap each other: calibration times
     them as one pair). `delay` (`Hardware.comm_delay`): every transfer between two or more ranks ends that much
-    later than its cost says, without occupying a rank (a rank that waits for it waits longer)."""
+    later than its cost says, without occupying a rank (a rank that waits for it waits longer; the group's next
+    collective queues behind it, as the backend runs a group's calls in order)."""
     ranks = sorted(programs)
     pos = {r: 0 for r in ranks}
     clock = {r: 0.0 for r in ranks}
