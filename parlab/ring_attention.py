@@ -89,10 +89,38 @@ def _attention_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: bo
         s = q.to(acc) @ k.to(acc).transpose(-2, -1) / math.sqrt(q.shape[-1])   # (B, nh, cq, ck), float32+
         #  (rounding the scores to bf16 first would make lse disagree with the backward's float32 scores)
         if mask:
-            s += _causal_bias(s)                            # -inf above the diagonal (cq == ck)
-        lse = torch.logsumexp(s, dim=-1)                    # (B, nh, cq)
-        p = torch.exp(s - lse.unsqueeze(-1)).to(v.dtype).to(acc)   # (B, nh, cq, ck), P in the input's precision
+            p, lse = _masked_softmax(s)                     # (B, nh, cq, ck), (B, nh, cq)
+        else:
+            lse = torch.logsumexp(s, dim=-1)                # (B, nh, cq)
+            p = torch.exp(s - lse.unsqueeze(-1))            # (B, nh, cq, ck)
+        p = p.to(v.dtype).to(acc)                           # P in the input's precision
         return p @ v.to(acc), lse                           # (B, nh, cq, hd) in float32+, (B, nh, cq)
+
+
+# Exponents are clamped to [_EXP_FLOOR, 0] where masked entries would give exp(-inf): a CPU's vectorised exp
+# takes a slow path for inputs that underflow (a (4, 256, 256) exp: 216 us on ordinary scores, 490-920 us with the
+# causal half at -inf, 2.5-6.4 ms at -100; benchmarks/README.md), and exp(-80) = 1.8e-35 is below float32's
+# resolution of any row sum (>= 1), so the clamp changes no result.
+_EXP_FLOOR = -80.0
+
+
+def _masked_softmax(s: torch.Tensor):
+    """Causal softmax of a diagonal block's scores s (B, nh, c, c) -> (P, lse), without exponentials of -inf:
+
+        naive:   s[i, j > i] = -inf;  lse = logsumexp(s, -1);  P = exp(s - lse)
+        here:    m = max_{j <= i} s[i, j];  e = exp(clamp(s - m, floor, 0)) * tril;  lse = m + log(sum_j e);
+                 P = e / sum_j e
+    (the clamp at 0 keeps a masked score above the row's maximum from overflowing before the mask zeroes it)."""
+    keep = _tril(s)                                                  # (c, c) 1 on and below the diagonal
+    m = (s + _causal_bias(s)).amax(dim=-1, keepdim=True)             # (B, nh, c, 1) max over the visible keys
+    e = torch.exp((s - m).clamp_(_EXP_FLOOR, 0.0)) * keep            # (B, nh, c, c)
+    total = e.sum(dim=-1, keepdim=True)                              # (B, nh, c, 1), >= 1 (the max's own term)
+    return e / total, (m + torch.log(total)).squeeze(-1)
+
+
+def _tril(s: torch.Tensor) -> torch.Tensor:
+    """(cq, ck) in s's dtype: 1 on and below the diagonal, 0 above it."""
+    return torch.ones(s.shape[-2:], dtype=s.dtype, device=s.device).tril()
 
 
 def _causal_bias(s: torch.Tensor) -> torch.Tensor:
@@ -134,9 +162,10 @@ def _block_backward_math(dout, q, k, v, lse, delta, mask: bool):
     scale = 1.0 / math.sqrt(q.shape[-1])
     dout, q, k, v = (t.to(lse.dtype) for t in (dout, q, k, v))   # 16-bit inputs: the block's math in float32
     s = q @ k.transpose(-2, -1) * scale                     # (B, nh, cq, ck)
-    if mask:
-        s += _causal_bias(s)
-    p = torch.exp(s - lse.unsqueeze(-1))                     # (B, nh, cq, ck), masked entries 0
+    if mask:                                                 # masked entries 0, no exp(-inf) (_masked_softmax)
+        p = torch.exp((s - lse.unsqueeze(-1)).clamp_(_EXP_FLOOR, 0.0)) * _tril(s)   # (B, nh, cq, ck)
+    else:
+        p = torch.exp(s - lse.unsqueeze(-1))                 # (B, nh, cq, ck)
     dv = p.transpose(-2, -1) @ dout                          # (B, nh, ck, hd)
     ds = p * (dout @ v.transpose(-2, -1) - delta.unsqueeze(-1))  # (B, nh, cq, ck)
     return ds @ k * scale, ds.transpose(-2, -1) @ q * scale, dv  # dq (cq), dk (ck), dv (ck)
