@@ -30,7 +30,6 @@ import dataclasses
 import math
 import statistics
 
-
 from .hardware import Hardware
 
 __all__ = ["PROGRAMS", "step_traces", "merge", "fit_step_comm"]
@@ -85,8 +84,8 @@ def step_traces(steps: int = 11, programs=PROGRAMS) -> list[list[list[dict]]]:
     return [per_step + [metered] for (_, metered), per_step in zip(made, out)]
 
 
-def merge(per_rank: list) -> list[tuple[float, "object"]]:
-    """(median measured step seconds, metered step as a Trace) of each program, from every rank's
+def merge(per_rank: list) -> list[tuple]:
+    """(median measured step seconds, metered step as a `parlab.trace.Trace`) of each program, from every rank's
     `step_traces`."""
     from .replay import step_time
     from .trace import Event, Trace
