@@ -1,14 +1,15 @@
 """Benchmark: does the replay (`parlab.replay`) reproduce what this machine measured? And how fast is it?
 
-    python benchmarks/replay.py [--world 2] [--steps 5] [--hardware here.json] [--only consistency]
+    python benchmarks/replay.py [--world 2] [--steps 21] [--hardware here.json] [--only consistency]
 
 1. Calibrate this machine (`parlab.calibrate`, `world` gloo ranks measured together), unless a description
    is given. The default world is one rank per core (2 to 4, `parlab.calibrate.default_world`): with more
    ranks than cores every message also pays the operating system's hand-off of a core, which no alpha-beta
    figure captures.
 2. For each workload (DDP, ZeRO-3, 1F1B, ring attention) on `world` ranks: time `steps` traced steps without the
-   cost meter (each step between barriers, in its own recorder; step time = first event start to last event
-   end over all ranks), then trace one more step inside `count_costs()` and replay it on the calibrated
+   cost meter (each step between barriers, in its own recorder; step time = from the start of the last rank's
+   first event to the last event's end, `parlab.replay.measured_step`: the barrier's release skew is not the
+   program's), then trace one more step inside `count_costs()` and replay it on the calibrated
    description. Report the median measured step, the replayed step and their ratio. Spans cut by the
    communication inside them are split by the metered work (`parlab.replay_program`), so the replayed step
    does not depend on the metered step's own timing.
@@ -48,7 +49,7 @@ from parlab.groups import build_groups  # noqa: E402
 from parlab.hardware import load, preset  # noqa: E402
 from parlab.models import GPT, GPTConfig  # noqa: E402
 from parlab.pipeline_parallel import PipelineParallel  # noqa: E402
-from parlab.replay import replay, step_time, timed  # noqa: E402
+from parlab.replay import measured_step, replay, step_time, timed  # noqa: E402
 from parlab.topology import ParallelGrid  # noqa: E402
 from parlab.trace import Event, Trace, count_costs, recording, region  # noqa: E402
 
@@ -164,13 +165,13 @@ def self_consistency(hw, world, steps):
     for name, make in WORKLOADS.items():
         res = parlab.run(_steps, world, make, steps, backend="gloo", echo=False, timeout=600)
         per_step = [_trace([d for rank in res.results for d in rank[i]]) for i in range(steps + 2)]
-        measured = statistics.median(step_time(t) for t in per_step[:steps])
+        measured = statistics.median(measured_step(t) for t in per_step[:steps])
         metered = per_step[steps]
         replayed = step_time(replay(metered, hw))
         again = step_time(replay(per_step[steps + 1], hw))     # a second metered step: the same program and work
         rows.append((name, measured, step_time(metered), replayed, again))
-        spread = [step_time(t) * 1e3 for t in per_step[:steps]]
-        mid = sorted(per_step[:steps], key=step_time)[steps // 2]
+        spread = [measured_step(t) * 1e3 for t in per_step[:steps]]
+        mid = sorted(per_step[:steps], key=measured_step)[steps // 2]
         out = replay(metered, hw)
         print(f"{'':<15} where the time goes (ms per rank: compute spans / untraced work / communication calls, "
               f"waits included): measured {_split(mid)}, replayed {_split(out)}", flush=True)
@@ -252,7 +253,7 @@ def published():
 def main(argv=None):
     p = argparse.ArgumentParser()
     p.add_argument("--world", type=int, default=default_world())
-    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--steps", type=int, default=21)
     p.add_argument("--hardware", default=None, help="a Hardware JSON (default: calibrate now)")
     p.add_argument("--only", default=None, choices=["consistency", "replay16", "published"])
     a = p.parse_args(argv)

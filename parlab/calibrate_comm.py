@@ -8,8 +8,10 @@ arrived 4-6 ms after it was sent (benchmarks/README.md). A single message timed 
 (`parlab.calibrate_step.overlap_rows`) varied too much to fit this from.
 
 So calibration runs real distributed training steps (`PROGRAMS`: DDP- and FSDP-wrapped GPTs of shapes that are
-not the benchmark's, on every rank at once), times a few traced steps, meters one, and replays it on the
-description calibrated so far. What the replay misses is put on the transfers: each ends
+not the benchmark's, on every rank at once), times 41 traced steps of each (the same FSDP step took 34-67 ms
+here, so a median of 11 moved by a fifth between two calibrations), meters one, and replays it on the
+description calibrated so far. A measured step runs from the moment its last rank began
+(`parlab.replay.measured_step`), as a replay's does. What the replay misses is put on the transfers: each ends
 
     comm_delay  seconds later than the link model says (`parlab.hardware.Hardware.comm_delay`)
 
@@ -53,7 +55,7 @@ def _program(wrapper: str, shape, bucket_mb):
     return _gpt_step(*shape, wrap=wrap, data_seed=comm.get_rank())
 
 
-def step_traces(steps: int = 11, programs=PROGRAMS) -> list[list[list[dict]]]:
+def step_traces(steps: int = 41, programs=PROGRAMS) -> list[list[list[dict]]]:
     """Run on every rank of an initialised process group: for each program one step traced inside
     `count_costs()`, then `steps` traced steps, each between barriers in a recorder of its own; the timed steps
     go round the programs (one step of each, then the next round), so that a change of the machine's load
@@ -85,9 +87,9 @@ def step_traces(steps: int = 11, programs=PROGRAMS) -> list[list[list[dict]]]:
 
 
 def merge(per_rank: list) -> list[tuple]:
-    """(median measured step seconds, metered step as a `parlab.trace.Trace`) of each program, from every rank's
-    `step_traces`."""
-    from .replay import step_time
+    """(median measured step seconds (`parlab.replay.measured_step`), metered step as a `parlab.trace.Trace`) of
+    each program, from every rank's `step_traces`."""
+    from .replay import measured_step
     from .trace import Event, Trace
 
     def trace(dicts):
@@ -95,7 +97,7 @@ def merge(per_rank: list) -> list[tuple]:
     out = []
     for j in range(len(per_rank[0])):
         steps = [trace([d for rank in per_rank for d in rank[j][i]]) for i in range(len(per_rank[0][j]))]
-        out.append((statistics.median(step_time(t) for t in steps[:-1]), steps[-1]))
+        out.append((statistics.median(measured_step(t) for t in steps[:-1]), steps[-1]))
     return out
 
 

@@ -49,7 +49,7 @@ from .replay_program import Step, build_programs
 from .topology import ParallelGrid
 from .trace import Event, Trace
 
-__all__ = ["replay", "ReplayError", "step_time", "bubble", "Placement", "timed"]
+__all__ = ["replay", "ReplayError", "step_time", "measured_step", "bubble", "Placement", "timed"]
 
 
 class ReplayError(ValueError):
@@ -281,6 +281,20 @@ def step_time(trace: Trace, kind: str | None = None) -> float:
     if not evs:
         raise ValueError("no events to measure" + (f" of kind {kind!r}" if kind else ""))
     return max(e.end for e in evs) - min(e.start for e in evs)
+
+
+def measured_step(trace: Trace) -> float:
+    """Seconds from the moment the last rank began (its first event's start) to the last event's end: a measured
+    step to compare with a replayed one. Timed steps are separated by barriers, and a barrier releases its ranks up
+    to a few milliseconds apart on a CPU (the rank that arrives last leaves first; the others must be woken: 1-2 ms
+    in the ring-attention steps of benchmarks/README.md). A training loop without barriers does not pay that, and a
+    replay, where every rank starts at 0, cannot know it. On a replayed trace it equals `step_time`."""
+    if not trace.events:
+        raise ValueError("no events to measure")
+    first: dict[int, float] = {}
+    for e in trace.events:
+        first[e.rank] = min(first.get(e.rank, e.start), e.start)
+    return max(e.end for e in trace.events) - max(first.values())
 
 
 def bubble(trace: Trace) -> float:

@@ -10,7 +10,7 @@ from parlab import schedules as sch
 from parlab.hardware import Hardware, load, preset
 from parlab.models import GPT, GPTConfig
 from parlab.pipeline_parallel import PipelineParallel
-from parlab.replay import ReplayError, bubble, replay, step_time
+from parlab.replay import ReplayError, bubble, measured_step, replay, step_time
 from parlab.topology import ParallelGrid
 from parlab.trace import Event, Trace, count_costs, recording, region
 
@@ -182,6 +182,17 @@ def test_bad_traces_are_refused_saying_what_is_wrong():
                       p2p(1, 0.0, "recv", 0), p2p(1, 1.0, "send", 0)]), UNIT)
     with pytest.raises(ReplayError, match="the grid has 2 ranks"):
         replay(Trace([coll(r, 0.0, (0, 1, 2)) for r in range(3)]), UNIT, grid=ParallelGrid(2))
+
+
+def test_a_measured_step_starts_when_its_last_rank_began():
+    """Rank 1 left the barrier 2 s after rank 0 (its first event starts at 2): the measured step runs from 2 to the
+    last end (7), 5 s; `step_time` counts the skew (7 s). A replayed trace starts every rank at 0, where both agree."""
+    tr = Trace([comp(0, 0.0, 1.0), coll(0, 1.0, (0, 1), end=7.0), comp(1, 2.0, 1.0), coll(1, 3.0, (0, 1), end=7.0)])
+    assert step_time(tr) == 7.0 and measured_step(tr) == 5.0
+    out = replay(tr, UNIT)
+    assert measured_step(out) == step_time(out) == 1.0      # both ranks compute 1 FLOP from 0, then a free call
+    with pytest.raises(ValueError, match="no events"):
+        measured_step(Trace([]))
 
 
 def test_measured_durations_can_be_scaled_instead_of_metered():
