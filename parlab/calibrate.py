@@ -246,7 +246,16 @@ def measure_rank(device: str = "cpu", sizes=SIZES, reps: int = 5, min_time: floa
         overlap = overlap_rows(dev, _timeit, reps=3 * reps)     # noisier than the isolated calls: 3x the repetitions
         programs = step_traces()
     return {"allreduce": rows, "p2p": p2p, "samples": samples, "steps": step_rows, "overlap": overlap,
-            "special": special, "programs": programs}
+            "special": special, "programs": programs, "comm_streams": 1 if gpu else _gloo_threads()}
+
+
+def _gloo_threads() -> int:
+    """How many collectives of one group gloo runs at once: the worker threads of torch's ProcessGroupGloo, 2 unless
+    its options say otherwise (`Hardware.comm_streams`)."""
+    try:
+        return int(dist.ProcessGroupGloo._Options()._threads)
+    except (AttributeError, TypeError, ValueError):           # a torch without gloo, or another layout of options
+        return 2
 
 
 def fit_alpha_beta(rows, n: int, factor: float | None = None) -> tuple[float, float]:
@@ -313,9 +322,11 @@ def describe(per_rank: list[dict], n: int, name: str) -> tuple[Hardware, str]:
     if programs:                                                # what a transfer costs inside a training step
         from .calibrate_comm import fit_step_comm, merge
         merged = merge([r["programs"] for r in per_rank])
+        hw = hw.with_(comm_streams=per_rank[0].get("comm_streams", 1))
         step_comm = fit_step_comm(hw, merged)
-        hw = hw.with_(comm_delay=step_comm["delay"], source=hw.source + f"; communication inside a step fitted to "
-                      f"{len(merged)} DDP and FSDP training steps (parlab.calibrate_comm)")
+        hw = hw.with_(comm_delay=step_comm["delay"], comm_cpu=step_comm["cpu"],
+                      source=hw.source + f"; communication inside a step fitted to {len(merged)} DDP and FSDP "
+                      f"training steps (parlab.calibrate_comm)")
     from .calibrate_report import report
     return hw, report(n, hw, single, rows=rows, alpha=alpha, bw=bw, p2p_rows=p2p_rows, p2p_lat=p2p_lat,
                       p2p_bw=p2p_bw, over=over, overlap_fit=overlap_fit if over else None, programs=bool(programs),

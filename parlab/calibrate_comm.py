@@ -11,17 +11,24 @@ So calibration runs real distributed training steps (`PROGRAMS`: DDP- and FSDP-w
 not the benchmark's, on every rank at once), times 41 traced steps of each (the same FSDP step took 34-67 ms
 here, so a median of 11 moved by a fifth between two calibrations), meters one, and replays it on the
 description calibrated so far. A measured step runs from the moment its last rank began
-(`parlab.replay.measured_step`), as a replay's does. What the replay misses is put on the transfers: each ends
+(`parlab.replay.measured_step`), as a replay's does. What the replay misses is put on the transfers:
 
-    comm_delay  seconds later than the link model says (`parlab.hardware.Hardware.comm_delay`)
+    comm_delay  each transfer ends that much later than the link model says (`Hardware.comm_delay`), without
+                keeping a rank busy: a blocking call pays it, an asynchronous one what the compute issued after
+                it does not cover;
+    comm_cpu    when communication does not overlap compute (`Hardware.comm_overlap` False), each asynchronous
+                call (collective or message) also takes that much of its rank's core (`Hardware.comm_cpu`):
+                gloo's threads run on it.
 
-without keeping a rank busy, so a blocking call pays it, an asynchronous one pays what the compute issued
-after it does not cover. One number, fitted (`fit_step_comm`) to make the replayed steps match the measured
-ones: least squares on log(replayed / measured) by a grid search, refined around its best point (the replayed
-step is not linear in it). A per-byte term was tried as well and fitted to nothing on this machine, and a
-latency charged to the issuing rank fitted DDP's many asynchronous calls 15-25% too slow (benchmarks/README.md).
-Pipeline and ring-attention steps are not among the programs: benchmarks/replay.py checks them, and DDP and
-ZeRO-3 steps of other shapes, against the result.
+and the group runs as many collectives at once as gloo has threads (`Hardware.comm_streams`, set before the
+fit). Both numbers are fitted (`fit_step_comm`) to make the replayed steps match the measured ones: least squares
+on log(replayed / measured) by a grid search, refined around its best point (the replayed step is not linear in
+them). The two are told apart by the programs: FSDP's blocking calls pay the delay only, and two DDP programs of
+one model with 0.25 and 0.05 MiB buckets (7 and 24 bucket all-reduces) differ by the rank's share of 17 calls.
+With the delay alone, holding a single stream per group (round 4 of benchmarks/README.md), the 24-bucket
+program replayed at 1.36-1.57 of its measured step; with two streams and the rank's share, the five programs
+replay within 0.89-1.08 (round 5). Pipeline and ring-attention steps are not among the programs:
+benchmarks/replay.py checks them, and DDP and ZeRO-3 steps of other shapes, against the result.
 
 Reference: vTrain (Bang et al., MICRO 2024) and Echo (2024) likewise take communication costs inside training
 iterations from profiles of the running framework rather than from isolated collective benchmarks.
@@ -39,7 +46,8 @@ __all__ = ["PROGRAMS", "step_traces", "merge", "fit_step_comm"]
 #: (wrapper, (n_embd, n_layer, n_head, seq_len, rows), DDP bucket cap in MiB) of the calibration programs; none
 #: is a shape benchmarks/replay.py reports (n_embd 128, 4 layers, 4 heads, 64 tokens, 8 rows, 0.25 MiB buckets)
 PROGRAMS = (("ddp", (96, 3, 4, 64, 8), 0.25), ("ddp", (160, 2, 4, 48, 6), 1.0),
-            ("fsdp", (112, 3, 4, 64, 6), None), ("fsdp", (144, 2, 4, 48, 8), None))
+            ("fsdp", (112, 3, 4, 64, 6), None), ("fsdp", (144, 2, 4, 48, 8), None),
+            ("ddp", (96, 3, 4, 64, 8), 0.05))
 
 
 def _program(wrapper: str, shape, bucket_mb):
@@ -110,20 +118,28 @@ def _error(hw: Hardware, programs) -> float:
     return sum(math.log(_replayed(hw, tr) / t) ** 2 for t, tr in programs)
 
 
-def fit_step_comm(hw: Hardware, programs, top: float = 10e-3, grid: int = 41, rounds: int = 3) -> dict:
-    """`comm_delay` fitted to `programs` ((measured seconds, metered Trace), from `merge`) replayed on `hw`
-    (module docstring): a `grid`-point search over [0, `top`] seconds, refined `rounds` times around the best
-    point. dict(delay, before (replayed / measured per program without it), after (with it))."""
-    lo, hi = 0.0, top
-    best = (float("inf"), 0.0)
-    for _ in range(rounds):
-        for i in range(grid):
-            d = lo + (hi - lo) * i / (grid - 1)
-            err = _error(hw.with_(comm_delay=d), programs)
-            if err < best[0]:
-                best = (err, d)
-        step = (hi - lo) / (grid - 1)
-        lo, hi = max(0.0, best[1] - step), best[1] + step
-    fitted = hw.with_(comm_delay=best[1])
-    return dict(delay=best[1], before=[_replayed(hw.with_(comm_delay=0.0), tr) / t for t, tr in programs],
+def fit_step_comm(hw: Hardware, programs, top: float = 10e-3, top_cpu: float = 3e-3, grid: int = 21,
+                  rounds: int = 5) -> dict:
+    """`comm_delay` (and, when `hw.comm_overlap` is False, `comm_cpu`) fitted to `programs` ((measured seconds,
+    metered Trace), from `merge`) replayed on `hw` (module docstring): a grid of `grid` points over [0, `top`]
+    seconds of delay (by [0, `top_cpu`] of the rank's share, `grid` // 2 + 1 points), refined `rounds` - 1 times
+    around the best point on a 5-point grid of the neighbouring cells. dict(delay, cpu, before (replayed /
+    measured per program without them), after (with them))."""
+    fit_cpu = not hw.comm_overlap
+
+    def err(d, c):
+        return _error(hw.with_(comm_delay=d, comm_cpu=c), programs)
+    ds = [top * i / (grid - 1) for i in range(grid)]
+    cs = [top_cpu * i / (grid // 2) for i in range(grid // 2 + 1)] if fit_cpu else [0.0]
+    best = min(((err(d, c), d, c) for d in ds for c in cs))
+    sd, sc = ds[1] - ds[0], (cs[1] - cs[0]) if fit_cpu else 0.0
+    for _ in range(rounds - 1):                                   # refine: 5 points across the best cell's neighbours
+        sd, sc = sd / 2, sc / 2
+        cand = [(max(best[1] + i * sd, 0.0), max(best[2] + j * sc, 0.0)) for i in range(-2, 3)
+                for j in (range(-2, 3) if fit_cpu else (0,))]
+        best = min([best, *((err(d, c), d, c) for d, c in cand)])
+    _, delay, cpu = best
+    fitted = hw.with_(comm_delay=delay, comm_cpu=cpu)
+    none = hw.with_(comm_delay=0.0, comm_cpu=0.0)
+    return dict(delay=delay, cpu=cpu, before=[_replayed(none, tr) / t for t, tr in programs],
                 after=[_replayed(fitted, tr) / t for t, tr in programs])

@@ -50,6 +50,15 @@ A `Hardware` is a few numbers per GPU (plain data, JSON in and out), enough for 
   virtual machine whose idle cores halt, wake one up): in FSDP steps here a 0.8 MB all-gather took 2.4-4.3 ms
   where the same call alone took 0.5-0.9 ms (benchmarks/README.md). `parlab calibrate` fits it to distributed
   training steps (`parlab.calibrate_comm`); 0 on the GPU presets (the link model is the whole cost).
+* streams (`comm_streams`): how many collectives of one group a rank runs at once. NCCL runs a group's calls in
+  order on one stream (1, the presets); torch's gloo backend hands them to a pool of worker threads, two per
+  process group by default (`ProcessGroupGloo` options, ``threads``), so two calls can be in flight and a stalled
+  one does not hold up the next. `parlab calibrate` reads the pool's size from torch.
+* the rank's share (`comm_cpu`; with comm_overlap False): seconds of its rank's core an asynchronous call
+  (collective or message) takes besides its transfer: gloo's threads wake up and run on the core the rank
+  computes on. Here a GPT's
+  backward with DDP's bucket all-reduces in flight took 0.6-1.2 ms more per bucket than under `no_sync` (7 to 24
+  buckets of 0.05-0.25 MiB; benchmarks/README.md); `parlab calibrate` fits it with `comm_delay`.
 * overlap (`comm_overlap`): on GPUs a collective or message issued asynchronously runs beside compute (NCCL's
   kernels, copy engines; True on the presets). On a CPU whose cores each run a rank, gloo moves the bytes with
   the ranks' own cores, so an asynchronous call does not overlap the rank's compute: with comm_overlap False the
@@ -119,6 +128,8 @@ class Hardware:
     comm_overlap: bool = True       # asynchronous communication overlaps compute (False: it takes the rank's core)
     special_rate: float | None = None  # special-function results per second (exp, log, erf; None: no extra cost)
     comm_delay: float = 0.0         # seconds a transfer inside a training step ends later than the link model says
+    comm_streams: int = 1           # collectives of one group a rank runs at once (NCCL: 1 stream; gloo: its threads)
+    comm_cpu: float = 0.0           # seconds of its rank's core an asynchronous call takes (comm_overlap False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -156,7 +167,11 @@ class Hardware:
             raise ValueError(f"hardware {self.name!r}: comm_overlap must be true or false, got {self.comm_overlap!r}")
         if self.p2p_bw is not None and not (isinstance(self.p2p_bw, (int, float)) and self.p2p_bw > 0):
             raise ValueError(f"hardware {self.name!r}: p2p_bw must be a positive rate or None, got {self.p2p_bw!r}")
-        for k in ("kernel_overhead", "base_latency", "intra_latency", "inter_latency", "comm_delay"):
+        if (isinstance(self.comm_streams, bool) or not isinstance(self.comm_streams, int)
+                or self.comm_streams < 1):
+            raise ValueError(f"hardware {self.name!r}: comm_streams must be a positive integer (collectives of one "
+                             f"group in flight at once), got {self.comm_streams!r}")
+        for k in ("kernel_overhead", "base_latency", "intra_latency", "inter_latency", "comm_delay", "comm_cpu"):
             v = getattr(self, k)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0:
                 raise ValueError(f"hardware {self.name!r}: {k} must be a time >= 0 in seconds, got {v!r}")

@@ -16,8 +16,9 @@ A discrete-event loop then runs every rank's program against the others, with th
 
     compute            starts when the rank is free, runs for its cost
     collective         starts when every member has called it and the group's earlier calls are done (one
-                       communication stream per rank and group, as torch's ProcessGroupNCCL has); a blocking
-                       call holds its rank until it ends, an asynchronous one does not
+                       communication stream per rank and group, as torch's ProcessGroupNCCL has; gloo's pool of
+                       threads runs `Hardware.comm_streams` at once); a blocking call holds its rank until it
+                       ends, an asynchronous one does not
     send / recv        a message moves once both sides have posted it (rendezvous); blocking sides wait for it
     wait               holds the rank until that asynchronous call has finished
                        (so compute issued after the wait waits for it; compute before it overlaps); a wait for
@@ -27,7 +28,8 @@ A discrete-event loop then runs every rank's program against the others, with th
 On hardware whose communication does not overlap compute (`Hardware.comm_overlap` False: gloo on a CPU with a
 rank per core) an asynchronous call also holds its rank for its cost when it is issued. A calibrated CPU's
 `Hardware.comm_delay` makes every transfer end that much later without holding a rank (the backend's threads
-waiting for a core inside a step): a blocking call pays it, compute issued after an asynchronous call hides it.
+waiting for a core inside a step): a blocking call pays it, compute issued after an asynchronous call hides it;
+with `Hardware.comm_cpu` an asynchronous call also takes that much of its rank's core.
 
 The result is an ordinary `parlab.Trace` (times from 0, in seconds; `trace.hardware` names the hardware), so
 `parlab.viz.timeline`, the animations and `Trace.to_chrome` draw it unchanged. Every rank starts at 0; time a
@@ -150,24 +152,30 @@ def replay(trace: Trace, hardware: Hardware, *, grid: ParallelGrid | None = None
         raise
     except ValueError as err:
         raise ReplayError(str(err)) from None
-    events = _run(programs, serial=not hardware.comm_overlap, delay=hardware.comm_delay)
+    events = _run(programs, serial=not hardware.comm_overlap, delay=hardware.comm_delay,
+                  streams=hardware.comm_streams, cpu=hardware.comm_cpu)
     return Trace(events, hardware.name)
 
 
-def _run(programs: dict[int, list[Step]], serial: bool = False, delay: float = 0.0) -> list[Event]:
+def _run(programs: dict[int, list[Step]], serial: bool = False, delay: float = 0.0, streams: int = 1,
+         cpu: float = 0.0) -> list[Event]:
     """The discrete-event loop: advance every rank as far as its dependencies allow, until all are done.
     `serial` (`Hardware.comm_overlap` False): an asynchronous call also occupies its rank for its cost when issued
     (calls issued at the same moment, e.g. a ring step's send and receive, overlap each other: calibration times
     them as one pair). `delay` (`Hardware.comm_delay`): every transfer between two or more ranks ends that much
     later than its cost says, without occupying a rank (a rank that waits for it waits longer; the group's next
-    collective queues behind it, as the backend runs a group's calls in order)."""
+    collective queues behind it, as the backend runs a group's calls in order). `streams`
+    (`Hardware.comm_streams`): each rank runs that many of a group's collectives at once; a collective starts when
+    every member has a stream free (the one free earliest) and takes it until it ends. `cpu`
+    (`Hardware.comm_cpu`, with `serial`): an asynchronous call (collective or message) also occupies its
+    rank that much longer."""
     ranks = sorted(programs)
     pos = {r: 0 for r in ranks}
     clock = {r: 0.0 for r in ranks}
     arrivals: dict[tuple, dict[int, float]] = defaultdict(dict)   # collective key -> rank -> call time
     posts: dict[tuple, dict[str, float]] = defaultdict(dict)      # message key -> side -> post time
     done: dict[tuple, tuple[float, float]] = {}                    # key -> (start, end) of the transfer
-    stream: dict[tuple, float] = defaultdict(float)                # (rank, group) -> communication stream free at
+    stream: dict[tuple, list[float]] = {}                          # (rank, group) -> when each of its streams is free
     issued: dict[tuple[int, tuple], Step] = {}                     # (rank, key) -> the async call's step
     out: list[tuple[Step, float, float]] = []
 
@@ -176,10 +184,11 @@ def _run(programs: dict[int, list[Step]], serial: bool = False, delay: float = 0
         got = arrivals[key]
         if key in done or not set(members) <= set(got):
             return
-        start = max([*got.values(), *(stream[(m, members)] for m in members)])
+        free = [stream.setdefault((m, members), [0.0] * streams) for m in members]
+        start = max([*got.values(), *(min(f) for f in free)])
         end = start + step.cost + (delay if len(members) > 1 else 0.0)
-        for m in members:
-            stream[(m, members)] = end
+        for f in free:                                              # each member's earliest free stream
+            f[f.index(min(f))] = end
         done[key] = (start, end)
 
     def resolve_msg(step: Step) -> None:
@@ -218,7 +227,8 @@ def _run(programs: dict[int, list[Step]], serial: bool = False, delay: float = 0
                     out.append((st, t, None))                      # end filled in when known
                     if serial:          # the rank's core moves the bytes; calls issued together share it
                         burst.setdefault(r, t)
-                        clock[r] = max(clock[r], burst[r] + st.cost)
+                        share = cpu if st.kind != "coll" or len(st.members) > 1 else 0.0   # not a 1-rank group
+                        clock[r] = max(clock[r], burst[r] + st.cost + share)
                         pos[r] += 1
                         moved = True
                         continue

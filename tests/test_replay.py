@@ -161,6 +161,14 @@ def test_collectives_on_one_group_run_in_order_on_its_stream():
     out = replay(Trace(evs), AB)
     first, second = by_rank(out, 0, "all_reduce")
     assert second.end == pytest.approx(2 * first.end)      # the second starts when the first is done
+    # gloo's pool of two threads (comm_streams 2): the second runs beside the first, a third waits for a stream
+    third = [coll(r, 0.2, (0, 1), X, asynchronous=True, waited=1.0, end=0.2) for r in range(2)]
+    a, b, c = by_rank(replay(Trace(evs + third), AB.with_(comm_streams=2)), 0, "all_reduce")
+    assert a.start == b.start == c.start == 0.0                # all issued at once (no compute between them)
+    assert b.end == pytest.approx(a.end) and c.end == pytest.approx(2 * a.end)
+    for bad in (0, 1.5, True, "2"):
+        with pytest.raises(ValueError, match="comm_streams must be a positive integer"):
+            AB.with_(comm_streams=bad)
 
 
 # ---------------------------------------------------------------------- bad input

@@ -1,6 +1,7 @@
 """What a step costs beyond products and bytes: special functions (exp, erf) counted by the meter and charged at
-their own rate, and the delay of a transfer inside a training step (`Hardware.comm_delay`), with the calibration
-fits that measure both (`parlab.calibrate_special`, `parlab.calibrate_comm`)."""
+their own rate, and the delay of a transfer inside a training step (`Hardware.comm_delay`) and the rank's share of
+an asynchronous call (`Hardware.comm_cpu`), with the calibration fits that measure them (`parlab.calibrate_special`,
+`parlab.calibrate_comm`)."""
 import dataclasses
 
 import pytest
@@ -101,8 +102,41 @@ def test_a_delay_lengthens_a_blocking_call_and_hides_behind_compute_issued_after
             UNIT.with_(comm_delay=bad)
 
 
-def _measured(metered: Trace, hw: Hardware, delay: float) -> float:
-    return step_time(replay(metered, hw.with_(comm_delay=delay)))
+def test_an_asynchronous_call_takes_its_share_of_the_rank_only_where_communication_does_not_overlap():
+    serial = UNIT.with_(comm_overlap=False)
+    # issue at 1: the 2 s transfer is charged to the rank (serial), + 0.5 s share, then 1 s of compute
+    assert step_time(replay(_two_ranks(True, 1.0), serial.with_(comm_cpu=0.5))) == 4.5
+    assert step_time(replay(_two_ranks(True, 1.0), UNIT.with_(comm_cpu=0.5))) == 3.0     # overlapping: no share
+    assert step_time(replay(_two_ranks(False, 1.0), serial.with_(comm_cpu=0.5))) == 4.0  # blocking: the delay's job
+    msgs = Trace([Event(0, "compute", "a", 0.0, 1.0, flops=1.0),
+                  Event(0, "p2p", "send", 1.0, 1.0, group=(0, 1), peer=1, nbytes=1, asynchronous=True, waited=5.0),
+                  Event(0, "compute", "b", 1.0, 2.0, flops=1.0),
+                  Event(1, "p2p", "recv", 0.0, 0.0, group=(0, 1), peer=0, nbytes=1)])
+    out = replay(msgs, serial.with_(comm_cpu=0.25))                     # a message's share: 1 s + 0.25 s at issue
+    assert [e.start for e in out.events if e.rank == 0 and e.op == "b"] == [2.25]
+    for bad in (-1e-3, "1 ms", None):
+        with pytest.raises(ValueError, match="comm_cpu must be a time >= 0"):
+            UNIT.with_(comm_cpu=bad)
+    assert preset("dgx-h100").comm_cpu == 0.0 and preset("dgx-h100").comm_streams == 1
+
+
+def _measured(metered: Trace, hw: Hardware, delay: float, cpu: float = 0.0) -> float:
+    return step_time(replay(metered, hw.with_(comm_delay=delay, comm_cpu=cpu)))
+
+
+def test_the_step_fit_tells_the_delay_from_the_ranks_share_by_blocking_and_asynchronous_programs():
+    """Programs measured as replays with delay 2 ms and share 0.5 ms on a serial description: a blocking call
+    pays only the delay, an asynchronous one issued before 1 s of compute only the share (its transfer ends under
+    the compute), so the two are told apart and recovered to the grid's resolution."""
+    from parlab.calibrate_comm import fit_step_comm
+    serial = UNIT.with_(comm_overlap=False, intra_bw=1e6, inter_bw=1e6)   # 2 us transfers: the fit sees ms
+    traces = [_two_ranks(False, 1.0), _two_ranks(True, 1.0), _two_ranks(False, 0.2)]
+    programs = [(_measured(tr, serial, 2e-3, 5e-4), tr) for tr in traces]
+    fit = fit_step_comm(serial, programs)
+    # the grids' steps: 0.5 ms of delay and 0.3 ms of share, halved in each of 4 refinements: 31 and 19 us
+    assert fit["delay"] == pytest.approx(2e-3, abs=3.2e-5) and fit["cpu"] == pytest.approx(5e-4, abs=1.9e-5)
+    assert fit["after"] == pytest.approx([1.0] * 3, abs=1e-4)
+    assert fit_step_comm(UNIT, programs[:1])["cpu"] == 0.0      # overlapping communication: no share to fit
 
 
 def test_the_step_fit_recovers_a_known_delay_from_programs_replayed_with_it():
@@ -131,14 +165,24 @@ def test_calibration_puts_the_fitted_delay_in_the_description_and_its_report():
     per_rank = []
     for r in (0, 1):
         steps = [[dataclasses.asdict(e) for e in measured.events if e.rank == r]] * 3
-        per_rank.append(dict(_per_rank(2.0), programs=[steps + [[dataclasses.asdict(e) for e in metered.events
-                                                                   if e.rank == r]]] * 4))
+        per_rank.append(dict(_per_rank(2.0), comm_streams=2, programs=[steps + [[dataclasses.asdict(e) for e in
+                                                                                metered.events if e.rank == r]]] * 4))
     hw, text = describe(per_rank, 2, "synthetic")
+    assert hw.comm_streams == 2 and "(2 collective(s) of a group in flight at once)" in text
     assert hw.p2p_latency == pytest.approx(3e-5, rel=1e-3)      # the isolated fit: the programs measure in-step
     assert "not used: the training-step programs below measure it" in text
     assert "communication inside training steps (DDP, FSDP): each transfer ends" in text
     assert hw.comm_delay > 0 and "parlab.calibrate_comm" in hw.source
     assert step_time(replay(metered, hw)) == pytest.approx(step_time(measured), rel=2e-3)
+
+
+def test_calibration_reads_how_many_collectives_gloo_runs_at_once(monkeypatch):
+    import torch.distributed as dist
+
+    from parlab import calibrate
+    assert calibrate._gloo_threads() == dist.ProcessGroupGloo._Options()._threads == 2    # torch's default pool
+    monkeypatch.setattr(dist, "ProcessGroupGloo", object())                              # no such options here
+    assert calibrate._gloo_threads() == 2
 
 
 # ---------------------------------------------------------------------- rank processes keep freed memory
