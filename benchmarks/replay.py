@@ -29,7 +29,6 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import statistics
 import sys
@@ -51,7 +50,7 @@ from parlab.models import GPT, GPTConfig  # noqa: E402
 from parlab.pipeline_parallel import PipelineParallel  # noqa: E402
 from parlab.replay import measured_step, replay, step_time, timed  # noqa: E402
 from parlab.topology import ParallelGrid  # noqa: E402
-from parlab.trace import Event, Trace, count_costs, recording, region  # noqa: E402
+from parlab.trace import Trace, count_costs, recording, region  # noqa: E402
 
 CFG = GPTConfig(vocab_size=256, seq_len=64, n_layer=4, n_head=4, n_embd=128)
 ROWS = 8          # sequences per rank (per replica)
@@ -65,7 +64,7 @@ def _batch(rows, seed=0):
 
 
 def _steps(make_step, steps):
-    """On every rank: `steps` plain traced steps, then two metered; events of each step as dicts."""
+    """On every rank: `steps` plain traced steps, then two metered; the events of each step."""
     step = make_step()
     step()                                                   # warm-up, untraced
     out = []
@@ -77,7 +76,7 @@ def _steps(make_step, steps):
                     step()
             else:
                 step()
-        out.append([dataclasses.asdict(e) for e in rec.events])
+        out.append(list(rec.events))
     return out
 
 
@@ -140,10 +139,6 @@ def ring():
 WORKLOADS = {"DDP": ddp, "ZeRO-3": zero3, "1F1B": one_f_one_b, "ring attention": ring}
 
 
-def _trace(dicts):
-    return Trace([Event(**{**d, "group": tuple(d["group"])}) for d in dicts])
-
-
 def _split(tr):
     """Compute spans, untraced work and communication (blocking time, or issue to completion) per rank, in ms."""
     n = len(tr.ranks)
@@ -165,7 +160,7 @@ def self_consistency(hw, world, steps):
     rows = []
     for name, make in WORKLOADS.items():
         res = parlab.run(_steps, world, make, steps, backend="gloo", echo=False, timeout=600)
-        per_step = [_trace([d for rank in res.results for d in rank[i]]) for i in range(steps + 2)]
+        per_step = [Trace([e for rank in res.results for e in rank[i]]) for i in range(steps + 2)]
         measured = statistics.median(measured_step(t) for t in per_step[:steps])
         metered = per_step[steps]
         replayed = step_time(replay(metered, hw))

@@ -35,7 +35,6 @@ iterations from profiles of the running framework rather than from isolated coll
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 import statistics
 
@@ -63,12 +62,12 @@ def _program(wrapper: str, shape, bucket_mb):
     return _gpt_step(*shape, wrap=wrap, data_seed=comm.get_rank())
 
 
-def step_traces(steps: int = 41, programs=PROGRAMS) -> list[list[list[dict]]]:
+def step_traces(steps: int = 41, programs=PROGRAMS) -> list[list[list]]:
     """Run on every rank of an initialised process group: for each program one step traced inside
     `count_costs()`, then `steps` traced steps, each between barriers in a recorder of its own; the timed steps
     go round the programs (one step of each, then the next round), so that a change of the machine's load
-    shifts every program alike. This rank's events of each step as dicts, the metered step last (merge the
-    ranks' with `merge`)."""
+    shifts every program alike. This rank's events (`parlab.trace.Event`) of each step, the metered step last
+    (merge the ranks' with `merge`)."""
     from . import comm
     from .trace import count_costs, recording
 
@@ -80,7 +79,7 @@ def step_traces(steps: int = 41, programs=PROGRAMS) -> list[list[list[dict]]]:
                     step()
             else:
                 step()
-        return [dataclasses.asdict(e) for e in rec.events]
+        return list(rec.events)
     made = []
     for wrapper, shape, bucket_mb in programs:
         step = _program(wrapper, shape, bucket_mb)
@@ -98,13 +97,10 @@ def merge(per_rank: list) -> list[tuple]:
     """(median measured step seconds (`parlab.replay.measured_step`), metered step as a `parlab.trace.Trace`) of
     each program, from every rank's `step_traces`."""
     from .replay import measured_step
-    from .trace import Event, Trace
-
-    def trace(dicts):
-        return Trace([Event(**{**d, "group": tuple(d["group"])}) for d in dicts])
+    from .trace import Trace
     out = []
     for j in range(len(per_rank[0])):
-        steps = [trace([d for rank in per_rank for d in rank[j][i]]) for i in range(len(per_rank[0][j]))]
+        steps = [Trace([e for rank in per_rank for e in rank[j][i]]) for i in range(len(per_rank[0][j]))]
         out.append((statistics.median(measured_step(t) for t in steps[:-1]), steps[-1]))
     return out
 

@@ -153,7 +153,7 @@ def test_the_step_fit_recovers_a_known_delay_from_programs_replayed_with_it():
 
 def test_calibration_puts_the_fitted_delay_in_the_description_and_its_report():
     """describe() with training-step programs among a rank's measurements: the programs' steps (as each rank
-    returns them: event dicts per step, the metered step last) fit comm_delay, which replaces the message probe's
+    returns them: events per step, the metered step last) fit comm_delay, which replaces the message probe's
     in-step p2p cost."""
     from test_replay_model import _per_rank
     from parlab.calibrate import describe
@@ -164,9 +164,9 @@ def test_calibration_puts_the_fitted_delay_in_the_description_and_its_report():
     measured = replay(metered, hw_programs.with_(comm_delay=3e-3))
     per_rank = []
     for r in (0, 1):
-        steps = [[dataclasses.asdict(e) for e in measured.events if e.rank == r]] * 3
-        per_rank.append(dict(_per_rank(2.0), comm_streams=2, programs=[steps + [[dataclasses.asdict(e) for e in
-                                                                                metered.events if e.rank == r]]] * 4))
+        steps = [[e for e in measured.events if e.rank == r]] * 3
+        per_rank.append(dict(_per_rank(2.0), comm_streams=2,
+                             programs=[steps + [[e for e in metered.events if e.rank == r]]] * 4))
     hw, text = describe(per_rank, 2, "synthetic")
     assert hw.comm_streams == 2 and "(2 collective(s) of a group in flight at once)" in text
     assert hw.p2p_latency == pytest.approx(3e-5, rel=1e-3)      # the isolated fit: the programs measure in-step
