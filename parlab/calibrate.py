@@ -21,8 +21,9 @@ at once (so each rank gets the share of the machine it has in a real run):
   training-step programs below, the p2p latency and bandwidth are refitted to what the messages slowed the compute
   by (their cost inside a step);
 * communication inside training steps (CPU): DDP- and FSDP-wrapped GPT steps run on every rank, timed and
-  replayed; `comm_delay`, how much later a transfer ends inside a step than alone, is fitted to make the replays
-  match (`parlab.calibrate_comm`);
+  replayed; `comm_delay`, how much later a transfer ends inside a step than alone, and (without overlap)
+  `comm_cpu`, how much of its rank's core an asynchronous call takes, are fitted to make the replays match
+  (`parlab.calibrate_comm`), with `comm_streams` read from gloo's pool of threads;
 * point to point: every rank sends to the next and receives from the previous at once (isend / irecv, as a ring
   step does), over the same sizes; fitted the same way (t = latency + X / B) into `p2p_latency`, `p2p_bw`;
 * collectives, like nccl-tests: all-reduce over message sizes 4 B .. 16 MiB, median time per size, algorithm
