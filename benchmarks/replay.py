@@ -1,18 +1,19 @@
 """Benchmark: does the replay (`parlab.replay`) reproduce what this machine measured? And how fast is it?
 
-    python benchmarks/replay.py [--world 2] [--steps 21] [--hardware here.json] [--only consistency]
+    python benchmarks/replay.py [--world 2] [--steps 21] [--seconds 3] [--hardware here.json] [--only consistency]
 
 1. Calibrate this machine (`parlab.calibrate`, `world` gloo ranks measured together), unless a description
    is given. The default world is one rank per core (2 to 4, `parlab.calibrate.default_world`): with more
    ranks than cores every message also pays the operating system's hand-off of a core, which no alpha-beta
    figure captures.
-2. For each workload (DDP, ZeRO-3, 1F1B, ring attention) on `world` ranks: time `steps` traced steps without the
-   cost meter (each step between barriers, in its own recorder; step time = from the start of the last rank's
-   first event to the last event's end, `parlab.replay.measured_step`: the barrier's release skew is not the
-   program's), then trace one more step inside `count_costs()` and replay it on the calibrated
-   description. Report the median measured step, the replayed step and their ratio. Spans cut by the
-   communication inside them are split by the metered work (`parlab.replay_program`), so the replayed step
-   does not depend on the metered step's own timing.
+2. For each workload (DDP, ZeRO-3, 1F1B, ring attention) on `world` ranks: time at least `steps` traced steps
+   without the cost meter, more for a cheap workload (as many as fill about `seconds`: 21 ring-attention steps
+   are a poor sample of its two modes, 7 and 13 ms), each step between barriers, in its own recorder (step
+   time = from the start of the last rank's first event to the last event's end, `parlab.replay.measured_step`:
+   the barrier's release skew is not the program's), then trace one more step inside `count_costs()` and replay
+   it on the calibrated description. Report the median measured step, the replayed step and their ratio. Spans
+   cut by the communication inside them are split by the metered work (`parlab.replay_program`), so the
+   replayed step does not depend on the metered step's own timing.
 3. Replay a 16-rank trace (1F1B, pp = 4, dp = 4) on DGX H100 and report how long the replay itself takes.
 4. Published configurations (`--only published`): trace a tiny 1F1B run with the published pipeline shape
    (pp ranks, m micro-batches), scale it up to GPT-3 175B on the published layout (`parlab.scaleup`) on the
@@ -29,6 +30,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import statistics
 import sys
@@ -63,10 +65,18 @@ def _batch(rows, seed=0):
             torch.randint(CFG.vocab_size, (rows, CFG.seq_len), generator=g))
 
 
-def _steps(make_step, steps):
-    """On every rank: `steps` plain traced steps, then two metered; the events of each step."""
+def _steps(make_step, steps, seconds=0.0):
+    """On every rank: at least `steps` plain traced steps (more for a cheap step: as many as fill about `seconds`,
+    the ranks agreeing on the count), then two metered; the events of each step."""
     step = make_step()
     step()                                                   # warm-up, untraced
+    t = time.perf_counter()
+    for _ in range(3):                                       # the step's cost, to size the sample
+        comm.barrier()
+        step()
+    est = torch.tensor([(time.perf_counter() - t) / 3], dtype=torch.float64)
+    comm.all_reduce(est, op=comm.ReduceOp.MAX)               # every rank runs the same count
+    steps = max(steps, math.ceil(seconds / max(float(est), 1e-6)))
     out = []
     for i in range(steps + 2):
         comm.barrier()
@@ -156,23 +166,24 @@ def _split(tr):
     return f"{comp * 1e3:.1f} / {untraced * 1e3:.1f} / {comm * 1e3:.1f}"
 
 
-def self_consistency(hw, world, steps):
+def self_consistency(hw, world, steps, seconds=3.0):
     rows = []
     for name, make in WORKLOADS.items():
-        res = parlab.run(_steps, world, make, steps, backend="gloo", echo=False, timeout=600)
-        per_step = [Trace([e for rank in res.results for e in rank[i]]) for i in range(steps + 2)]
-        measured = statistics.median(measured_step(t) for t in per_step[:steps])
-        metered = per_step[steps]
+        res = parlab.run(_steps, world, make, steps, seconds, backend="gloo", echo=False, timeout=600)
+        n = len(res.results[0]) - 2                           # timed steps (at least `steps`)
+        per_step = [Trace([e for rank in res.results for e in rank[i]]) for i in range(n + 2)]
+        measured = statistics.median(measured_step(t) for t in per_step[:n])
+        metered = per_step[n]
         replayed = step_time(replay(metered, hw))
-        again = step_time(replay(per_step[steps + 1], hw))     # a second metered step: the same program and work
+        again = step_time(replay(per_step[n + 1], hw))     # a second metered step: the same program and work
         rows.append((name, measured, step_time(metered), replayed, again))
-        spread = [measured_step(t) * 1e3 for t in per_step[:steps]]
-        mid = sorted(per_step[:steps], key=measured_step)[steps // 2]
+        spread = [measured_step(t) * 1e3 for t in per_step[:n]]
+        mid = sorted(per_step[:n], key=measured_step)[n // 2]
         out = replay(metered, hw)
         print(f"{'':<15} where the time goes (ms per rank: compute spans / untraced work / communication calls, "
               f"waits included): measured {_split(mid)}, replayed {_split(out)}", flush=True)
-        print(f"{name:<15} measured {measured * 1e3:8.1f} ms (min {min(spread):.1f}, max {max(spread):.1f})   metered step "
-              f"{step_time(metered) * 1e3:8.1f} ms   replayed {replayed * 1e3:8.1f} ms (second metered step "
+        print(f"{name:<15} measured {measured * 1e3:8.1f} ms (median of {n}; min {min(spread):.1f}, max "
+              f"{max(spread):.1f})   metered step {step_time(metered) * 1e3:8.1f} ms   replayed {replayed * 1e3:8.1f} ms (second metered step "
               f"{again * 1e3:.1f})   replayed / measured {replayed / measured:5.2f}", flush=True)
     return rows
 
@@ -249,7 +260,10 @@ def published():
 def main(argv=None):
     p = argparse.ArgumentParser()
     p.add_argument("--world", type=int, default=default_world())
-    p.add_argument("--steps", type=int, default=21)
+    p.add_argument("--steps", type=int, default=21, help="at least this many timed steps per workload")
+    p.add_argument("--seconds", type=float, default=3.0,
+                   help="time more steps of a cheap workload, about this long (the median of 21 ring-attention "
+                        "steps moved 8.5-12.9 ms between blocks of one run; of 201, 10.4-11.3 ms over six runs)")
     p.add_argument("--hardware", default=None, help="a Hardware JSON (default: calibrate now)")
     p.add_argument("--only", default=None, choices=["consistency", "replay16", "published"])
     a = p.parse_args(argv)
@@ -265,7 +279,7 @@ def main(argv=None):
             hw, text = calibrate(a.world)
             print(text, flush=True)
         print(hw, flush=True)
-        rows = self_consistency(hw, a.world, a.steps)
+        rows = self_consistency(hw, a.world, a.steps, a.seconds)
         ok = [(name, abs(rep / meas - 1) <= TOLERANCE) for name, meas, _, rep, _ in rows]
         print(f"within {TOLERANCE:.0%} of the measured median (issue 17's goal): "
               + ", ".join(f"{name} {'yes' if good else 'no'}" for name, good in ok)
