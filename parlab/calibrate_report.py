@@ -66,8 +66,8 @@ def report(n: int, hw: Hardware, single: Hardware, *, rows, alpha, bw, p2p_rows,
         lines.append(f"training steps (AdamW): {c * 1e6:.2f} us per op, products' time x {gamma:.2f}, memory "
                      f"time x {beta:.2f}: {hw.peak_flops / 1e9:.2f} GFLOP/s, {hw.mem_bw / 1e9:.2f} GB/s (single-op "
                      f"fit above); per step: ops, measured, single-op model, step model")
-        lines.append("  leave-one-out RMS relative error per model (the lowest is kept): " + ", ".join(
-            f"{' + '.join(m)} {e:.1%}" for m, e in step_fit["cv_all"].items()))
+        lines.append("  leave-one-out RMS relative error per model (weight in the average kept): " + ", ".join(
+            f"{' + '.join(m)} {e:.1%} ({step_fit['weights'][m]:.2f})" for m, e in step_fit["cv_all"].items()))
         for f, b, k, t, hist, fb, *rest in steps:
             sp_n = rest[0] if rest else 0
             lines.append(f"  {k:>6} ops {f:>12.3g} FLOP {b:>11} B  {t * 1e3:>8.2f} ms measured, "
