@@ -297,7 +297,7 @@ def main(argv=None):
     print(f"GPT {cfg.param_count() / 1e6:.2f}M params (L={args.layers}, H={args.hidden}, S={args.seq}), "
           f"global batch {args.batch}, world {args.world}, gloo/CPU, torch {torch.__version__}; "
           f"{args.repeats} x {args.steps} timed steps per variant")
-    print(f"| variant | step ms (median) | vs torch | params KB | grads KB | optim KB | total KB/rank | loss |")
+    print("| variant | step ms (median) | vs torch | params KB | grads KB | optim KB | total KB/rank | loss |")
     print("|---|---|---|---|---|---|---|---|")
     for v in variants:
         if "error" in info.get(v, {}):

@@ -242,12 +242,14 @@ def measure_rank(device: str = "cpu", sizes=SIZES, reps: int = 5, min_time: floa
         p2p.append((size, statistics.median(times)))
     overlap, programs = [], []
     if steps and not gpu:
-        from .calibrate_comm import step_traces
+        from .calibrate_comm import PROGRAMS, program_label, step_traces
         from .calibrate_step import overlap_rows
         overlap = overlap_rows(dev, _timeit, reps=3 * reps)     # noisier than the isolated calls: 3x the repetitions
-        programs = step_traces()
+        programs = step_traces(programs=PROGRAMS)
+        labels = [program_label(*p) for p in PROGRAMS]
     return {"allreduce": rows, "p2p": p2p, "samples": samples, "steps": step_rows, "overlap": overlap,
-            "special": special, "programs": programs, "comm_streams": 1 if gpu else _gloo_threads()}
+            "special": special, "programs": programs, "program_labels": labels if programs else [],
+            "comm_streams": 1 if gpu else _gloo_threads()}
 
 
 def _gloo_threads() -> int:
@@ -325,6 +327,7 @@ def describe(per_rank: list[dict], n: int, name: str) -> tuple[Hardware, str]:
         merged = merge([r["programs"] for r in per_rank])
         hw = hw.with_(comm_streams=per_rank[0].get("comm_streams", 1))
         step_comm = fit_step_comm(hw, merged)
+        step_comm["labels"] = per_rank[0].get("program_labels") or [f"program {i}" for i in range(len(merged))]
         hw = hw.with_(comm_delay=step_comm["delay"], comm_cpu=step_comm["cpu"],
                       source=hw.source + f"; communication inside a step fitted to {len(merged)} DDP and FSDP "
                       f"training steps (parlab.calibrate_comm)")

@@ -40,7 +40,7 @@ import statistics
 
 from .hardware import Hardware
 
-__all__ = ["PROGRAMS", "step_traces", "merge", "fit_step_comm"]
+__all__ = ["PROGRAMS", "program_label", "step_traces", "merge", "fit_step_comm"]
 
 #: (wrapper, (n_embd, n_layer, n_head, seq_len, rows), DDP bucket cap in MiB) of the calibration programs; none
 #: is a shape benchmarks/replay.py reports (n_embd 128, 4 layers, 4 heads, 64 tokens, 8 rows, 0.25 MiB buckets)
@@ -60,6 +60,11 @@ def _program(wrapper: str, shape, bucket_mb):
     wrap = (functools.partial(DistributedDataParallel, bucket_cap_mb=bucket_mb) if wrapper == "ddp"
             else FullyShardedDataParallel)
     return _gpt_step(*shape, wrap=wrap, data_seed=comm.get_rank())
+
+
+def program_label(wrapper: str, shape: tuple, bucket_mb) -> str:
+    """How the report names a program: 'ddp 96x3x4x64x8 (0.25 MiB buckets)'."""
+    return f"{wrapper} {'x'.join(map(str, shape))}" + (f" ({bucket_mb:g} MiB buckets)" if bucket_mb else "")
 
 
 def step_traces(steps: int = 41, programs=PROGRAMS) -> list[list[list]]:

@@ -37,16 +37,14 @@ def report(n: int, hw: Hardware, single: Hardware, *, rows, alpha, bw, p2p_rows,
                          + ("not used: the training-step programs below measure it)" if programs
                             else "replaces the fit above)"))
     if step_comm:
-        from .calibrate_comm import PROGRAMS
         share = (f", each asynchronous call takes {step_comm['cpu'] * 1e3:.2f} ms of its rank's core"
                  if not hw.comm_overlap else "")
         lines.append(f"communication inside training steps (DDP, FSDP): each transfer ends "
                      f"{step_comm['delay'] * 1e3:.2f} ms later than the fits above say{share} ({hw.comm_streams} "
                      f"collective(s) of a group in flight at once); replayed / measured step per program before -> "
                      f"after "
-                     + ", ".join(f"{w} {'x'.join(map(str, sh))}{f' ({mb:g} MiB buckets)' if mb else ''}: "
-                                 f"{a:.2f} -> {b:.2f}" for (w, sh, mb), a, b in
-                                 zip(PROGRAMS, step_comm["before"], step_comm["after"])))
+                     + ", ".join(f"{label}: {a:.2f} -> {b:.2f}" for label, a, b in
+                                 zip(step_comm["labels"], step_comm["before"], step_comm["after"])))
     cache = (f"{single.cache_bw / 1e9:.2f} GB/s for ops of working set <= {single.cache_bytes / 2 ** 20:g} MiB, "
              if single.cache_bw else "one memory level: ")
     bmm = f"batched products {single.bmm_flops / 1e9:.2f} GFLOP/s, " if single.bmm_flops else ""

@@ -65,7 +65,8 @@ import torch.nn as nn
 
 from . import comm
 from .data import micro_batches
-from .models import GPT, clone_model, materialize, meta_parameters
+from .meta_init import materialize, meta_parameters
+from .models import GPT, clone_model
 from .pipeline_p2p import StageMessages
 from .schedules import KINDS, Action, Schedule, split_layers, unit_cost, validate
 from .tp_loss import count_targets, weighted_mean_loss
@@ -93,7 +94,7 @@ class PipelineParallel:
 
     and the GPU never holds more than this rank's stages (the host holds the full model for a moment). To skip
     the host's dense copy too, build the model on the meta device (no memory) and let `device` materialise only
-    the kept stages there, with the dense model's values (`parlab.models.materialize`):
+    the kept stages there, with the dense model's values (`parlab.meta_init.materialize`):
 
         pipe = PipelineParallel(GPT(config, seed=0, device="meta"), schedule, copy=False, device=gpu)
 
@@ -168,7 +169,7 @@ class PipelineParallel:
     # ------------------------------------------------------------------ the model pieces
     def to(self, device: torch.device | str) -> "PipelineParallel":
         """Move the stages this rank holds (and its messages) to `device`; returns self. Parameters still on
-        the meta device are materialised there (`parlab.models.materialize`), the dense model's values."""
+        the meta device are materialised there (`parlab.meta_init.materialize`), the dense model's values."""
         m = self.module
         tied = m.wte is not None and m.lm_head is not None and m.lm_head.weight is m.wte.weight
         if meta_parameters(m):                                # built on meta: draw only what this rank kept

@@ -8,7 +8,6 @@ import signal
 import socket
 import subprocess
 import sys
-import textwrap
 import time
 
 import pytest

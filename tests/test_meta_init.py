@@ -12,7 +12,8 @@ from parlab import models as models_mod
 from parlab.fsdp import FullyShardedDataParallel
 from parlab.groups import build_groups
 from parlab.hybrid import build_hybrid
-from parlab.models import GPT, GPTConfig, init_value, materialize, meta_parameters
+from parlab.meta_init import init_value, materialize, meta_parameters
+from parlab.models import GPT, GPTConfig
 from parlab.pipeline_parallel import PipelineParallel
 from parlab.schedules import one_f_one_b
 from parlab.tensor_parallel import parallelize_gpt

@@ -165,9 +165,10 @@ def test_calibration_puts_the_fitted_delay_in_the_description_and_its_report():
     per_rank = []
     for r in (0, 1):
         steps = [[e for e in measured.events if e.rank == r]] * 3
-        per_rank.append(dict(_per_rank(2.0), comm_streams=2,
+        per_rank.append(dict(_per_rank(2.0), comm_streams=2, program_labels=[f"prog{i}" for i in range(4)],
                              programs=[steps + [[e for e in metered.events if e.rank == r]]] * 4))
     hw, text = describe(per_rank, 2, "synthetic")
+    assert all(f"prog{i}: " in text for i in range(4))          # each program named by what the ranks ran
     assert hw.comm_streams == 2 and "(2 collective(s) of a group in flight at once)" in text
     assert hw.p2p_latency == pytest.approx(3e-5, rel=1e-3)      # the isolated fit: the programs measure in-step
     assert "not used: the training-step programs below measure it" in text
@@ -215,3 +216,10 @@ def test_calibration_programs_run_on_every_rank_and_merge_into_measured_steps_an
         # the work of the wrappers' regions, and of what runs between them (found from those totals)
         out = replay(metered, preset("dgx-h100"))
         assert sum(e.flops for e in out.events if e.kind == "compute") > 0 and step_time(out) > 0
+
+
+def test_calibration_programs_are_named_by_wrapper_shape_and_bucket():
+    from parlab.calibrate_comm import PROGRAMS, program_label
+    assert program_label("ddp", (96, 3, 4, 64, 8), 0.25) == "ddp 96x3x4x64x8 (0.25 MiB buckets)"
+    assert program_label("fsdp", (112, 3, 4, 64, 6), None) == "fsdp 112x3x4x64x6"
+    assert len({program_label(*p) for p in PROGRAMS}) == len(PROGRAMS)   # the report can tell them apart

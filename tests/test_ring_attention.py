@@ -276,7 +276,6 @@ def test_context_parallel_figures_draw_from_plain_rows():
 
 
 def _ring_bf16(S):
-    P, r = comm.get_world_size(), comm.get_rank()
     (out, dq, dk, dv), _ = _ring(S, True, "zigzag", torch.bfloat16)
     assert out.dtype == dq.dtype == dk.dtype == dv.dtype == torch.bfloat16   # results in the input dtype
     return [out, dq, dk, dv]

@@ -5,7 +5,6 @@ only when the test says the "GPU" ran something. A kernel launch returns at once
 device clock shows how long the work took, so the fake device runs for much longer than the host spends."""
 import pytest
 import torch
-import torch.distributed as dist
 
 import parlab
 from parlab import comm

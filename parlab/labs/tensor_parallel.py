@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from parlab.labs import start
-from parlab.models import materialize
+from parlab.meta_init import materialize
 from parlab.tensor_parallel import parallelize_gpt, sync_sequence_parallel_grads
 
 

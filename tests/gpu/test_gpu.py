@@ -70,7 +70,8 @@ def test_cuda_events_clock_times_gpu_work():
 
 
 def test_meta_construction_materialises_on_the_gpu_with_the_dense_values():
-    from parlab.models import GPT, GPTConfig, materialize
+    from parlab.meta_init import materialize
+    from parlab.models import GPT, GPTConfig
     cfg = GPTConfig(n_layer=2, n_embd=64, n_head=4)
     before = torch.cuda.memory_allocated()
     model = materialize(GPT(cfg, seed=3, device="meta"), torch.device("cuda", 0))
