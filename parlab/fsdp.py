@@ -96,11 +96,15 @@ class _Flat:
         return full
 
     def views(self, full: torch.Tensor) -> list[torch.Tensor]:
-        out, off = [], 0
-        for shape, n in zip(self.shapes, self.numels):
-            out.append(full[off:off + n].view(shape))                  # a view: shares full's storage
-            off += n
-        return out
+        """The parameters as views of `full` (sharing its storage), cut with one ``split``: its backward is one
+        concatenation of the weights' gradients into d(full) (``split_with_sizes_backward``), O(numel) bytes.
+        Slicing each weight out (``full[off:off + n]``) gives the same values, but autograd then turns every
+        weight's gradient into a zero-filled gradient of the whole flat (``slice_backward``) and adds them up:
+        O(weights x numel) bytes, 218 MB instead of 9 MB per step for the benchmark's 4-layer GPT (PyTorch's
+        FSDP cuts its FlatParameter the same way, ``flat_param.split(numels)``)."""
+        pad = full.numel() - self.numel
+        pieces = torch.split(full, [*self.numels, pad])              # (n_i,) each, then the padding
+        return [piece.view(shape) for piece, shape in zip(pieces, self.shapes)]
 
     def reduce_grad(self, grad_full: torch.Tensor) -> torch.Tensor:
         """d(full) on every rank -> this rank's slice of their mean, in the shard's dtype."""
