@@ -163,7 +163,7 @@ def _metered(fn) -> tuple[float, int, int, int, float]:
     meter = CostMeter()
     with meter:
         fn()
-    f, b, k, hist, fb, _ = meter.state()
+    f, b, k, hist, fb = meter.state()[:5]
     return f, b, k, max((v for _, v in hist), default=0), fb
 
 
@@ -307,9 +307,8 @@ def describe(per_rank: list[dict], n: int, name: str) -> tuple[Hardware, str]:
     if steps:                                                   # the per-op cost inside a training step
         from .calibrate_step import apply_step_fit, fit_step
         sf = fit_step(hw, steps)
-        c_op, beta, gamma = sf["c"], sf["beta"], sf["gamma"]
-        hw = apply_step_fit(hw, c_op, beta, gamma)
-        hw = hw.with_(source=hw.source + f"; per-op cost and memory fitted to {len(steps)} training steps "
+        hw = apply_step_fit(hw, sf["c"], sf["beta"], sf["gamma"], sf["c_plain"])
+        hw = hw.with_(source=hw.source + f"; per-op costs and memory fitted to {len(steps)} parts of training steps "
                       f"(parlab.calibrate_step)")
     over = [(size, statistics.median(r["overlap"][i][1] for r in per_rank),
              statistics.median(r["overlap"][i][2] for r in per_rank))

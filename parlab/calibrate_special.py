@@ -35,7 +35,7 @@ def special_samples(dev, dtype, timeit, min_time: float, gpu: bool = False, barr
             meter = CostMeter()
             with meter:
                 fn()
-            _, b, k, hist, _, special = meter.state()
+            _, b, k, hist, _, special = meter.state()[:6]
             if barrier is not None:
                 barrier()
             out.append((b, k, hist, special, timeit(fn, dev, min_time)))

@@ -61,9 +61,11 @@ STEP_SHAPES = ((48, 2, 2, 32, 4), (96, 2, 4, 48, 6), (64, 3, 2, 96, 2), (160, 1,
                (112, 1, 4, 128, 2), (144, 3, 4, 64, 6), (96, 5, 4, 80, 6))
 
 
-def _gpt_step(n_embd: int, n_layer: int, n_head: int, seq: int, rows: int, wrap=None, data_seed: int = 0):
+def _gpt_step(n_embd: int, n_layer: int, n_head: int, seq: int, rows: int, wrap=None, data_seed: int = 0,
+              parts: bool = False):
     """One AdamW training step of a small GPT (vocab 128) on fixed random tokens, as a function; `wrap` (e.g.
-    a DDP or FSDP constructor) wraps the model first (`parlab.calibrate_comm`)."""
+    a DDP or FSDP constructor) wraps the model first (`parlab.calibrate_comm`). `parts`: the step's two parts
+    as two functions instead, (forward + backward, optimizer step + zero_grad)."""
     from .models import GPT, GPTConfig
     cfg = GPTConfig(vocab_size=128, seq_len=seq, n_layer=n_layer, n_head=n_head, n_embd=n_embd)
     model = GPT(cfg, seed=0) if wrap is None else wrap(GPT(cfg, seed=0))
@@ -72,41 +74,56 @@ def _gpt_step(n_embd: int, n_layer: int, n_head: int, seq: int, rows: int, wrap=
     x = torch.randint(cfg.vocab_size, (rows, seq), generator=g, device="cpu")            # (B, S)
     y = torch.randint(cfg.vocab_size, (rows, seq), generator=g, device="cpu")            # (B, S)
 
-    def step():
+    def forward_backward():
         _, loss = model(x, y)
         loss.backward()
+
+    def optimizer():
         opt.step()
         opt.zero_grad(set_to_none=True)
-    return step
+
+    def step():
+        forward_backward()
+        optimizer()
+    return (forward_backward, optimizer) if parts else step
+
+
+#: the two parts a calibration step is timed in: ops autograd records or runs, and ops outside it
+PARTS = ("forward + backward", "optimizer")
 
 
 def step_samples(shapes=STEP_SHAPES, reps: int = 9, barrier=None) -> list[tuple]:
-    """(flops, bytes, kernels, median seconds, size histogram, batched flops, special-function results) of one
-    training step per shape:
-    metered once (the replay's meter), timed `reps` times unmetered. The repetitions go round the shapes (one
-    step of each shape, then the next round), so that a change of the machine's load during calibration shifts
-    every shape alike instead of tilting the fit. `barrier` (e.g. parlab.comm.barrier) lines the ranks up before
-    each round, so that every rank gets the share of the machine it has in a real run."""
+    """(flops, bytes, kernels, median seconds, size histogram, batched flops, special-function results, kernels
+    run outside autograd, part) of each part (`PARTS`: forward + backward, then the optimizer) of one training
+    step per shape, so two rows per shape: each part metered once (the replay's meter), timed `reps` times
+    unmetered. The repetitions go round the shapes (one step of each shape, then the next round), so that a
+    change of the machine's load during calibration shifts every shape alike instead of tilting the fit.
+    `barrier` (e.g. parlab.comm.barrier) lines the ranks up before each round, so that every rank gets the share
+    of the machine it has in a real run."""
     from .replay_meter import CostMeter
     steps, metered = [], []
     for shape in shapes:
-        step = _gpt_step(*shape)
-        step()
-        step()                                                             # warm-up: AdamW's states, allocator
-        meter = CostMeter()
-        with meter:
-            step()
-        steps.append(step)
-        metered.append(meter.state())
-    times = [[] for _ in shapes]
+        parts = _gpt_step(*shape, parts=True)
+        for _ in range(2):                                                 # warm-up: AdamW's states, allocator
+            for part in parts:
+                part()
+        for part in parts:
+            meter = CostMeter()
+            with meter:
+                part()
+            metered.append(meter.state())
+        steps.append(parts)
+    times = [[] for _ in metered]
     for _ in range(reps):
         if barrier is not None:
             barrier()
-        for step, ts in zip(steps, times):
-            t0 = time.perf_counter()
-            step()
-            ts.append(time.perf_counter() - t0)
-    return [(f, b, k, statistics.median(ts), hist, fb, sp) for (f, b, k, hist, fb, sp), ts in zip(metered, times)]
+        for i, parts in enumerate(steps):
+            for j, part in enumerate(parts):
+                t0 = time.perf_counter()
+                part()
+                times[2 * i + j].append(time.perf_counter() - t0)
+    return [(f, b, k, statistics.median(ts), hist, fb, sp, kp, PARTS[i % 2])
+            for i, ((f, b, k, hist, fb, sp, kp), ts) in enumerate(zip(metered, times))]
 
 
 def _flop_time(hw: Hardware, f: float, fb: float) -> float:
@@ -125,44 +142,60 @@ MODELS = (("c",), ("c", "beta"), ("c", "gamma"), ("c", "beta", "gamma"))
 
 
 def _fit_one(rows, free) -> tuple[float, dict] | None:
-    """(relative squared error, {c, beta, gamma}) of t = gamma T_F + c K + beta T_mem + T_sp over rows (T_F, K,
-    T_mem, t, T_sp), the terms not in `free` held at 1 (c at 0); least squares on relative error, c >= 0, beta,
-    gamma > 0."""
+    """(relative squared error, {c, c_plain, beta, gamma}) of t = gamma T_F + c K_a + c_plain K_p + beta T_mem +
+    T_sp over rows (T_F, K_a, K_p, T_mem, t, T_sp), the factors not in `free` held at 1; "c" in `free` frees both
+    per-op costs (c_plain only when some row ran plain ops); least squares on relative error, c, c_plain >= 0,
+    beta, gamma > 0."""
     import itertools
-    col = {"gamma": 0, "c": 1, "beta": 2}
+    col = {"gamma": 0, "c": 1, "c_plain": 2, "beta": 3}
+    names = [n for n in free if n != "c"]
+    if "c" in free:
+        names += ["c"] + (["c_plain"] if any(r[2] for r in rows) else [])
     best = None
-    optional = [f for f in free if f == "c"]                      # only c may drop out (to 0)
-    for drop in itertools.chain([()], ([f] for f in optional)):
-        keep = [f for f in free if f not in drop]
-        fixed = [sum(r[col[n]] for n in ("gamma", "beta") if n not in free) + r[4] for r in rows]
-        a = torch.tensor([[r[col[n]] / r[3] for n in keep] for r in rows], dtype=torch.float64, device="cpu")
-        rhs = torch.tensor([[1 - fx / r[3]] for fx, r in zip(fixed, rows)], dtype=torch.float64, device="cpu")
+    optional = [n for n in names if n in ("c", "c_plain")]           # only the per-op costs may drop out (to 0)
+    for drop in itertools.chain.from_iterable(itertools.combinations(optional, k) for k in range(len(optional) + 1)):
+        keep = [n for n in names if n not in drop]
+        fixed = [sum(r[col[n]] for n in ("gamma", "beta") if n not in free) + r[5] for r in rows]
+        a = torch.tensor([[r[col[n]] / r[4] for n in keep] for r in rows], dtype=torch.float64, device="cpu")
+        rhs = torch.tensor([[1 - fx / r[4]] for fx, r in zip(fixed, rows)], dtype=torch.float64, device="cpu")
         if keep:
             coef = torch.linalg.lstsq(a, rhs).solution.flatten()
-            if (coef < 0).any() or any(float(v) == 0 for n, v in zip(keep, coef) if n != "c"):
+            if (coef < 0).any() or any(float(v) == 0 for n, v in zip(keep, coef) if n in ("beta", "gamma")):
                 continue
             err = float(((a @ coef.unsqueeze(1)) - rhs).pow(2).sum())
         else:
             coef, err = torch.zeros(0, dtype=torch.float64, device="cpu"), float(rhs.pow(2).sum())
-        got = {"c": 0.0, "beta": 1.0, "gamma": 1.0} | {n: float(v) for n, v in zip(keep, coef)}
-        if best is None or err < best[0]:
+        got = {"c": 0.0, "c_plain": 0.0, "beta": 1.0, "gamma": 1.0} | {n: float(v) for n, v in zip(keep, coef)}
+        if "c_plain" not in names:                                      # no plain ops seen: they cost what others do
+            got["c_plain"] = got["c"]
+        if best is None or err < best[0] - 1e-15:
             best = (err, got)
     return best
 
 
 def _predict(row, p) -> float:
-    return p["gamma"] * row[0] + p["c"] * row[1] + p["beta"] * row[2] + row[4]
+    return p["gamma"] * row[0] + p["c"] * row[1] + p["c_plain"] * row[2] + p["beta"] * row[3] + row[5]
+
+
+def _rows(hw: Hardware, samples) -> list[tuple]:
+    """(T_F, K_a (ops under autograd), K_p (ops outside it), T_mem, t, T_sp) of each sample; a sample without a
+    plain-kernel count (written before they were counted) has K_p = 0."""
+    out = []
+    for s in samples:
+        kp = min(s[7], s[2]) if len(s) > 7 else 0
+        out.append((_flop_time(hw, s[0], s[5]), float(s[2] - kp), float(kp), _mem_time(hw, s[1], s[4]), s[3],
+                    _special_time(hw, s[6] if len(s) > 6 else 0.0)))
+    return out
 
 
 def fit_step(hw: Hardware, samples) -> dict:
     """The step model (module docstring) fitted to `step_samples` rows with the single-op rates of `hw`:
-    dict(c, beta, gamma (the models' weighted average), model (the one of lowest leave-one-out error), cv (its
-    error), cv_all ({model: its leave-one-out RMS relative error}), weights ({model: its weight}))."""
-    rows = [(_flop_time(hw, s[0], s[5]), float(s[2]), _mem_time(hw, s[1], s[4]), s[3],
-             _special_time(hw, s[6] if len(s) > 6 else 0.0)) for s in samples]
+    dict(c, c_plain, beta, gamma (the models' weighted average), model (the one of lowest leave-one-out error),
+    cv (its error), cv_all ({model: its leave-one-out RMS relative error}), weights ({model: its weight}))."""
+    rows = _rows(hw, samples)
     if len(rows) < 4:
         raise ValueError(f"fitting the step model needs at least 4 training-step samples, got {len(rows)}")
-    if any(not r[3] > 0 for r in rows):
+    if any(not r[4] > 0 for r in rows):
         raise ValueError("a training-step sample has no positive time; rerun calibration")
     cv = {}
     for free in MODELS:
@@ -171,7 +204,7 @@ def fit_step(hw: Hardware, samples) -> dict:
             fit = _fit_one(rows[:i] + rows[i + 1:], free)
             if fit is None:
                 break
-            errs.append((_predict(rows[i], fit[1]) / rows[i][3] - 1) ** 2)
+            errs.append((_predict(rows[i], fit[1]) / rows[i][4] - 1) ** 2)
         if len(errs) == len(rows):
             cv[free] = (sum(errs) / len(errs)) ** 0.5
     if not cv:
@@ -184,14 +217,14 @@ def fit_step(hw: Hardware, samples) -> dict:
         inv = {m: cv[m] ** -2 for m in cv}
         weights = {m: w / sum(inv.values()) for m, w in inv.items()}
     fits = {m: _fit_one(rows, m)[1] for m in cv if weights[m] > 0}
-    got = {k: sum(weights[m] * p[k] for m, p in fits.items()) for k in ("c", "beta", "gamma")}
+    got = {k: sum(weights[m] * p[k] for m, p in fits.items()) for k in ("c", "c_plain", "beta", "gamma")}
     return dict(got, model=free, cv=cv[free], cv_all=cv, weights=weights)
 
 
-def apply_step_fit(hw: Hardware, c: float, beta: float, gamma: float = 1.0) -> Hardware:
-    """`hw` with kernel_overhead = c, its memory bandwidths divided by beta (beta 0: left as they are) and its
-    product rates divided by gamma."""
-    changes = dict(kernel_overhead=c, peak_flops=hw.peak_flops / gamma)
+def apply_step_fit(hw: Hardware, c: float, beta: float, gamma: float = 1.0, c_plain: float | None = None) -> Hardware:
+    """`hw` with kernel_overhead = c, plain_kernel_overhead = c_plain, its memory bandwidths divided by beta (beta
+    0: left as they are) and its product rates divided by gamma."""
+    changes = dict(kernel_overhead=c, plain_kernel_overhead=c_plain, peak_flops=hw.peak_flops / gamma)
     if hw.bmm_flops is not None:
         changes["bmm_flops"] = hw.bmm_flops / gamma
     if beta > 0:

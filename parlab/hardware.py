@@ -9,7 +9,7 @@ A `Hardware` is a few numbers per GPU (plain data, JSON in and out), enough for 
 
       (F - F_b) / (peak_flops x efficiency)  +  F_b / bmm_flops
           +  M_cache / (cache_bw x mem_efficiency)  +  (M - M_cache) / (mem_bw x mem_efficiency)
-          +  S / special_rate  +  K x kernel_overhead
+          +  S / special_rate  +  (K - K_p) x kernel_overhead  +  K_p x plain_kernel_overhead
 
   `efficiency` is kernel-level: the fraction of the datasheet's dense peak that large matrix products (GEMMs)
   sustain, measured per kernel, not per training step (the replay simulates bubbles and communication itself).
@@ -23,6 +23,15 @@ A `Hardware` is a few numbers per GPU (plain data, JSON in and out), enough for 
   optimizer's bookkeeping included), and the bandwidths carry a step's per-byte costs (fresh outputs' page
   faults), i.e. with the products' rates F fixed, t_step = F terms + K x c + beta x T_mem(M), mem_bw / beta.
   The formula is unchanged, so a description written before loads and means what it meant.
+
+  K_p of the K kernels ran outside autograd (`Event.plain_kernels`: grad mode off and not in a backward node, i.e.
+  the optimizer step, no-grad bookkeeping and the adds that accumulate gradients into .grad). On a CPU an op that
+  autograd records or replays pays the engine's bookkeeping on top (graph nodes, saved tensors): a forward or
+  backward op of a small GPT cost 14 us against 3 us per AdamW op in one calibration (benchmarks/README.md, round
+  7), and a single per-op cost fitted to whole steps then overcharges a step whose optimizer runs few ops
+  (ZeRO-3's flat shards: 6 tensors instead of 68) and undercharges its forward and backward.
+  `plain_kernel_overhead` (optional; None: kernel_overhead) is the cost of such an op; `parlab calibrate` fits
+  both from steps timed in two parts (`parlab.calibrate_step`).
 
   F_b are the FLOPs of batched products (bmm, baddbmm, attention kernels; `Event.batched_flops`), which a CPU
   runs at a rate of its own, `bmm_flops` (optional: None on the GPU presets, where they go at the product rate).
@@ -130,6 +139,7 @@ class Hardware:
     comm_delay: float = 0.0         # seconds a transfer inside a training step ends later than the link model says
     comm_streams: int = 1           # collectives of one group a rank runs at once (NCCL: 1 stream; gloo: its threads)
     comm_cpu: float = 0.0           # seconds of its rank's core an asynchronous call takes (comm_overlap False)
+    plain_kernel_overhead: float | None = None  # seconds per kernel run outside autograd (None: kernel_overhead)
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -175,6 +185,10 @@ class Hardware:
             v = getattr(self, k)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0:
                 raise ValueError(f"hardware {self.name!r}: {k} must be a time >= 0 in seconds, got {v!r}")
+        v = self.plain_kernel_overhead
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0):
+            raise ValueError(f"hardware {self.name!r}: plain_kernel_overhead must be a time >= 0 in seconds or None "
+                             f"(the same as kernel_overhead), got {v!r}")
 
     # ------------------------------------------------------------------ JSON
     def to_dict(self) -> dict:
@@ -216,11 +230,12 @@ class Hardware:
         return float(sum(b for k, b in mem_hist if 2.0 ** (k + 1) <= self.cache_bytes))
 
     def compute_time(self, flops: float = 0.0, nbytes: float = 0.0, kernels: int = 0, mem_hist=(),
-                     batched_flops: float = 0.0, special: float = 0.0) -> float:
+                     batched_flops: float = 0.0, special: float = 0.0, plain_kernels: int = 0) -> float:
         """Seconds of a compute span: matrix FLOPs at the sustained peak (the `batched_flops` among them at
         `bmm_flops` when given), memory-bound bytes at the sustained bandwidth of their level (cache or memory,
         by `mem_hist`: (k, bytes) per working-set size class 2^k), `special` function results at `special_rate`
-        (when given), plus a fixed cost per kernel (see the module docstring)."""
+        (when given), plus a fixed cost per kernel, `plain_kernels` of them (run outside autograd) at
+        `plain_kernel_overhead` when given (see the module docstring)."""
         cached = min(self.cached_bytes(mem_hist), float(nbytes))
         batched = min(float(batched_flops), float(flops)) if self.bmm_flops is not None else 0.0
         t = ((flops - batched) / (self.peak_flops * self.efficiency)
@@ -231,7 +246,8 @@ class Hardware:
             t += cached / (self.cache_bw * self.mem_efficiency)
         if special and self.special_rate is not None:
             t += special / self.special_rate
-        return t + kernels * self.kernel_overhead
+        plain = min(plain_kernels, kernels) if self.plain_kernel_overhead is not None else 0
+        return t + (kernels - plain) * self.kernel_overhead + plain * (self.plain_kernel_overhead or 0.0)
 
     def link(self, crosses_nodes: bool) -> tuple[float, float]:
         """(bandwidth in bytes/s, latency per step in s) of the slowest link a group uses."""

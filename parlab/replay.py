@@ -105,7 +105,8 @@ def default_costs(hardware: Hardware, placement: Placement, compute_scale: float
 
     def compute(e: Event) -> float:
         if e.flops or e.nbytes or e.kernels or (metered and compute_scale is None):
-            return hardware.compute_time(e.flops, e.nbytes, e.kernels, e.mem_hist, e.batched_flops, e.special)
+            return hardware.compute_time(e.flops, e.nbytes, e.kernels, e.mem_hist, e.batched_flops, e.special,
+                                         e.plain_kernels)
         if compute_scale is not None:
             return e.duration * compute_scale
         raise ReplayError(f"compute span {e.op!r} ({e.label or 'no label'}) of rank {e.rank} carries no work "

@@ -9,6 +9,13 @@
     bytes    read and written by every other op (the memory-bound ones: elementwise, reductions, norms,
              softmax, copies): the sizes of its tensor inputs and outputs
     kernels  the number of ops counted (views and metadata ops launch nothing and count nothing)
+    plain    of those, the ops run outside autograd: with grad mode off and not inside a backward node (the
+             optimizer step, ``torch.no_grad()`` bookkeeping, and the adds of gradient accumulation into
+             ``.grad``, which the backward's AccumulateGrad node runs without graph bookkeeping). An op autograd
+             records in the forward, or runs in the backward, also pays the engine's graph bookkeeping; on a CPU
+             that is most of an op's cost in a small model (14 us per forward or backward op against 3 us per
+             AdamW op in one calibration: `parlab.calibrate_step`), so a replay charges the two kinds apart
+             (`parlab.hardware.Hardware.plain_kernel_overhead`)
     special  elements computed by special functions (exp, log, erf, tanh, sigmoid, sin, cos: `SPECIAL_OPS`,
              e.g. in softmax, logsumexp and GeLU), over and above their bytes: they run on a unit of their own
              (a GPU's SFUs: 16 results per clock per SM, so an H100 has 989 TFLOP/s of products but only about 3.9
@@ -46,6 +53,8 @@ SPECIAL_OPS = frozenset({
     "sigmoid", "sigmoid_", "silu", "silu_", "silu_backward", "erf", "erf_", "erfinv", "sin", "cos", "tan",
     "softplus", "elu", "_safe_softmax"})
 
+_ACCUMULATE = "torch::autograd::AccumulateGrad"   # the backward node that adds a leaf's gradient into .grad
+
 
 def _tensor_bytes(obj) -> int:
     leaves, _ = tree_flatten(obj)
@@ -68,15 +77,24 @@ class CostMeter(TorchDispatchMode):
         self.hist: dict[int, int] = {}
         self.batched = 0.0          # the part of flops done by batched products
         self.special = 0            # elements computed by special functions (SPECIAL_OPS)
+        self.plain = 0              # ops run outside autograd (grad mode off, not in a backward pass)
 
     def totals(self) -> tuple[float, int, int]:
         return self.flops, self.bytes, self.kernels
 
-    def state(self) -> tuple[float, int, int, tuple[tuple[int, int], ...], float, int]:
-        """The running totals, the size histogram ((k, bytes), ...), the batched products' FLOPs and the
-        special-function elements, as `parlab.trace.Event.meter_at` keeps them: a replay splits a span at its
-        communication by the work done between (`parlab.replay_program`)."""
-        return self.flops, self.bytes, self.kernels, tuple(sorted(self.hist.items())), self.batched, self.special
+    def state(self) -> tuple[float, int, int, tuple[tuple[int, int], ...], float, int, int]:
+        """The running totals, the size histogram ((k, bytes), ...), the batched products' FLOPs, the
+        special-function elements and the ops run outside autograd, as `parlab.trace.Event.meter_at` keeps them:
+        a replay splits a span at its communication by the work done between (`parlab.replay_program`)."""
+        return (self.flops, self.bytes, self.kernels, tuple(sorted(self.hist.items())), self.batched, self.special,
+                self.plain)
+
+    def _count_kernel(self) -> None:
+        self.kernels += 1
+        if not torch.is_grad_enabled():                      # not recorded for a backward: plain unless a
+            node = torch._C._current_autograd_node()         # backward node runs it (its own bookkeeping),
+            if node is None or node.name() == _ACCUMULATE:   # but adding into .grad is plain work
+                self.plain += 1
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -88,14 +106,14 @@ class CostMeter(TorchDispatchMode):
         if formula is not None:
             f = float(formula(*args, **kwargs, out_val=out))
             self.flops += f
-            self.kernels += 1
+            self._count_kernel()
             if "bmm" in packet.__name__ or "attention" in packet.__name__:
                 self.batched += f
         else:
             moved = _tensor_bytes(args) + _tensor_bytes(kwargs) + _tensor_bytes(out)
             if moved:
                 self.bytes += moved
-                self.kernels += 1
+                self._count_kernel()
                 k = size_class(moved)
                 self.hist[k] = self.hist.get(k, 0) + moved
                 if packet.__name__ in SPECIAL_OPS:

@@ -143,9 +143,10 @@ def _program(rank: int, evs: list[Event], compute_cost, comm_cost, untraced: boo
 
 
 def _totals(s: tuple) -> tuple:
-    """Running totals (flops, bytes, kernels, size histogram, batched flops, special elements); () when there
-    are none. A trace recorded before special elements were counted has five: its special count is 0."""
-    return (*s, 0) if len(s) == 5 else s if len(s) == 6 else ()
+    """Running totals (flops, bytes, kernels, size histogram, batched flops, special elements, kernels run
+    outside autograd); () when there are none. A trace recorded before special elements (plain kernels) were
+    counted has five (six): the missing counts are 0."""
+    return (*s, *(0,) * (7 - len(s))) if 5 <= len(s) <= 7 else ()
 
 
 def _state(st: Step) -> tuple:
@@ -155,14 +156,14 @@ def _state(st: Step) -> tuple:
 
 def _minus(b: tuple, a: tuple) -> tuple:
     """Work between two running totals (`_totals`)."""
-    return b[0] - a[0], b[1] - a[1], b[2] - a[2], hist_sub(b[3], a[3]), b[4] - a[4], b[5] - a[5]
+    return b[0] - a[0], b[1] - a[1], b[2] - a[2], hist_sub(b[3], a[3]), b[4] - a[4], b[5] - a[5], b[6] - a[6]
 
 
 def _span_start(c: Event) -> tuple:
     """The meter's running totals when span `c` began: its end totals less its own work."""
     end = _totals(c.meter_at)
     return (end[0] - c.flops, end[1] - c.nbytes, end[2] - c.kernels, hist_sub(end[3], c.mem_hist),
-            end[4] - c.batched_flops, end[5] - c.special)
+            end[4] - c.batched_flops, end[5] - c.special, end[6] - c.plain_kernels)
 
 
 def _untraced_work(rank: int, outer: list[Event], points, compute_cost) -> list[tuple[float, int, Step]]:
@@ -187,7 +188,7 @@ def _untraced_work(rank: int, outer: list[Event], points, compute_cost) -> list[
             continue                                          # inside a span: its own cost covers it
         ev = Event(rank, "compute", "untraced", t, max(t, t_next), flops=work[0], nbytes=work[1], kernels=work[2],
                    mem_hist=work[3], batched_flops=max(work[4], 0.0), special=max(work[5], 0),
-                   label="metered work outside any traced region")
+                   plain_kernels=min(max(work[6], 0), work[2]), label="metered work outside any traced region")
         out.append((t, _LAST, Step("compute", ev, compute_cost(ev))))
     return out
 
@@ -211,7 +212,7 @@ def _piece_costs(c: Event, states: list[tuple], cost: float, compute_cost) -> li
             return None
         pieces.append(dataclasses.replace(c, flops=max(work[0], 0.0), nbytes=max(work[1], 0), kernels=work[2],
                                           mem_hist=work[3], batched_flops=min(max(work[4], 0.0), max(work[0], 0.0)),
-                                          special=max(work[5], 0)))
+                                          special=max(work[5], 0), plain_kernels=min(max(work[6], 0), work[2])))
     costs = [compute_cost(p) for p in pieces]
     if abs(sum(costs) - cost) > 1e-9 * max(abs(cost), 1e-300):
         return None

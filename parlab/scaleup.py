@@ -275,7 +275,9 @@ def scale_work(trace: Trace, flops: float = 1.0, comm_bytes: float = 1.0, mem_by
     def scaled(t):
         # the meter's running totals are scaled alike (a replay splits spans by them); the size classes of the
         # memory-bound ops are dropped: the bigger model's ops do not fit any cache, every byte goes at mem_bw
-        return (t[0] * flops, t[1] * mem, t[2], (), t[4] * flops, *(v * mem for v in t[5:])) if len(t) in (5, 6) else t
+        # (kernels, and the plain ones among them, are unchanged)
+        return ((t[0] * flops, t[1] * mem, t[2], (), t[4] * flops, *(v * mem for v in t[5:6]), *t[6:])
+                if len(t) in (5, 6, 7) else t)
     for e in trace.events:
         at, waited = scaled(e.meter_at), scaled(e.meter_waited)
         if e.kind == "compute":

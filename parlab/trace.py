@@ -72,12 +72,14 @@ class Event:
     waited: float | None = None
     # Metered runs (count_costs) only: a compute span's memory-bound bytes per working-set size class,
     # ((k, bytes), ...) for working sets in [2^k, 2^(k+1)); and on every event the meter's running totals when
-    # it was recorded, (flops, bytes, kernels, size histogram, batched flops, special elements), so a replay
-    # can split a span by the work done (a trace recorded before special elements were counted has 5 of them).
+    # it was recorded, (flops, bytes, kernels, size histogram, batched flops, special elements, plain kernels),
+    # so a replay can split a span by the work done (a trace recorded before special elements or plain kernels
+    # were counted has 5 or 6 of them).
     mem_hist: tuple = ()
     batched_flops: float = 0.0  # the part of flops done by batched products (bmm, attention), metered runs only
     special: float = 0.0        # elements computed by special functions (exp, log, erf, ...), metered runs only
     meter_at: tuple = ()
+    plain_kernels: int = 0      # of the kernels, those run outside autograd (optimizer, no_grad), metered runs only
     meter_waited: tuple = ()    # an asynchronous call: the meter's running totals when it was first waited for
 
     @property
@@ -104,7 +106,7 @@ class Recorder:
         self.rank = rank
         self.events: list[Event] = []
         self.meter = None          # a cost meter while `count_costs()` is active
-        self._stamp = (0.0, 0, 0, (), 0.0, 0)  # the meter's state (CostMeter.state) when the last event was added
+        self._stamp = (0.0, 0, 0, (), 0.0, 0, 0)  # the meter's state (CostMeter.state) when the last event was added
         self.clock = clock
         self.device = DeviceClock() if clock == "cuda-events" else None   # CUDA events to retime at the end
 
@@ -117,6 +119,7 @@ class Recorder:
                 event.mem_hist = hist_sub(state[3], self._stamp[3])
                 event.batched_flops = state[4] - self._stamp[4]
                 event.special = state[5] - self._stamp[5]
+                event.plain_kernels = state[6] - self._stamp[6]
             event.meter_at = state
             self._stamp = state
         self.events.append(event)
@@ -201,6 +204,7 @@ def region(name: str, label: str = "", flops: float | None = None, nbytes: int |
             ev.mem_hist = hist_sub(after[3], before[3])
             ev.batched_flops = after[4] - before[4]
             ev.special = after[5] - before[5]
+            ev.plain_kernels = after[6] - before[6]
         if flops is not None:
             ev.flops, ev.batched_flops = float(flops), 0.0
         if nbytes is not None:

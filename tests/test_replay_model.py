@@ -281,11 +281,11 @@ def test_a_metered_trace_rebuilt_from_json_records_keeps_what_a_replay_needs():
     tr = parlab.run(_work_between_regions, 2, 16, 8, trace=True, echo=False).trace
     spans = [e for e in tr.events if e.kind == "compute"]
     assert spans and all(e.mem_hist is not None for e in spans)
-    assert all(len(e.meter_at) == 6 for e in tr.events)                  # every event carries the running totals
+    assert all(len(e.meter_at) == 7 for e in tr.events)                  # every event carries the running totals
     assert any(e.meter_waited for e in tr.events if e.asynchronous)       # the async all-reduce was waited for
     back = viz.from_records(json.loads(json.dumps(tr.records(relative=False))))
-    # every field, the new ones included (mem_hist, batched_flops, special, meter_at, meter_waited), comes back as Event
-    # keeps it (JSON turns the tuples into lists)
+    # every field, the new ones included (mem_hist, batched_flops, special, plain_kernels, meter_at, meter_waited),
+    # comes back as Event keeps it (JSON turns the tuples into lists)
     assert back.events == tr.events
     assert replay(back, TWO).events == replay(tr, TWO).events
 
@@ -391,26 +391,33 @@ def test_the_step_fit_weights_the_per_op_model_most_when_the_larger_ones_fit_noi
 
 def test_step_samples_time_the_shapes_round_by_round(monkeypatch):
     """A load change during calibration must shift every shape alike: the timed repetitions go round the shapes
-    (one step of each, then the next round), each shape's time is the median of its own repetitions."""
+    (one step of each, then the next round), each part's time (forward + backward, optimizer) is the median of
+    its own repetitions, two rows per shape."""
     import parlab.calibrate_step as cs
     calls, clock = [], [0.0]
 
-    def fake_step(n_embd, *_):
-        def step():
-            calls.append(n_embd)
-            clock[0] += n_embd * 1e-3 * (1 + len(calls) % 3)     # a shape's steps differ: the median picks one
-        return step
+    def fake_step(n_embd, *_, parts=False):
+        assert parts                                              # timed in two parts
+        def part(j):
+            def run():
+                calls.append((n_embd, j))
+                clock[0] += n_embd * 1e-3 * (1 + j) * (1 + len(calls) % 3)   # repetitions differ: the median picks
+            return run
+        return part(0), part(1)
     monkeypatch.setattr(cs, "_gpt_step", fake_step)
     monkeypatch.setattr(cs.time, "perf_counter", lambda: clock[0])
     rounds = []
     got = cs.step_samples(shapes=((10,), (20,), (30,)), reps=3, barrier=lambda: rounds.append(len(calls)))
-    # per shape: two warm-ups and one metered step, then 3 rounds of (10, 20, 30), a barrier before each round
-    assert calls == [10] * 3 + [20] * 3 + [30] * 3 + [10, 20, 30] * 3
-    assert rounds == [9, 12, 15]
-    times = {10: [], 20: [], 30: []}
-    for i, shape in enumerate(calls[9:], start=10):
-        times[shape].append(shape * 1e-3 * (1 + i % 3))
-    assert [row[3] for row in got] == pytest.approx([sorted(times[s])[1] for s in (10, 20, 30)])
+    # per shape: two warm-up steps and one metered step (each part in turn), then 3 rounds of every shape's
+    # two parts, a barrier before each round
+    one = lambda n: [(n, 0), (n, 1)]
+    assert calls == sum((one(n) * 3 for n in (10, 20, 30)), []) + sum((one(n) for n in (10, 20, 30)), []) * 3
+    assert rounds == [18, 24, 30]
+    times = {(n, j): [] for n in (10, 20, 30) for j in (0, 1)}
+    for i, (n, j) in enumerate(calls[18:], start=19):
+        times[(n, j)].append(n * 1e-3 * (1 + j) * (1 + i % 3))
+    assert [row[3] for row in got] == pytest.approx([sorted(times[(n, j)])[1] for n in (10, 20, 30) for j in (0, 1)])
+    assert [row[8] for row in got] == list(cs.PARTS) * 3
 
 
 # ---------------------------------------------------------------------- communication that takes the rank's core

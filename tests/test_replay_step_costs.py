@@ -3,6 +3,7 @@ their own rate, and the delay of a transfer inside a training step (`Hardware.co
 an asynchronous call (`Hardware.comm_cpu`), with the calibration fits that measure them (`parlab.calibrate_special`,
 `parlab.calibrate_comm`)."""
 import dataclasses
+import json
 
 import pytest
 import torch
@@ -212,7 +213,7 @@ def test_calibration_programs_run_on_every_rank_and_merge_into_measured_steps_an
     assert "all_reduce" in ops[0] and {"all_gather", "reduce_scatter"} <= ops[1]
     for measured, metered in merged:
         assert measured > 0 and sorted({e.rank for e in metered.events}) == [0, 1]
-        assert all(len(e.meter_at) == 6 for e in metered.events)             # metered: every event has totals
+        assert all(len(e.meter_at) == 7 for e in metered.events)             # metered: every event has totals
         # the work of the wrappers' regions, and of what runs between them (found from those totals)
         out = replay(metered, preset("dgx-h100"))
         assert sum(e.flops for e in out.events if e.kind == "compute") > 0 and step_time(out) > 0
@@ -223,3 +224,76 @@ def test_calibration_programs_are_named_by_wrapper_shape_and_bucket():
     assert program_label("ddp", (96, 3, 4, 64, 8), 0.25) == "ddp 96x3x4x64x8 (0.25 MiB buckets)"
     assert program_label("fsdp", (112, 3, 4, 64, 6), None) == "fsdp 112x3x4x64x6"
     assert len({program_label(*p) for p in PROGRAMS}) == len(PROGRAMS)   # the report can tell them apart
+
+
+# ---------------------------------------------------------------------- ops under autograd and outside it
+def test_the_meter_counts_the_ops_run_outside_autograd_apart():
+    """Forward ops autograd records and the backward nodes' ops are not plain; the optimizer's, no_grad ops and
+    the add that accumulates a gradient into .grad (the AccumulateGrad node's) are."""
+    from parlab.trace import count_costs, recording, region
+    w = torch.ones(8, 8, requires_grad=True)
+    x = torch.ones(4, 8)
+    opt = torch.optim.SGD([w], lr=0.1, momentum=0.9)
+    with recording() as rec:
+        with count_costs():
+            with region("forward"):
+                loss = (x @ w).relu().sum()
+            with region("backward"):
+                loss.backward()
+            loss = (x @ w).relu().sum()
+            with region("accumulating backward"):
+                loss.backward()                                               # adds into w.grad
+            with region("optimizer"):
+                opt.step()
+            with region("bookkeeping"):
+                with torch.no_grad():
+                    w.mul_(2)
+    fwd, bwd, acc, step, book = [e for e in rec.events if e.kind == "compute"]
+    assert fwd.kernels >= 3 and bwd.kernels >= 2 and fwd.plain_kernels == bwd.plain_kernels == 0
+    assert acc.kernels == bwd.kernels + 1 and acc.plain_kernels == 1         # the add into .grad: plain work
+    assert step.kernels >= 2 and step.plain_kernels == step.kernels            # SGD with momentum: every op plain
+    assert (book.kernels, book.plain_kernels) == (1, 1)
+    assert book.meter_at[6] == acc.plain_kernels + step.plain_kernels + 1     # the running total, 7th of the state
+
+
+def test_ops_outside_autograd_cost_their_own_overhead_when_the_description_has_one():
+    from test_replay_model import TWO
+    base = TWO.with_(kernel_overhead=5e-6)
+    assert base.plain_kernel_overhead is None
+    assert base.compute_time(kernels=10, plain_kernels=4) == pytest.approx(10 * 5e-6)     # None: one cost per op
+    two = base.with_(plain_kernel_overhead=1e-6)
+    assert two.compute_time(kernels=10, plain_kernels=4) == pytest.approx(6 * 5e-6 + 4 * 1e-6)
+    assert two.compute_time(kernels=3, plain_kernels=9) == pytest.approx(3 * 1e-6)        # never more than all
+    assert Hardware.from_dict(json.loads(json.dumps(two.to_dict()))) == two
+    old = {k: v for k, v in two.to_dict().items() if k != "plain_kernel_overhead"}         # written before the field
+    assert Hardware.from_dict(old).plain_kernel_overhead is None
+    with pytest.raises(ValueError, match="plain_kernel_overhead must be a time >= 0"):
+        base.with_(plain_kernel_overhead=-1e-6)
+
+
+def test_the_step_fit_recovers_both_per_op_costs_from_steps_timed_in_two_parts():
+    """Rows as step_samples gives them: per shape a forward + backward part (no plain ops) and an optimizer part
+    (memory-bound, every op plain). Exact times from known costs: the fit recovers c, c_plain, beta, gamma."""
+    from test_replay_model import _STEPS, TWO
+
+    from parlab.calibrate_step import PARTS, apply_step_fit, fit_step
+    c, c_plain, beta, gamma = 9e-6, 3e-6, 2.0, 1.3
+    rows = []
+    for i, (f, b, k, h, fb) in enumerate(_STEPS):
+        t = gamma * TWO.compute_time(f, 0, 0, (), fb) + beta * TWO.compute_time(0, b, 0, h) + k * c
+        rows.append((f, b, k, t, h, fb, 0, 0, PARTS[0]))
+        k_opt, b_opt = 60 * (i + 2), int(2e6 * (5 - i) ** 2)                  # optimizers of different mixes
+        h_opt = ((20, b_opt),)
+        t_opt = beta * TWO.compute_time(0, b_opt, 0, h_opt) + k_opt * c_plain
+        rows.append((0.0, b_opt, k_opt, t_opt, h_opt, 0.0, 0, k_opt, PARTS[1]))
+    got = fit_step(TWO, rows)
+    assert got["cv"] < 1e-9
+    assert (got["c"], got["c_plain"], got["beta"], got["gamma"]) == pytest.approx((c, c_plain, beta, gamma), rel=1e-6)
+    hw = apply_step_fit(TWO, got["c"], got["beta"], got["gamma"], got["c_plain"])
+    assert (hw.kernel_overhead, hw.plain_kernel_overhead) == pytest.approx((c, c_plain), rel=1e-6)
+    for f, b, k, t, h, fb, sp, kp, _ in rows:                               # the description times each part
+        assert hw.compute_time(f, b, k, h, fb, sp, kp) == pytest.approx(t, rel=1e-6)
+    # one cost per op for both kinds (what the fit did before): each optimizer op overcharged by c - c_plain
+    one = apply_step_fit(TWO, c, beta, gamma)
+    f, b, k, t, h, fb, sp, kp, _ = rows[1]
+    assert one.compute_time(f, b, k, h, fb, sp, kp) - t == pytest.approx(k * (c - c_plain), rel=1e-6)
