@@ -327,9 +327,10 @@ def describe(per_rank: list[dict], n: int, name: str) -> tuple[Hardware, str]:
         hw = hw.with_(comm_streams=per_rank[0].get("comm_streams", 1))
         step_comm = fit_step_comm(hw, merged)
         step_comm["labels"] = per_rank[0].get("program_labels") or [f"program {i}" for i in range(len(merged))]
-        hw = hw.with_(comm_delay=step_comm["delay"], comm_cpu=step_comm["cpu"],
-                      source=hw.source + f"; communication inside a step fitted to {len(merged)} DDP and FSDP "
-                      f"training steps (parlab.calibrate_comm)")
+        hw = hw.with_(comm_delay=step_comm["delay"], comm_cpu=step_comm["cpu"], p2p_delay=step_comm["p2p_delay"],
+                      p2p_cpu=step_comm["p2p_cpu"],
+                      source=hw.source + f"; communication inside a step fitted to {len(merged)} DDP, FSDP, "
+                      f"pipeline and ring-attention training steps (parlab.calibrate_comm)")
     from .calibrate_report import report
     return hw, report(n, hw, single, rows=rows, alpha=alpha, bw=bw, p2p_rows=p2p_rows, p2p_lat=p2p_lat,
                       p2p_bw=p2p_bw, over=over, overlap_fit=overlap_fit if over else None, programs=bool(programs),

@@ -37,10 +37,15 @@ def report(n: int, hw: Hardware, single: Hardware, *, rows, alpha, bw, p2p_rows,
                          + ("not used: the training-step programs below measure it)" if programs
                             else "replaces the fit above)"))
     if step_comm:
-        share = (f", each asynchronous call takes {step_comm['cpu'] * 1e3:.2f} ms of its rank's core"
+        what = "collective" if step_comm.get("p2p_cpu") is not None else "call"
+        share = (f", each asynchronous {what} takes {step_comm['cpu'] * 1e3:.2f} ms of its rank's core"
                  if not hw.comm_overlap else "")
-        lines.append(f"communication inside training steps (DDP, FSDP): each transfer ends "
-                     f"{step_comm['delay'] * 1e3:.2f} ms later than the fits above say{share} ({hw.comm_streams} "
+        msgs = (f", each message (pipeline, ring attention) {step_comm['p2p_delay'] * 1e3:.2f} ms later"
+                + (f" and {step_comm['p2p_cpu'] * 1e3:.2f} ms of its rank's core"
+                   if step_comm.get("p2p_cpu") is not None else "")
+                if step_comm.get("p2p_delay") is not None else "")
+        lines.append(f"communication inside training steps: each collective ends "
+                     f"{step_comm['delay'] * 1e3:.2f} ms later than the fits above say{msgs}{share} ({hw.comm_streams} "
                      f"collective(s) of a group in flight at once); replayed / measured step per program before -> "
                      f"after "
                      + ", ".join(f"{label}: {a:.2f} -> {b:.2f}" for label, a, b in

@@ -140,6 +140,8 @@ class Hardware:
     comm_streams: int = 1           # collectives of one group a rank runs at once (NCCL: 1 stream; gloo: its threads)
     comm_cpu: float = 0.0           # seconds of its rank's core an asynchronous call takes (comm_overlap False)
     plain_kernel_overhead: float | None = None  # seconds per kernel run outside autograd (None: kernel_overhead)
+    p2p_delay: float | None = None  # comm_delay of a message (send / recv; None: comm_delay), parlab.calibrate_comm
+    p2p_cpu: float | None = None    # comm_cpu of an asynchronous message (None: comm_cpu)
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -185,10 +187,12 @@ class Hardware:
             v = getattr(self, k)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0:
                 raise ValueError(f"hardware {self.name!r}: {k} must be a time >= 0 in seconds, got {v!r}")
-        v = self.plain_kernel_overhead
-        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0):
-            raise ValueError(f"hardware {self.name!r}: plain_kernel_overhead must be a time >= 0 in seconds or None "
-                             f"(the same as kernel_overhead), got {v!r}")
+        for k, like in (("plain_kernel_overhead", "kernel_overhead"), ("p2p_delay", "comm_delay"),
+                        ("p2p_cpu", "comm_cpu")):
+            v = getattr(self, k)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0):
+                raise ValueError(f"hardware {self.name!r}: {k} must be a time >= 0 in seconds or None (the same as "
+                                 f"{like}), got {v!r}")
 
     # ------------------------------------------------------------------ JSON
     def to_dict(self) -> dict:

@@ -29,7 +29,10 @@ On hardware whose communication does not overlap compute (`Hardware.comm_overlap
 rank per core) an asynchronous call also holds its rank for its cost when it is issued. A calibrated CPU's
 `Hardware.comm_delay` makes every transfer end that much later without holding a rank (the backend's threads
 waiting for a core inside a step): a blocking call pays it, compute issued after an asynchronous call hides it;
-with `Hardware.comm_cpu` an asynchronous call also takes that much of its rank's core.
+with `Hardware.comm_cpu` an asynchronous call also takes that much of its rank's core. A message (send / recv)
+is delayed by `Hardware.p2p_delay` and takes `Hardware.p2p_cpu` of its rank instead, when the description has
+them (calibrated from pipeline and ring-attention steps apart from DDP's and FSDP's collectives: gloo runs a
+collective on its own worker threads, a message on its transport thread).
 
 The result is an ordinary `parlab.Trace` (times from 0, in seconds; `trace.hardware` names the hardware), so
 `parlab.viz.timeline`, the animations and `Trace.to_chrome` draw it unchanged. Every rank starts at 0; time a
@@ -154,12 +157,13 @@ def replay(trace: Trace, hardware: Hardware, *, grid: ParallelGrid | None = None
     except ValueError as err:
         raise ReplayError(str(err)) from None
     events = _run(programs, serial=not hardware.comm_overlap, delay=hardware.comm_delay,
-                  streams=hardware.comm_streams, cpu=hardware.comm_cpu)
+                  streams=hardware.comm_streams, cpu=hardware.comm_cpu, p2p_delay=hardware.p2p_delay,
+                  p2p_cpu=hardware.p2p_cpu)
     return Trace(events, hardware.name)
 
 
 def _run(programs: dict[int, list[Step]], serial: bool = False, delay: float = 0.0, streams: int = 1,
-         cpu: float = 0.0) -> list[Event]:
+         cpu: float = 0.0, p2p_delay: float | None = None, p2p_cpu: float | None = None) -> list[Event]:
     """The discrete-event loop: advance every rank as far as its dependencies allow, until all are done.
     `serial` (`Hardware.comm_overlap` False): an asynchronous call also occupies its rank for its cost when issued
     (calls issued at the same moment, e.g. a ring step's send and receive, overlap each other: calibration times
@@ -169,7 +173,10 @@ def _run(programs: dict[int, list[Step]], serial: bool = False, delay: float = 0
     (`Hardware.comm_streams`): each rank runs that many of a group's collectives at once; a collective starts when
     every member has a stream free (the one free earliest) and takes it until it ends. `cpu`
     (`Hardware.comm_cpu`, with `serial`): an asynchronous call (collective or message) also occupies its
-    rank that much longer."""
+    rank that much longer. `p2p_delay`, `p2p_cpu` (`Hardware.p2p_delay`, `p2p_cpu`): a message's delay and share
+    instead (None: `delay`, `cpu`)."""
+    msg_delay = delay if p2p_delay is None else p2p_delay
+    msg_cpu = cpu if p2p_cpu is None else p2p_cpu
     ranks = sorted(programs)
     pos = {r: 0 for r in ranks}
     clock = {r: 0.0 for r in ranks}
@@ -197,7 +204,7 @@ def _run(programs: dict[int, list[Step]], serial: bool = False, delay: float = 0
         if key in done or len(got) < 2:
             return
         start = max(got.values())
-        done[key] = (start, start + step.cost + delay)
+        done[key] = (start, start + step.cost + msg_delay)
 
     burst: dict[int, float] = {}                                   # serial: when the rank's run of async calls began
 
@@ -228,7 +235,8 @@ def _run(programs: dict[int, list[Step]], serial: bool = False, delay: float = 0
                     out.append((st, t, None))                      # end filled in when known
                     if serial:          # the rank's core moves the bytes; calls issued together share it
                         burst.setdefault(r, t)
-                        share = cpu if st.kind != "coll" or len(st.members) > 1 else 0.0   # not a 1-rank group
+                        share = (msg_cpu if st.kind != "coll" else cpu if len(st.members) > 1
+                                 else 0.0)                         # not a 1-rank group
                         clock[r] = max(clock[r], burst[r] + st.cost + share)
                         pos[r] += 1
                         moved = True

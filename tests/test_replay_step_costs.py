@@ -173,7 +173,7 @@ def test_calibration_puts_the_fitted_delay_in_the_description_and_its_report():
     assert hw.comm_streams == 2 and "(2 collective(s) of a group in flight at once)" in text
     assert hw.p2p_latency == pytest.approx(3e-5, rel=1e-3)      # the isolated fit: the programs measure in-step
     assert "not used: the training-step programs below measure it" in text
-    assert "communication inside training steps (DDP, FSDP): each transfer ends" in text
+    assert "communication inside training steps: each collective ends" in text
     assert hw.comm_delay > 0 and "parlab.calibrate_comm" in hw.source
     assert step_time(replay(metered, hw)) == pytest.approx(step_time(measured), rel=2e-3)
 
@@ -201,16 +201,19 @@ def test_keeping_freed_memory_is_harmless_where_there_is_no_glibc(monkeypatch):
 
 
 def test_calibration_programs_run_on_every_rank_and_merge_into_measured_steps_and_one_metered():
-    """The calibration's DDP and FSDP steps on 2 gloo ranks: timed steps go round the programs, the metered one is
-    last and carries the work a replay needs and the program's collectives (all-reduces, all-gathers)."""
+    """The calibration's DDP, FSDP, 1F1B and ring-attention steps on 2 gloo ranks: timed steps go round the
+    programs, the metered one is last and carries the work a replay needs and the program's communication
+    (all-reduces, all-gathers, messages)."""
     import parlab
     from parlab.calibrate_comm import merge, step_traces
-    programs = (("ddp", (32, 1, 2, 16, 2), 0.01), ("fsdp", (32, 2, 2, 16, 2), None))
+    programs = (("ddp", (32, 1, 2, 16, 2), 0.01), ("fsdp", (32, 2, 2, 16, 2), None), ("1f1b", (32, 1, 2, 16, 1), 2),
+                ("ring", (2, 8, 16), None))
     res = parlab.run(step_traces, 2, 2, programs, backend="gloo", echo=False)
-    assert [len(p) for p in res.results[0]] == [3, 3]          # 2 timed steps + the metered one, per program
+    assert [len(p) for p in res.results[0]] == [3, 3, 3, 3]    # 2 timed steps + the metered one, per program
     merged = merge(res.results)
-    ops = [{e.op for e in tr.events if e.kind == "collective"} for _, tr in merged]
+    ops = [{e.op for e in tr.events if e.kind in ("collective", "p2p")} for _, tr in merged]
     assert "all_reduce" in ops[0] and {"all_gather", "reduce_scatter"} <= ops[1]
+    assert {"send", "recv"} <= ops[2] and {"send", "recv"} <= ops[3]
     for measured, metered in merged:
         assert measured > 0 and sorted({e.rank for e in metered.events}) == [0, 1]
         assert all(len(e.meter_at) == 7 for e in metered.events)             # metered: every event has totals
@@ -223,6 +226,8 @@ def test_calibration_programs_are_named_by_wrapper_shape_and_bucket():
     from parlab.calibrate_comm import PROGRAMS, program_label
     assert program_label("ddp", (96, 3, 4, 64, 8), 0.25) == "ddp 96x3x4x64x8 (0.25 MiB buckets)"
     assert program_label("fsdp", (112, 3, 4, 64, 6), None) == "fsdp 112x3x4x64x6"
+    assert program_label("1f1b", (96, 1, 4, 96, 2), 3) == "1f1b 96x1x4x96x2 (3 micro-batches per stage)"
+    assert program_label("ring", (2, 48, 384), None) == "ring 2x48x384"
     assert len({program_label(*p) for p in PROGRAMS}) == len(PROGRAMS)   # the report can tell them apart
 
 
@@ -297,3 +302,51 @@ def test_the_step_fit_recovers_both_per_op_costs_from_steps_timed_in_two_parts()
     one = apply_step_fit(TWO, c, beta, gamma)
     f, b, k, t, h, fb, sp, kp, _ = rows[1]
     assert one.compute_time(f, b, k, h, fb, sp, kp) - t == pytest.approx(k * (c - c_plain), rel=1e-6)
+
+
+# ---------------------------------------------------------------------- messages: a delay and share of their own
+def _ring_pair(compute_after: float):
+    """Each rank: compute 1 s, a send to the other and a receive from it (1 byte each: 1 s on UNIT's link,
+    asynchronous, waited for after `compute_after` s of compute), then an all-reduce of 2 bytes (2 s), blocking."""
+    evs = []
+    for r in (0, 1):
+        o = 1 - r
+        evs += [Event(r, "compute", "a", 0.0, 1.0, flops=1.0),
+                Event(r, "p2p", "send", 1.0, 1.0, group=(0, 1), peer=o, nbytes=1, asynchronous=True, waited=9.0),
+                Event(r, "p2p", "recv", 1.0, 1.0, group=(0, 1), peer=o, nbytes=1, asynchronous=True, waited=9.0),
+                Event(r, "compute", "b", 1.0, 2.0, flops=compute_after),
+                Event(r, "collective", "all_reduce", 9.5, 9.5, group=(0, 1), nbytes=2)]
+    return Trace(evs)
+
+
+def test_messages_take_their_own_delay_and_share_when_the_description_has_them():
+    serial = UNIT.with_(comm_overlap=False)
+    hw = serial.with_(comm_delay=0.5, comm_cpu=0.25)
+    # the pair is issued together at 1 (1 s, + the share), compute 1 s, wait for the pair, the all-reduce 2 s
+    # + 0.5 s delay: p2p_delay / p2p_cpu None take the collectives' own
+    assert step_time(replay(_ring_pair(1.0), hw)) == pytest.approx(1 + 1 + 0.25 + 1 + 2 + 0.5)
+    assert step_time(replay(_ring_pair(1.0), hw.with_(p2p_cpu=0.75))) == pytest.approx(1 + 1 + 0.75 + 1 + 2 + 0.5)
+    # the messages end at 1 + 1 + 3 (their delay) = 5, after the compute (3.25): the wait holds the rank to 5
+    assert step_time(replay(_ring_pair(1.0), hw.with_(p2p_delay=3.0))) == pytest.approx(5 + 2 + 0.5)
+    for k in ("p2p_delay", "p2p_cpu"):
+        assert getattr(preset("dgx-h100"), k) is None
+        with pytest.raises(ValueError, match=f"{k} must be a time >= 0 in seconds or None"):
+            UNIT.with_(**{k: -1.0})
+
+
+def test_the_step_fit_fits_messages_apart_from_collectives():
+    """Collective programs measured with delay 2 ms and share 0.5 ms, message programs with 3 ms and 1 ms (one
+    where compute hides the messages' delay, one that waits for them at once): the fit recovers all four to the
+    grids' resolution (the collectives' from the collective programs alone)."""
+    from parlab.calibrate_comm import fit_step_comm
+    serial = UNIT.with_(comm_overlap=False, intra_bw=1e6, inter_bw=1e6)   # us transfers: the fit sees ms
+    truth = serial.with_(comm_delay=2e-3, comm_cpu=5e-4, p2p_delay=3e-3, p2p_cpu=1e-3)
+    traces = [_two_ranks(False, 1.0), _two_ranks(True, 1.0), _two_ranks(False, 0.2), _ring_pair(1.0),
+              _ring_pair(0.0)]
+    programs = [(step_time(replay(tr, truth)), tr) for tr in traces]
+    fit = fit_step_comm(serial, programs)
+    assert fit["delay"] == pytest.approx(2e-3, abs=3.2e-5) and fit["cpu"] == pytest.approx(5e-4, abs=1.9e-5)
+    assert fit["p2p_delay"] == pytest.approx(3e-3, abs=3.2e-5) and fit["p2p_cpu"] == pytest.approx(1e-3, abs=1.9e-5)
+    assert fit["after"] == pytest.approx([1.0] * 5, abs=1e-4)
+    alone = fit_step_comm(serial, programs[:3])                  # no message programs: no message costs of their own
+    assert alone["p2p_delay"] is None and alone["p2p_cpu"] is None
