@@ -42,8 +42,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import parlab  # noqa: E402
 from parlab import comm, schedules as sch  # noqa: E402
-from parlab import ring_attention as ra  # noqa: E402
 from parlab.calibrate import calibrate, default_world  # noqa: E402
+from parlab.calibrate_comm import ring_attention_step  # noqa: E402
 from parlab.data_parallel import DistributedDataParallel  # noqa: E402
 from parlab.fsdp import FullyShardedDataParallel  # noqa: E402
 from parlab.groups import build_groups  # noqa: E402
@@ -133,17 +133,7 @@ def one_f_one_b():
 
 
 def ring():
-    P, r = comm.get_world_size(), comm.get_rank()
-    B, NH, S, HD = 1, 4, 256 * P, 32
-    g = torch.Generator().manual_seed(0)
-    q, k, v, dout = (torch.randn(B, NH, S, HD, generator=g) for _ in range(4))    # (B, nh, S, hd)
-    qs, ks, vs = (ra.shard_sequence(t, P, r, "zigzag", dim=2).requires_grad_() for t in (q, k, v))
-    ds = ra.shard_sequence(dout, P, r, "zigzag", dim=2)
-
-    def step():
-        out = ra.ring_attention(qs, ks, vs, causal=True, layout="zigzag")
-        out.backward(ds)
-    return step
+    return ring_attention_step(heads=4, head_dim=32, per_rank=256)      # B 1, causal zigzag, forward + backward
 
 
 WORKLOADS = {"DDP": ddp, "ZeRO-3": zero3, "1F1B": one_f_one_b, "ring attention": ring}

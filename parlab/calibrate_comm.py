@@ -48,7 +48,7 @@ import statistics
 
 from .hardware import Hardware
 
-__all__ = ["PROGRAMS", "program_label", "step_traces", "merge", "fit_step_comm"]
+__all__ = ["PROGRAMS", "program_label", "ring_attention_step", "step_traces", "merge", "fit_step_comm"]
 
 #: the calibration programs, none of them a shape benchmarks/replay.py reports (GPT: n_embd 128, 4 layers, 4 heads,
 #: 64 tokens, 8 rows, 0.25 MiB buckets; 1F1B: 2 layers and 2 micro-batches of 2 rows per stage; ring attention:
@@ -69,7 +69,7 @@ def _program(wrapper: str, shape, extra):
     if wrapper == "1f1b":
         return _pipeline_step(*shape, extra)
     if wrapper == "ring":
-        return _ring_step(*shape)
+        return ring_attention_step(*shape)
     from .calibrate_step import _gpt_step
     from .data_parallel import DistributedDataParallel
     from .fsdp import FullyShardedDataParallel
@@ -98,7 +98,7 @@ def _pipeline_step(n_embd: int, per_stage: int, n_head: int, seq: int, rows: int
     return step
 
 
-def _ring_step(heads: int, head_dim: int, per_rank: int):
+def ring_attention_step(heads: int, head_dim: int, per_rank: int):
     """Forward and backward of causal ring attention (zigzag) over every rank, `per_rank` tokens each."""
     import torch
 

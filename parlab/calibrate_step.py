@@ -2,34 +2,40 @@
 messages do not show.
 
 `parlab.calibrate` fits the replay's compute model (`parlab.hardware`) to single ops timed in a loop: a matrix
-product, an add, a copy. A training step costs more per op than that: each aten op of autograd's backward and
-of the optimizer also pays the autograd engine's bookkeeping, and outputs freshly allocated every step pay page
-faults that a loop reusing its buffers never sees. On a CPU a replay with the single-op fit came out 2-6x too
+product, an add, a copy. A training step costs more per op than that: each aten op of the forward and backward
+also pays the autograd engine's bookkeeping, each of the optimizer's the Python between ops, and outputs
+freshly allocated every step pay page faults that a loop reusing its buffers never sees. On a CPU a replay with the single-op fit came out 2-6x too
 fast (benchmarks/README.md, "Virtual cluster").
 
-So calibration also times whole single-process training steps (forward, backward, AdamW step) of small GPTs of
-a few shapes (`STEP_SHAPES`), each step metered once by the replay's own meter (`parlab.replay_meter`) for its
-FLOPs F (F_b of them batched), memory-bound bytes M (by working-set class) and ops K, and timed unmetered
-(median of several). With the single-op fit's times of those products, T_F = (F - F_b) / F_mm + F_b / F_bmm,
-and of those bytes, T_mem(M) (cache and memory levels), and of its special-function results, T_sp (exp, erf:
-`parlab.calibrate_special`, held as measured), four models of a step's time:
+So calibration also times single-process training steps (forward, backward, AdamW step) of small GPTs of a
+few shapes (`STEP_SHAPES`) in two parts (`PARTS`: forward + backward, then the optimizer step), each part metered
+once by the replay's own meter (`parlab.replay_meter`) for its FLOPs F (F_b of them batched), memory-bound bytes
+M (by working-set class), ops K_a run under autograd and K_p run outside it, and timed unmetered (median of
+several). With the single-op fit's times of those products, T_F = (F - F_b) / F_mm + F_b / F_bmm, and of those
+bytes, T_mem(M) (cache and memory levels), and of its special-function results, T_sp (exp, erf:
+`parlab.calibrate_special`, held as measured), four models of a part's time, with K c = K_a c + K_p c_plain:
 
-    per-op        t_step  =  T_F          +  K x c  +  T_mem(M)         +  T_sp
-    + memory      t_step  =  T_F          +  K x c  +  beta x T_mem(M)  +  T_sp
-    + products    t_step  =  gamma x T_F  +  K x c  +  T_mem(M)         +  T_sp
-    + both        t_step  =  gamma x T_F  +  K x c  +  beta x T_mem(M)  +  T_sp
+    per-op        t  =  T_F          +  K c  +  T_mem(M)         +  T_sp
+    + memory      t  =  T_F          +  K c  +  beta x T_mem(M)  +  T_sp
+    + products    t  =  gamma x T_F  +  K c  +  T_mem(M)         +  T_sp
+    + both        t  =  gamma x T_F  +  K c  +  beta x T_mem(M)  +  T_sp
 
-each fitted by least squares on relative error (c >= 0, beta and gamma > 0). F, M and K all grow with a model's
-size, so the larger models can fit noise: each model is scored by how well it predicts a step it was not fitted
-to (leave-one-out over the shapes: each shape predicted by the fit to the others), and calibration takes the
-models' average weighted by 1 / error^2 (a combination of forecasts, Bates and Granger 1969), not the best one
-alone. "+ memory" and "+ products" predict the calibration steps about equally well (4.0% and 4.6% in one
-calibration, 4.4% and 3.9% in the next), yet in the first the compute of a ring-attention step (batched products
-and softmax) comes out 6.1 ms under one and 4.6 ms under the other, so keeping the winner made replays jump
-between calibrations (benchmarks/README.md, round 6); the average moves smoothly with the errors. A model whose
-error is 0 is taken alone. The description then has kernel_overhead = c (the cost of one op inside a training step: autograd's
-and the optimizer's bookkeeping, Python between ops), its product rates divided by gamma and its bandwidths
-divided by beta. The shapes are not the benchmark's workloads (those are only checked, never fitted).
+each fitted by least squares on relative error (c, c_plain >= 0, beta and gamma > 0). Two per-op costs because an
+op autograd records or runs pays the engine's bookkeeping and an optimizer's op does not: on this machine 14-20
+us against 3-5 us, and AdamW runs about twice as many ops as forward and backward together in these models, so a
+single cost fitted to whole steps came out 7 us, overcharged the optimizer by two thirds and undercharged forward
+and backward by 5-10% (benchmarks/README.md, round 7); the parts tell the two apart, since their mixes differ.
+F, M and K all grow with a model's size, so the larger models can fit noise: each model is scored by how well it
+predicts a part it was not fitted to (leave-one-out over the rows), and calibration takes the models' average
+weighted by 1 / error^2 (a combination of forecasts, Bates and Granger 1969), not the best one alone. "+ memory"
+and "+ products" predict the calibration steps about equally well (4.0% and 4.6% in one calibration, 4.4% and
+3.9% in the next), yet in the first the compute of a ring-attention step (batched products and softmax) comes
+out 6.1 ms under one and 4.6 ms under the other, so keeping the winner made replays jump between calibrations
+(benchmarks/README.md, round 6); the average moves smoothly with the errors. A model whose error is 0 is taken
+alone. The description then has kernel_overhead = c and plain_kernel_overhead = c_plain (the cost of one op
+inside a training step: the engine's and the optimizer's bookkeeping, Python between ops), its product rates
+divided by gamma and its bandwidths divided by beta. The shapes are not the benchmark's workloads (those are
+only checked, never fitted).
 
 Messages inside a step (`overlap_rows`, `fit_overlap`): the same compute is timed alone and with a ring step's
 send and receive in flight. On GPUs, and on a CPU with cores to spare, the messages hide behind it; on a CPU
