@@ -8,9 +8,9 @@ arrived 4-6 ms after it was sent (benchmarks/README.md). A single message timed 
 (`parlab.calibrate_step.overlap_rows`) varied too much to fit this from.
 
 So calibration runs real distributed training steps (`PROGRAMS`: DDP- and FSDP-wrapped GPTs, a 1F1B pipeline and
-ring attention, of shapes that are not the benchmark's, on every rank at once), times 41 traced steps of each (the same FSDP step took 34-67 ms
-here, so a median of 11 moved by a fifth between two calibrations), meters one, and replays it on the
-description calibrated so far. A measured step runs from the moment its last rank began
+ring attention, of shapes that are not the benchmark's, on every rank at once), times 41 traced steps of each (the
+same FSDP step took 34-67 ms here, so a median of 11 moved by a fifth between two calibrations), meters one, and
+replays it on the description calibrated so far. A measured step runs from the moment its last rank began
 (`parlab.replay.measured_step`), as a replay's does. What the replay misses is put on the transfers:
 
     comm_delay  each transfer ends that much later than the link model says (`Hardware.comm_delay`), without

@@ -2,10 +2,10 @@
 messages do not show.
 
 `parlab.calibrate` fits the replay's compute model (`parlab.hardware`) to single ops timed in a loop: a matrix
-product, an add, a copy. A training step costs more per op than that: each aten op of the forward and backward
-also pays the autograd engine's bookkeeping, each of the optimizer's the Python between ops, and outputs
-freshly allocated every step pay page faults that a loop reusing its buffers never sees. On a CPU a replay with the single-op fit came out 2-6x too
-fast (benchmarks/README.md, "Virtual cluster").
+product, an add, a copy. A training step costs more per op than that: each aten op of the forward and backward also
+pays the autograd engine's bookkeeping, each of the optimizer's the Python between ops, and outputs freshly
+allocated every step pay page faults that a loop reusing its buffers never sees. On a CPU a replay with the
+single-op fit came out 2-6x too fast (benchmarks/README.md, "Virtual cluster").
 
 So calibration also times single-process training steps (forward, backward, AdamW step) of small GPTs of a
 few shapes (`STEP_SHAPES`) in two parts (`PARTS`: forward + backward, then the optimizer step), each part metered
