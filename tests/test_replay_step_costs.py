@@ -44,7 +44,8 @@ def test_special_results_cost_their_rate_on_top_of_their_bytes_and_nothing_witho
 
 
 def test_a_trace_recorded_before_special_results_were_counted_replays_as_before():
-    """Running totals of five (no special count) split a span exactly as six with a special count of 0."""
+    """Running totals of five (no special count) and of six (no plain-kernel count) split a span exactly as seven
+    with those counts 0."""
     def trace(extra):
         evs = []
         for r in (0, 1):
@@ -52,8 +53,9 @@ def test_a_trace_recorded_before_special_results_were_counted_replays_as_before(
                     Event(r, "collective", "all_reduce", 1.0, 2.0, group=(0, 1), nbytes=4,
                           meter_at=(2.0, 0, 1, (), 0.0, *extra))]
         return Trace(evs)
-    old, new = replay(trace(()), UNIT), replay(trace((0,)), UNIT)
+    old, six, new = replay(trace(()), UNIT), replay(trace((0,)), UNIT), replay(trace((0, 0)), UNIT)
     assert [(e.op, e.start, e.end) for e in old.events] == [(e.op, e.start, e.end) for e in new.events]
+    assert [(e.op, e.start, e.end) for e in six.events] == [(e.op, e.start, e.end) for e in new.events]
     pieces = sorted((e.start, e.end) for e in old.events if e.rank == 0 and e.kind == "compute")
     # cut at the all-reduce (4 s) by the metered flops, 2 before it and 4 after (not by the measured 1 s and 1 s)
     assert pieces == [(0.0, 2.0), (6.0, 10.0)]
@@ -270,8 +272,9 @@ def test_ops_outside_autograd_cost_their_own_overhead_when_the_description_has_o
     assert two.compute_time(kernels=10, plain_kernels=4) == pytest.approx(6 * 5e-6 + 4 * 1e-6)
     assert two.compute_time(kernels=3, plain_kernels=9) == pytest.approx(3 * 1e-6)        # never more than all
     assert Hardware.from_dict(json.loads(json.dumps(two.to_dict()))) == two
-    old = {k: v for k, v in two.to_dict().items() if k != "plain_kernel_overhead"}         # written before the field
-    assert Hardware.from_dict(old).plain_kernel_overhead is None
+    new_fields = ("plain_kernel_overhead", "p2p_delay", "p2p_cpu")
+    old = {k: v for k, v in two.to_dict().items() if k not in new_fields}                  # written before them
+    assert all(getattr(Hardware.from_dict(old), k) is None for k in new_fields)
     with pytest.raises(ValueError, match="plain_kernel_overhead must be a time >= 0"):
         base.with_(plain_kernel_overhead=-1e-6)
 
