@@ -62,7 +62,8 @@ PROGRAMS = (("ddp", (96, 3, 4, 64, 8), 0.25), ("ddp", (160, 2, 4, 48, 6), 1.0),
 
 
 def _program(wrapper: str, shape, extra):
-    """One training step of program (`wrapper`, `shape`, `extra`) on this rank (`PROGRAMS`)."""
+    """One training step of program (`wrapper`, `shape`, `extra`) on this rank (`PROGRAMS`), on the CPU: calibration
+    runs the programs only where gloo moves the bytes with the ranks' cores (`parlab.calibrate.measure_rank`)."""
     import functools
 
     from . import comm
@@ -89,7 +90,8 @@ def _pipeline_step(n_embd: int, per_stage: int, n_head: int, seq: int, rows: int
     cfg = GPTConfig(vocab_size=128, seq_len=seq, n_layer=per_stage * p, n_head=n_head, n_embd=n_embd)
     pipe = PipelineParallel(GPT(cfg, seed=0), schedules.one_f_one_b(p, micro * p))
     g = torch.Generator().manual_seed(0)
-    x, y = (torch.randint(cfg.vocab_size, (rows * micro * p, seq), generator=g) for _ in range(2))   # (B, S)
+    x, y = (torch.randint(cfg.vocab_size, (rows * micro * p, seq), generator=g, device="cpu")   # (B, S)
+            for _ in range(2))
 
     def step():
         pipe.step(x, y)
@@ -106,7 +108,8 @@ def ring_attention_step(heads: int, head_dim: int, per_rank: int):
     from . import ring_attention as ra
     n, r = comm.get_world_size(), comm.get_rank()
     g = torch.Generator().manual_seed(0)
-    q, k, v, dout = (torch.randn(1, heads, per_rank * n, head_dim, generator=g) for _ in range(4))  # (B, nh, S, hd)
+    q, k, v, dout = (torch.randn(1, heads, per_rank * n, head_dim, generator=g, device="cpu")   # (B, nh, S, hd)
+                     for _ in range(4))
     qs, ks, vs = (ra.shard_sequence(t, n, r, "zigzag", dim=2).requires_grad_() for t in (q, k, v))
     ds = ra.shard_sequence(dout, n, r, "zigzag", dim=2)
 
