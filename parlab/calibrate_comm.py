@@ -62,8 +62,8 @@ PROGRAMS = (("ddp", (96, 3, 4, 64, 8), 0.25), ("ddp", (160, 2, 4, 48, 6), 1.0),
 
 
 def _program(wrapper: str, shape, extra):
-    """One training step of program (`wrapper`, `shape`, `extra`) on this rank (`PROGRAMS`), on the CPU: calibration
-    runs the programs only where gloo moves the bytes with the ranks' cores (`parlab.calibrate.measure_rank`)."""
+    """One training step of program (`wrapper`, `shape`, `extra`) on this rank (`PROGRAMS`), on the CPU:
+    calibration runs the programs on a CPU only (`parlab.calibrate.measure_rank`)."""
     import functools
 
     from . import comm
