@@ -54,6 +54,9 @@ SPECIAL_OPS = frozenset({
     "softplus", "elu", "_safe_softmax"})
 
 _ACCUMULATE = "torch::autograd::AccumulateGrad"   # the backward node that adds a leaf's gradient into .grad
+# the backward node running now (None outside a backward); a torch without it counts no op as plain, and a replay
+# then charges every op the one kernel_overhead
+_current_node = getattr(torch._C, "_current_autograd_node", None)
 
 
 def _tensor_bytes(obj) -> int:
@@ -91,9 +94,9 @@ class CostMeter(TorchDispatchMode):
 
     def _count_kernel(self) -> None:
         self.kernels += 1
-        if not torch.is_grad_enabled():                      # not recorded for a backward: plain unless a
-            node = torch._C._current_autograd_node()         # backward node runs it (its own bookkeeping),
-            if node is None or node.name() == _ACCUMULATE:   # but adding into .grad is plain work
+        if _current_node is not None and not torch.is_grad_enabled():   # not recorded for a backward: plain
+            node = _current_node()                           # unless a backward node runs it (its own
+            if node is None or node.name() == _ACCUMULATE:   # bookkeeping), but adding into .grad is plain work
                 self.plain += 1
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):

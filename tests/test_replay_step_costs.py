@@ -353,3 +353,14 @@ def test_the_step_fit_fits_messages_apart_from_collectives():
     assert fit["after"] == pytest.approx([1.0] * 5, abs=1e-4)
     alone = fit_step_comm(serial, programs[:3])                  # no message programs: no message costs of their own
     assert alone["p2p_delay"] is None and alone["p2p_cpu"] is None
+
+
+def test_without_torchs_current_node_the_meter_counts_no_op_as_plain(monkeypatch):
+    import parlab.replay_meter as rm
+    monkeypatch.setattr(rm, "_current_node", None)              # a torch that lacks _current_autograd_node
+    w = torch.ones(4, 4, requires_grad=True)
+    with CostMeter() as meter:
+        (w * 2).sum().backward()
+        with torch.no_grad():
+            w.add_(1)
+    assert meter.kernels >= 3 and meter.plain == 0              # one cost for every op, as before the split
