@@ -364,3 +364,15 @@ def test_without_torchs_current_node_the_meter_counts_no_op_as_plain(monkeypatch
         with torch.no_grad():
             w.add_(1)
     assert meter.kernels >= 3 and meter.plain == 0              # one cost for every op, as before the split
+
+
+def test_a_real_calibration_step_is_timed_in_two_parts_that_the_meter_tells_apart():
+    """step_samples on a tiny GPT: a forward + backward row whose ops all run under autograd, and an optimizer
+    row (AdamW) whose ops all run outside it, both timed."""
+    from parlab.calibrate_step import PARTS, step_samples
+    fb, opt = step_samples(shapes=((16, 1, 2, 8, 2),), reps=1)
+    assert (fb[8], opt[8]) == PARTS
+    f, b, k, t, hist, fbat, sp, kp, _ = fb
+    assert f > 0 and k > 0 and kp == 0 and t > 0                  # products, no op outside autograd
+    f, b, k, t, hist, fbat, sp, kp, _ = opt
+    assert f == 0 and b > 0 and k == kp > 0 and t > 0             # memory-bound, every op plain
