@@ -1,6 +1,7 @@
 """Benchmark: does the replay (`parlab.replay`) reproduce what this machine measured? And how fast is it?
 
-    python benchmarks/replay.py [--world 2] [--steps 21] [--seconds 3] [--hardware here.json] [--only consistency]
+    python benchmarks/replay.py [--world 2] [--steps 21] [--seconds 3] [--hardware here.json]
+                                [--only consistency|phases|replay16|published]
 
 1. Calibrate this machine (`parlab.calibrate`, `world` gloo ranks measured together), unless a description
    is given. The default world is one rank per core (2 to 4, `parlab.calibrate.default_world`): with more
@@ -14,6 +15,8 @@
    it on the calibrated description. Report the median measured step, the replayed step and their ratio. Spans
    cut by the communication inside them are split by the metered work (`parlab.replay_program`), so the
    replayed step does not depend on the metered step's own timing.
+   Before them (and alone with `--only phases`): the plain GPT's forward, backward and optimizer step, each
+   phase's measured time against its replay (the check that made the per-op cost two, `parlab.calibrate_step`).
 3. Replay a 16-rank trace (1F1B, pp = 4, dp = 4) on DGX H100 and report how long the replay itself takes.
 4. Published configurations (`--only published`): trace a tiny 1F1B run with the published pipeline shape
    (pp ranks, m micro-batches), scale it up to GPT-3 175B on the published layout (`parlab.scaleup`) on the
@@ -178,6 +181,40 @@ def self_consistency(hw, world, steps, seconds=3.0):
     return rows
 
 
+def plain_gpt():
+    """The benchmark's GPT without a wrapper, its three phases in regions: what a per-op cost is fitted for."""
+    model = GPT(CFG, seed=0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x, y = _batch(ROWS, comm.get_rank())
+
+    def step():
+        with region("forward"):
+            _, loss = model(x, y)
+        with region("backward"):
+            loss.backward()
+        with region("optimizer"):
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    return step
+
+
+def phases(hw, world, steps, seconds=3.0):
+    """A plain GPT step on every rank at once: each phase's measured time (median over steps and ranks) against
+    its replay. One per-op cost fitted to whole steps got the sum right and every phase wrong (round 7)."""
+    res = parlab.run(_steps, world, plain_gpt, steps, seconds, backend="gloo", echo=False, timeout=600)
+    n = len(res.results[0]) - 2
+    out = replay(Trace([e for rank in res.results for e in rank[n]]), hw)
+    rows = []
+    for name in ("forward", "backward", "optimizer"):
+        measured = statistics.median(e.duration for rank in res.results for step in rank[:n] for e in step
+                                     if e.kind == "compute" and e.op == name)
+        replayed = statistics.mean(e.duration for e in out.events if e.kind == "compute" and e.op == name)
+        rows.append((name, measured, replayed))
+        print(f"plain GPT {name:<10} measured {measured * 1e3:7.2f} ms (median of {n} steps x {world} ranks)   "
+              f"replayed {replayed * 1e3:7.2f} ms   replayed / measured {replayed / measured:5.2f}", flush=True)
+    return rows
+
+
 def _pp_dp16():
     pg = build_groups(ParallelGrid(16, pp=4, dp=4), dims=("dp", "pp"))
     cfg = GPTConfig(**{**CFG.__dict__, "n_layer": 4})
@@ -255,7 +292,7 @@ def main(argv=None):
                    help="time more steps of a cheap workload, about this long (the median of 21 ring-attention "
                         "steps moved 8.5-12.9 ms between blocks of one run; of 201, 10.4-11.3 ms over six runs)")
     p.add_argument("--hardware", default=None, help="a Hardware JSON (default: calibrate now)")
-    p.add_argument("--only", default=None, choices=["consistency", "replay16", "published"])
+    p.add_argument("--only", default=None, choices=["consistency", "phases", "replay16", "published"])
     a = p.parse_args(argv)
     print(f"load: {os.getloadavg()} on {os.cpu_count()} cores; world {a.world}", flush=True)
     if a.only == "published":
@@ -269,6 +306,11 @@ def main(argv=None):
             hw, text = calibrate(a.world)
             print(text, flush=True)
         print(hw, flush=True)
+        if a.only != "consistency":
+            phases(hw, a.world, a.steps, a.seconds)
+        if a.only == "phases":
+            print(f"load: {os.getloadavg()}", flush=True)
+            return
         rows = self_consistency(hw, a.world, a.steps, a.seconds)
         ok = [(name, abs(rep / meas - 1) <= TOLERANCE) for name, meas, _, rep, _ in rows]
         print(f"within {TOLERANCE:.0%} of the measured median (issue 17's goal): "
