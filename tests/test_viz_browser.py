@@ -43,21 +43,26 @@ def test_checker_finds_each_kind_of_problem(tmp_path):
     off_plot = go.Figure(go.Scatter(x=[1, 100], y=[1, 2]))          # lesson 06 had c* labelled at the raw value
     off_plot.update_xaxes(type="log", range=[0, 2])
     off_plot.add_annotation(x=50, y=1.5, text="c*", showarrow=False)   # 50 read as 10^50: not drawn
+    far_zero = go.Figure(go.Scatter(x=[1, 2, 3], y=[0.09, 0.2, 0.26]))    # flat data, an axis forced to 0
+    far_zero.update_yaxes(range=[0, 0.28])
     clean = go.Figure(go.Bar(x=["a", "b"], y=[1, 2], name="bytes"))
     clean.update_layout(title="a short title", yaxis_title="bytes", height=300)
     labels = [{"notebook": "t", "cell": 0, "description": "microbatches per step", "width": "80px"},
               {"notebook": "t", "cell": 0, "description": "m", "width": "80px"}]
-    (p_overlap, p_log, p_twice, p_tiny, p_cut, p_off, p_clean), p_labels = _problems(
-        tmp_path, overlap, log_marker, twice, tiny, cut, off_plot, clean, labels=labels)
+    baseline = go.Figure(go.Scatter(x=[1, 2, 3], y=[0.09, 0.2, 0.26]))    # the same, asking for a zero baseline
+    baseline.update_yaxes(rangemode="tozero")
+    (p_overlap, p_log, p_twice, p_tiny, p_cut, p_off, p_far, p_base, p_clean), p_labels = _problems(
+        tmp_path, overlap, log_marker, twice, tiny, cut, off_plot, far_zero, baseline, clean, labels=labels)
     assert any("annotation" in p and "overlaps" in p for p in p_overlap), p_overlap      # subplot titles
     assert any(p.startswith("xaxis runs") for p in p_log), p_log
     assert any('legend lists "all_reduce" twice' in p for p in p_twice), p_twice
     assert any("smaller than 10 px" in p and "tiny" in p for p in p_tiny), p_tiny
     assert any("cut off" in p for p in p_cut), p_cut
     assert any('annotation "c*" is not drawn' in p and "log10" in p for p in p_off), p_off
-    assert p_clean == []
+    assert any(p.startswith("yaxis runs 0.00..0.280") for p in p_far), p_far
+    assert p_base == [] and p_clean == []                              # lesson 08's cache curve when it is flat
     assert len(p_labels) == 1 and "microbatches per step" in p_labels[0]
-    assert len(list(tmp_path.rglob("*.png"))) == 7                   # a screenshot per figure
+    assert len(list(tmp_path.rglob("*.png"))) == 9                   # a screenshot per figure
 
 
 def test_checker_finds_legend_colours_scrolling_legends_and_single_digit_log_labels(tmp_path):

@@ -112,7 +112,9 @@
       if (ax.visible === false || !ax.range || !["linear", "log"].includes(ax.type)) continue;
       const ext = extents.get(group);
       if (!ext) continue;
-      const [lo, hi] = ext, span = hi - lo;
+      // rangemode "tozero" asks for a zero baseline (a magnitude read against 0): the axis may reach 0 however
+      // far the data lie from it
+      const [lo, hi] = ax.rangemode === "tozero" ? [Math.min(ext[0], 0), Math.max(ext[1], 0)] : ext, span = hi - lo;
       const pad = Math.max(0.5 * span, ax.type === "log" ? 0.5 : (span > 0 ? 0 : Math.max(1, Math.abs(lo))));
       const [r0, r1] = ax.range[0] <= ax.range[1] ? ax.range : [ax.range[1], ax.range[0]];
       if (r0 < lo - pad - 1e-9 || r1 > hi + pad + 1e-9) {
