@@ -2,6 +2,7 @@
 
     python benchmarks/replay.py [--world 2] [--steps 21] [--seconds 3] [--hardware here.json]
                                 [--only consistency|phases|replay16|published]
+    python benchmarks/replay.py --only consistency --together [--world 2]
 
 1. Calibrate this machine (`parlab.calibrate`, `world` gloo ranks measured together), unless a description
    is given. The default world is one rank per core (2 to 4, `parlab.calibrate.default_world`): with more
@@ -15,6 +16,10 @@
    it on the calibrated description. Report the median measured step, the replayed step and their ratio. Spans
    cut by the communication inside them are split by the metered work (`parlab.replay_program`), so the
    replayed step does not depend on the metered step's own timing.
+   With `--together`: the workloads' steps are timed during the calibration instead of after it, steps of each
+   (a cheap one several times) after each of its 50 rounds of timed training steps (`parlab.calibrate.measure_rank`'s `between`), so
+   that the machine's drift between a calibration and a measurement a minute later (10-25% on this VM) is not
+   part of the result; the calibration still fits nothing to the workloads.
    Before them (and alone with `--only phases`): the plain GPT's forward, backward and optimizer step, each
    phase's measured time against its replay (the check that made the per-op cost two, `parlab.calibrate_step`).
 3. Replay a 16-rank trace (1F1B, pp = 4, dp = 4) on DGX H100 and report how long the replay itself takes.
@@ -45,7 +50,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import parlab  # noqa: E402
 from parlab import comm, schedules as sch  # noqa: E402
-from parlab.calibrate import calibrate, default_world  # noqa: E402
+from parlab.calibrate import calibrate, default_world, describe, measure_rank  # noqa: E402
 from parlab.calibrate_comm import ring_attention_step  # noqa: E402
 from parlab.data_parallel import DistributedDataParallel  # noqa: E402
 from parlab.fsdp import FullyShardedDataParallel  # noqa: E402
@@ -163,22 +168,76 @@ def self_consistency(hw, world, steps, seconds=3.0):
     rows = []
     for name, make in WORKLOADS.items():
         res = parlab.run(_steps, world, make, steps, seconds, backend="gloo", echo=False, timeout=600)
-        n = len(res.results[0]) - 2                           # timed steps (at least `steps`)
-        per_step = [Trace([e for rank in res.results for e in rank[i]]) for i in range(n + 2)]
-        measured = statistics.median(measured_step(t) for t in per_step[:n])
-        metered = per_step[n]
-        replayed = step_time(replay(metered, hw))
-        again = step_time(replay(per_step[n + 1], hw))     # a second metered step: the same program and work
-        rows.append((name, measured, step_time(metered), replayed, again))
-        spread = [measured_step(t) * 1e3 for t in per_step[:n]]
-        mid = sorted(per_step[:n], key=measured_step)[n // 2]
-        out = replay(metered, hw)
-        print(f"{'':<15} where the time goes (ms per rank: compute spans / untraced work / communication calls, "
-              f"waits included): measured {_split(mid)}, replayed {_split(out)}", flush=True)
-        print(f"{name:<15} measured {measured * 1e3:8.1f} ms (median of {n}; min {min(spread):.1f}, max "
-              f"{max(spread):.1f})   metered step {step_time(metered) * 1e3:8.1f} ms   replayed {replayed * 1e3:8.1f} ms (second metered step "
-              f"{again * 1e3:.1f})   replayed / measured {replayed / measured:5.2f}", flush=True)
+        rows.append(_compare(name, res.results, hw))
     return rows
+
+
+def _compare(name, per_rank, hw, how=""):
+    """Print and return (name, measured median, metered step, replayed, second metered replayed) of a workload
+    from every rank's events per step (its timed steps, then two metered)."""
+    n = len(per_rank[0]) - 2                                  # timed steps
+    per_step = [Trace([e for rank in per_rank for e in rank[i]]) for i in range(n + 2)]
+    measured = statistics.median(measured_step(t) for t in per_step[:n])
+    metered = per_step[n]
+    replayed = step_time(replay(metered, hw))
+    again = step_time(replay(per_step[n + 1], hw))         # a second metered step: the same program and work
+    spread = [measured_step(t) * 1e3 for t in per_step[:n]]
+    mid = sorted(per_step[:n], key=measured_step)[n // 2]
+    out = replay(metered, hw)
+    print(f"{'':<15} where the time goes (ms per rank: compute spans / untraced work / communication calls, "
+          f"waits included): measured {_split(mid)}, replayed {_split(out)}", flush=True)
+    print(f"{name:<15} measured {measured * 1e3:8.1f} ms (median of {n}{how}; min {min(spread):.1f}, max "
+          f"{max(spread):.1f})   metered step {step_time(metered) * 1e3:8.1f} ms   replayed {replayed * 1e3:8.1f} ms "
+          f"(second metered step {again * 1e3:.1f})   replayed / measured {replayed / measured:5.2f}", flush=True)
+    return name, measured, step_time(metered), replayed, again
+
+
+def _during_calibration():
+    """On every rank: build the workloads, then calibrate (`parlab.calibrate.measure_rank`) with traced steps of
+    each workload after each round of calibration's timed training steps (a cheap workload several times, about
+    as long as the dearest one's step: ring attention's two modes need more than 50 samples); then two metered
+    steps of each. (this rank's measurements, {workload: this rank's events per step})."""
+    made = {name: make() for name, make in WORKLOADS.items()}
+    cost = {}
+    for name, step in made.items():
+        step()                                                 # warm-up, untraced
+        t = time.perf_counter()
+        for _ in range(3):
+            comm.barrier()
+            step()
+        cost[name] = torch.tensor([(time.perf_counter() - t) / 3], dtype=torch.float64)
+        comm.all_reduce(cost[name], op=comm.ReduceOp.MAX)       # every rank runs the same counts
+    top = max(float(c) for c in cost.values())
+    times = {name: max(1, round(top / max(float(c), 1e-6))) for name, c in cost.items()}
+    out = {name: [] for name in made}
+
+    def each(metered=False):
+        for name, step in made.items():
+            for _ in range(1 if metered else times[name]):
+                comm.barrier()
+                with recording() as rec:
+                    if metered:
+                        with count_costs():
+                            step()
+                    else:
+                        step()
+                out[name].append(list(rec.events))
+    measured = measure_rank("cpu", between=each)
+    each(metered=True)
+    each(metered=True)
+    return measured, out
+
+
+def self_consistency_together(world):
+    """Calibrate and time the workloads in the same minute (`_during_calibration`): the machine's drift between a
+    calibration and a later measurement (round 7: 10-25% within minutes) is then not part of the result. The
+    calibration fits nothing to the workloads' steps."""
+    res = parlab.run(_during_calibration, world, backend="gloo", echo=False, timeout=900)
+    hw, text = describe([m for m, _ in res.results], world, f"this machine ({world} gloo ranks)")
+    print(text, flush=True)
+    print(hw, flush=True)
+    return [_compare(name, [w[name] for _, w in res.results], hw, ", timed during the calibration")
+            for name in WORKLOADS]
 
 
 def plain_gpt():
@@ -284,6 +343,13 @@ def published():
     return rows
 
 
+def _verdict(rows):
+    ok = [(name, abs(rep / meas - 1) <= TOLERANCE) for name, meas, _, rep, _ in rows]
+    print(f"within {TOLERANCE:.0%} of the measured median (issue 17's goal): "
+          + ", ".join(f"{name} {'yes' if good else 'no'}" for name, good in ok)
+          + f"; {sum(g for _, g in ok)} of {len(ok)}", flush=True)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser()
     p.add_argument("--world", type=int, default=default_world())
@@ -293,10 +359,19 @@ def main(argv=None):
                         "steps moved 8.5-12.9 ms between blocks of one run; of 201, 10.4-11.3 ms over six runs)")
     p.add_argument("--hardware", default=None, help="a Hardware JSON (default: calibrate now)")
     p.add_argument("--only", default=None, choices=["consistency", "phases", "replay16", "published"])
+    p.add_argument("--together", action="store_true",
+                   help="with --only consistency: time each workload's steps during the calibration, between its "
+                        "50 rounds of timed training steps, instead of after it")
     a = p.parse_args(argv)
+    if a.together and (a.only != "consistency" or a.hardware):
+        p.error("--together goes with --only consistency and without --hardware (it calibrates)")
     print(f"load: {os.getloadavg()} on {os.cpu_count()} cores; world {a.world}", flush=True)
     if a.only == "published":
         published()
+        print(f"load: {os.getloadavg()}", flush=True)
+        return
+    if a.together:
+        _verdict(self_consistency_together(a.world))
         print(f"load: {os.getloadavg()}", flush=True)
         return
     if a.only != "replay16":
@@ -311,11 +386,7 @@ def main(argv=None):
         if a.only == "phases":
             print(f"load: {os.getloadavg()}", flush=True)
             return
-        rows = self_consistency(hw, a.world, a.steps, a.seconds)
-        ok = [(name, abs(rep / meas - 1) <= TOLERANCE) for name, meas, _, rep, _ in rows]
-        print(f"within {TOLERANCE:.0%} of the measured median (issue 17's goal): "
-              + ", ".join(f"{name} {'yes' if good else 'no'}" for name, good in ok)
-              + f"; {sum(g for _, g in ok)} of {len(ok)}", flush=True)
+        _verdict(self_consistency(hw, a.world, a.steps, a.seconds))
     if a.only != "consistency":
         replay16()
     print(f"load: {os.getloadavg()}", flush=True)

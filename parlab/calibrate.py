@@ -196,9 +196,14 @@ def _compute_samples(dev, dtype, gpu: bool, min_time: float) -> list[tuple[float
     return out
 
 
-def measure_rank(device: str = "cpu", sizes=SIZES, reps: int = 5, min_time: float = 0.2, steps: bool = True) -> dict:
+def measure_rank(device: str = "cpu", sizes=SIZES, reps: int = 5, min_time: float = 0.2, steps: bool = True,
+                 between=None) -> dict:
     """Run on every rank (inside an initialised process group): this rank's measurements. `steps` (CPU only):
-    also time training steps of small GPTs for the per-op cost inside a step (`parlab.calibrate_step`)."""
+    also time training steps of small GPTs for the per-op cost inside a step (`parlab.calibrate_step`) and
+    training steps with communication (`parlab.calibrate_comm`). `between()`, if given, is called on every rank
+    after each round of those timed steps (50 calls with the defaults; a collective call inside it is fine, every
+    rank calls it at the same point): benchmarks/replay.py times the workloads it checks there, so that the
+    calibration and the measurement it is checked against see the machine in the same minute."""
     dev = torch.device(device)
     gpu = dev.type == "cuda"
     dtype = torch.bfloat16 if gpu else torch.float32
@@ -208,7 +213,7 @@ def measure_rank(device: str = "cpu", sizes=SIZES, reps: int = 5, min_time: floa
     step_rows = []
     if steps and not gpu:
         from .calibrate_step import step_samples
-        step_rows = step_samples(barrier=dist.barrier)
+        step_rows = step_samples(barrier=dist.barrier, between=between)
     # collectives: all-reduce over message sizes, median of `reps` timed calls each
     rows = []
     for size in sizes:
@@ -245,7 +250,7 @@ def measure_rank(device: str = "cpu", sizes=SIZES, reps: int = 5, min_time: floa
         from .calibrate_comm import PROGRAMS, program_label, step_traces
         from .calibrate_step import overlap_rows
         overlap = overlap_rows(dev, _timeit, reps=3 * reps)     # noisier than the isolated calls: 3x the repetitions
-        programs = step_traces(programs=PROGRAMS)
+        programs = step_traces(programs=PROGRAMS, between=between)
         labels = [program_label(*p) for p in PROGRAMS]
     return {"allreduce": rows, "p2p": p2p, "samples": samples, "steps": step_rows, "overlap": overlap,
             "special": special, "programs": programs, "program_labels": labels if programs else [],

@@ -126,12 +126,12 @@ def program_label(wrapper: str, shape: tuple, extra) -> str:
     return f"{wrapper} {'x'.join(map(str, shape))}" + (f" ({extra:g}{what})" if extra else "")
 
 
-def step_traces(steps: int = 41, programs=PROGRAMS) -> list[list[list]]:
+def step_traces(steps: int = 41, programs=PROGRAMS, between=None) -> list[list[list]]:
     """Run on every rank of an initialised process group: for each program one step traced inside
     `count_costs()`, then `steps` traced steps, each between barriers in a recorder of its own; the timed steps
     go round the programs (one step of each, then the next round), so that a change of the machine's load
     shifts every program alike. This rank's events (`parlab.trace.Event`) of each step, the metered step last
-    (merge the ranks' with `merge`)."""
+    (merge the ranks' with `merge`). `between()`, if given, is called after each round (`measure_rank`)."""
     from . import comm
     from .trace import count_costs, recording
 
@@ -154,6 +154,8 @@ def step_traces(steps: int = 41, programs=PROGRAMS) -> list[list[list]]:
     for _ in range(steps):
         for (step, _), per_step in zip(made, out):
             per_step.append(traced(step))
+        if between is not None:
+            between()
     return [per_step + [metered] for (_, metered), per_step in zip(made, out)]
 
 

@@ -98,14 +98,14 @@ def _gpt_step(n_embd: int, n_layer: int, n_head: int, seq: int, rows: int, wrap=
 PARTS = ("forward + backward", "optimizer")
 
 
-def step_samples(shapes=STEP_SHAPES, reps: int = 9, barrier=None) -> list[tuple]:
+def step_samples(shapes=STEP_SHAPES, reps: int = 9, barrier=None, between=None) -> list[tuple]:
     """(flops, bytes, kernels, median seconds, size histogram, batched flops, special-function results, kernels
     run outside autograd, part) of each part (`PARTS`: forward + backward, then the optimizer) of one training
     step per shape, so two rows per shape: each part metered once (the replay's meter), timed `reps` times
     unmetered. The repetitions go round the shapes (one step of each shape, then the next round), so that a
     change of the machine's load during calibration shifts every shape alike instead of tilting the fit.
     `barrier` (e.g. parlab.comm.barrier) lines the ranks up before each round, so that every rank gets the share
-    of the machine it has in a real run."""
+    of the machine it has in a real run. `between()`, if given, is called after each round (`measure_rank`)."""
     from .replay_meter import CostMeter
     steps, metered = [], []
     for shape in shapes:
@@ -128,6 +128,8 @@ def step_samples(shapes=STEP_SHAPES, reps: int = 9, barrier=None) -> list[tuple]
                 t0 = time.perf_counter()
                 part()
                 times[2 * i + j].append(time.perf_counter() - t0)
+        if between is not None:
+            between()
     return [(f, b, k, statistics.median(ts), hist, fb, sp, kp, PARTS[i % 2])
             for i, ((f, b, k, hist, fb, sp, kp), ts) in enumerate(zip(metered, times))]
 

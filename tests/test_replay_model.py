@@ -406,13 +406,15 @@ def test_step_samples_time_the_shapes_round_by_round(monkeypatch):
         return part(0), part(1)
     monkeypatch.setattr(cs, "_gpt_step", fake_step)
     monkeypatch.setattr(cs.time, "perf_counter", lambda: clock[0])
-    rounds = []
-    got = cs.step_samples(shapes=((10,), (20,), (30,)), reps=3, barrier=lambda: rounds.append(len(calls)))
+    rounds, after = [], []
+    got = cs.step_samples(shapes=((10,), (20,), (30,)), reps=3, barrier=lambda: rounds.append(len(calls)),
+                          between=lambda: after.append(len(calls)))
     # per shape: two warm-up steps and one metered step (each part in turn), then 3 rounds of every shape's
     # two parts, a barrier before each round
     one = lambda n: [(n, 0), (n, 1)]
     assert calls == sum((one(n) * 3 for n in (10, 20, 30)), []) + sum((one(n) for n in (10, 20, 30)), []) * 3
     assert rounds == [18, 24, 30]
+    assert after == [24, 30, 36]                                  # `between` after each round, outside the timing
     times = {(n, j): [] for n in (10, 20, 30) for j in (0, 1)}
     for i, (n, j) in enumerate(calls[18:], start=19):
         times[(n, j)].append(n * 1e-3 * (1 + j) * (1 + i % 3))

@@ -224,6 +224,32 @@ def test_calibration_programs_run_on_every_rank_and_merge_into_measured_steps_an
         assert sum(e.flops for e in out.events if e.kind == "compute") > 0 and step_time(out) > 0
 
 
+def _traces_with_between(steps, programs):
+    """step_traces with a `between` that runs a collective of its own (as the benchmark's workloads do)."""
+    import torch
+
+    from parlab import comm
+    from parlab.calibrate_comm import step_traces
+    seen = []
+
+    def between():
+        t = torch.ones(1)
+        comm.all_reduce(t)
+        seen.append(float(t))
+    return step_traces(steps, programs, between=between), seen
+
+
+def test_calibration_calls_between_after_each_round_of_programs():
+    """`between` (benchmarks/replay.py times its workloads there) runs once per round of the timed programs, on
+    every rank, and its collectives do not disturb the programs' steps."""
+    import parlab
+    programs = (("ddp", (32, 1, 2, 16, 2), 0.01), ("ring", (2, 8, 16), None))
+    res = parlab.run(_traces_with_between, 2, 3, programs, backend="gloo", echo=False)
+    for traces, seen in res.results:
+        assert seen == [2.0, 2.0, 2.0]                          # 3 rounds, both ranks in each all-reduce
+        assert [len(p) for p in traces] == [4, 4]               # 3 timed steps + the metered one, per program
+
+
 def test_calibration_programs_are_named_by_wrapper_shape_and_bucket():
     from parlab.calibrate_comm import PROGRAMS, program_label
     assert program_label("ddp", (96, 3, 4, 64, 8), 0.25) == "ddp 96x3x4x64x8 (0.25 MiB buckets)"
@@ -376,3 +402,20 @@ def test_a_real_calibration_step_is_timed_in_two_parts_that_the_meter_tells_apar
     assert f > 0 and k > 0 and kp == 0 and t > 0                  # products, no op outside autograd
     f, b, k, t, hist, fbat, sp, kp, _ = opt
     assert f == 0 and b > 0 and k == kp > 0 and t > 0             # memory-bound, every op plain
+
+
+def test_the_benchmark_refuses_together_with_a_given_description_or_another_part(capsys):
+    """`--together` calibrates while it times the workloads: with --hardware or without --only consistency it says
+    so instead of ignoring one of them."""
+    import importlib.util
+    import os
+    path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "replay.py")
+    spec = importlib.util.spec_from_file_location("bench_replay", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    for argv in (["--only", "consistency", "--together", "--hardware", "x.json"], ["--together"],
+                 ["--only", "published", "--together"]):
+        with pytest.raises(SystemExit) as e:
+            bench.main(argv)
+        assert e.value.code == 2
+        assert "--together goes with --only consistency and without --hardware" in capsys.readouterr().err
