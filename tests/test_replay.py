@@ -422,6 +422,33 @@ def test_toggle_figure_switches_between_the_measured_and_the_replayed_timeline()
     assert buttons[0].args[0]["visible"] == [True, False] and "replayed on DGX H100" in fig.layout.title.text
 
 
+def test_toggle_figures_switches_between_views_drawn_with_the_same_panels():
+    """Lesson 05's schedules, measured and replayed: one button per view, each showing only its own cells and
+    restoring its own title and time-axis title; views of other panels, or a single view, are refused."""
+    from parlab import schedules as sch
+    from parlab.viz.pipeline import schedules_figure
+    from parlab.viz.replay import toggle_figures
+    sims = {k: sch.simulate(s).spans for k, s in (("1F1B", sch.one_f_one_b(2, 4)), ("GPipe", sch.gpipe(2, 4)))}
+    here = schedules_figure(sims, title="here", time_unit="units")
+    there = schedules_figure(sims, title="there", time_unit="seconds", scale=0.5)
+    fig = toggle_figures({"a": here, "b": there})
+    n = len(here.data)
+    assert len(fig.data) == n + len(there.data) and [t.visible for t in fig.data] == [True] * n + [False] * n
+    a, b = fig.layout.updatemenus[0].buttons
+    assert (a.label, b.label) == ("a", "b") and fig.layout.title.text == "here"
+    assert b.args[0]["visible"] == [False] * n + [True] * n and b.args[1]["title.text"] == "there"
+    assert b.args[1]["xaxis2.title.text"] == "seconds" and a.args[1]["xaxis2.title.text"] == "units"
+    assert fig.layout.xaxis2.title.text == "units" and fig.layout.height > here.layout.height   # room for buttons
+    assert toggle_figures({"a": here, "b": there}, start=1).layout.title.text == "there"
+    one = schedules_figure({"1F1B": sims["1F1B"]})
+    with pytest.raises(ValueError, match="different subplot layouts"):
+        toggle_figures({"a": here, "b": one})
+    with pytest.raises(ValueError, match="at least two views"):
+        toggle_figures({"a": here})
+    with pytest.raises(ValueError, match="start must be the index of a view"):
+        toggle_figures({"a": here, "b": there}, start=2)
+
+
 def test_cost_metering_is_a_no_op_without_a_recorder_and_the_cli_refuses_one_rank(capsys):
     with count_costs():                              # nothing records: nothing to meter, nothing raised
         torch.ones(3) + 1

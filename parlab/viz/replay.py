@@ -2,18 +2,20 @@
 
 `toggle(measured, replayed)` draws both traces (`parlab.viz.timeline.timeline`) in one figure with two buttons,
 "this machine" and "replayed on <hardware>"; each keeps its own time unit and axis. `replay_toggle(trace,
-hardware)` replays the trace first (`parlab.replay.replay`). Plotly graph_objects only; nothing communicates.
+hardware)` replays the trace first (`parlab.replay.replay`). `toggle_figures({name: figure})` does the same for
+figures already drawn with one subplot layout (e.g. `parlab.viz.pipeline.schedules_figure` of measured and of
+replayed runs). Plotly graph_objects only; nothing communicates.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Mapping
 
 import plotly.graph_objects as go
 
 from ..replay import replay, step_time
 from .timeline import as_trace, timeline
 
-__all__ = ["toggle", "replay_toggle", "pick_unit"]
+__all__ = ["toggle", "toggle_figures", "replay_toggle", "pick_unit"]
 
 
 def pick_unit(seconds: float) -> str:
@@ -66,3 +68,46 @@ def replay_toggle(trace: Any, hardware, title: str | None = None, show_labels: b
     """Replay `trace` on `hardware` (keyword arguments go to `parlab.replay.replay`) and `toggle` the two."""
     tr = as_trace(trace)
     return toggle(tr, replay(tr, hardware, **replay_kw), title=title, show_labels=show_labels)
+
+
+def toggle_figures(views: Mapping[str, go.Figure], start: int = 0) -> go.Figure:
+    """One figure, one button per view: `views` maps a button's label to a figure, all drawn with the same subplot
+    layout (the same panels); each view keeps its own title, axis titles and time range. The layout (panels,
+    their titles, the legend) is the first view's."""
+    names, figs = list(views), list(views.values())
+    if len(figs) < 2:
+        raise ValueError(f"toggle_figures needs at least two views, got {len(figs)}")
+    if not 0 <= start < len(figs):
+        raise ValueError(f"start must be the index of a view (0 to {len(figs) - 1}), got {start!r}")
+    axes = [sorted(k for k in f.layout.to_plotly_json() if k.startswith(("xaxis", "yaxis"))) for f in figs]
+    if any(a != axes[0] for a in axes):
+        raise ValueError("the views have different subplot layouts (axes " + " vs ".join(map(str, axes)) + "); "
+                         "draw them with the same panels")
+    out = go.Figure(layout=figs[0].layout)
+    counts = []
+    for i, fig in enumerate(figs):
+        for t in fig.data:
+            t.visible = i == start
+            t.legendgroup = f"{i}-{t.legendgroup or t.name}"
+            out.add_trace(t)
+        counts.append(len(fig.data))
+    height = max(f.layout.height or 450 for f in figs) + 40
+    plot_px = height - 120 - (out.layout.margin.b if out.layout.margin.b is not None else 80)
+    xaxes = [a for a in axes[0] if a.startswith("xaxis")]
+    buttons = []
+    for i, fig in enumerate(figs):
+        visible = [j == i for j, n in enumerate(counts) for _ in range(n)]
+        relayout = {"title.text": fig.layout.title.text or ""}
+        for a in xaxes:
+            relayout[f"{a}.title.text"] = fig.layout[a].title.text or ""
+            relayout[f"{a}.autorange"] = True
+        buttons.append(dict(label=names[i], method="update", args=[{"visible": visible}, relayout]))
+    out.update_layout(height=height, margin=dict(t=120), title=dict(
+                          text=figs[start].layout.title.text, x=0.015, xanchor="left", y=1.0, yref="container",
+                          yanchor="top", pad=dict(t=12)),
+                      # the buttons between the title and the first panel's title
+                      updatemenus=[dict(type="buttons", direction="right", buttons=buttons, active=start, x=0.0,
+                                        xanchor="left", y=1.0 + 40 / max(plot_px, 1), yanchor="bottom")])
+    for a in xaxes:
+        out.layout[a].title.text = figs[start].layout[a].title.text
+    return out
