@@ -359,6 +359,24 @@ def calibrate(world: int | None = None, sizes=SIZES, reps: int = 5, min_time: fl
     return describe(res.results, world, name or f"this machine ({world} gloo ranks)")
 
 
+def _bad_args(a, sizes) -> str | None:
+    """What is wrong with `parlab calibrate`'s arguments, and how to fix it (None: nothing)."""
+    if a.reps < 1:
+        return f"--reps must be at least 1 (timed calls per message size), got {a.reps}"
+    if len(sizes) < 2:
+        return (f"--max-size {a.max_size} leaves {len(sizes)} message size(s) to measure; a latency and a bandwidth "
+                f"need two: give at least {SIZES[1]} (bytes)")
+    out = os.path.abspath(a.out)
+    if os.path.isdir(out):
+        return f"--out {a.out} is a folder; give a file name, e.g. {os.path.join(a.out, 'hardware.json')}"
+    folder = os.path.dirname(out)
+    if not os.path.isdir(folder):
+        return f"--out {a.out}: the folder {folder} does not exist; create it first"
+    if not os.access(folder, os.W_OK):
+        return f"--out {a.out}: the folder {folder} is not writable; choose another place"
+    return None
+
+
 def main(argv=None) -> int:
     """``parlab calibrate``: measure this machine (or, under torchrun, its GPUs) and write a Hardware JSON."""
     p = argparse.ArgumentParser(prog="parlab calibrate", description="measure collectives and matmul throughput "
@@ -371,6 +389,10 @@ def main(argv=None) -> int:
     p.add_argument("--max-size", type=int, default=SIZES[-1], help="largest all-reduce in bytes")
     a = p.parse_args(argv)
     sizes = [s for s in SIZES if s <= a.max_size]
+    problem = _bad_args(a, sizes)
+    if problem:                                           # before minutes of measuring, not after
+        print(f"error: {problem}")
+        return 2
     try:
         if "LOCAL_RANK" in os.environ:                    # under torchrun: NCCL and the GPUs
             dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")

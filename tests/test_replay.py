@@ -455,3 +455,18 @@ def test_cost_metering_is_a_no_op_without_a_recorder_and_the_cli_refuses_one_ran
     from parlab.cli import main
     assert main(["calibrate", "--world", "1", "--out", "/dev/null"]) == 2
     assert "world must be an integer >= 2" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--reps", "0"], "--reps must be at least 1"),
+    (["--max-size", "4"], "--max-size 4 leaves 1 message size(s) to measure"),
+    (["--out", "{tmp}/no/such/folder/hw.json"], "does not exist; create it first"),
+    (["--out", "{tmp}"], "is a folder; give a file name"),
+])
+def test_calibrate_refuses_bad_arguments_before_it_measures(args, says, tmp_path, capsys):
+    """Each is refused at once (exit 2, what to do instead), not after a minute of measuring or with a traceback
+    from deep inside the fit (--reps 0: the median of nothing; one message size: no line to fit)."""
+    from parlab.cli import main
+    assert main(["calibrate", *[a.format(tmp=tmp_path) for a in args]]) == 2
+    assert says in capsys.readouterr().out
+    assert list(tmp_path.iterdir()) == []                  # nothing written
