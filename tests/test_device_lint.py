@@ -37,9 +37,9 @@ ALLOWED: dict[tuple[str, str, str], str] = {
         "shard_positions returns index data on the CPU; shard_sequence moves it to x.device before use",
     ("labs/context_parallel.py", "factory", "torch.zeros(1, lab.args.seq_len)"):
         "only checks that the sequence splits (cp.shard raises on a bad length); never computed with",
-    ("calibrate.py", "factory", "torch.tensor([[row[j] / row[ncols] for j in keep] for row in samples], dtype=torch.float64)"):
+    ("calibrate_compute.py", "factory", "torch.tensor([[row[j] / row[ncols] for j in keep] for row in samples], dtype=torch.float64)"):
         "a least-squares fit of a few timing samples (host numbers, never communicated)",
-    ("calibrate.py", "factory", "torch.ones(len(samples), 1, dtype=torch.float64)"):
+    ("calibrate_compute.py", "factory", "torch.ones(len(samples), 1, dtype=torch.float64)"):
         "a least-squares fit of a few timing samples (host numbers, never communicated)",
     ("zero.py", "factory", "torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)"):
         "the pickled state's bytes; moved to the rank's device by the .to(self._device) that follows",

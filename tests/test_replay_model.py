@@ -471,6 +471,18 @@ def _per_rank(exposed_fraction):
     return {"allreduce": allreduce, "p2p": p2p, "samples": samples, "steps": steps, "overlap": overlap}
 
 
+def test_a_calibration_says_how_many_torch_threads_its_ranks_ran():
+    """A CPU's rates depend on the threads per rank (parlab.run forks ranks of one; torchrun leaves torch's default),
+    so the description's source says it; measurements without the count (written before) say nothing."""
+    from parlab.calibrate import describe
+    one = {**_per_rank(1.0), "threads": 1}
+    assert "on 2 ranks (1 torch thread each)" in describe([one] * 2, 2, "synthetic")[0].source
+    two = {**_per_rank(1.0), "threads": 2}
+    assert "on 2 ranks (2 torch threads each)" in describe([two] * 2, 2, "synthetic")[0].source
+    assert "(1/2 torch threads each)" in describe([one, two], 2, "synthetic")[0].source
+    assert "thread" not in describe([_per_rank(1.0)] * 2, 2, "synthetic")[0].source
+
+
 def test_calibration_describes_overlap_and_the_step_fit_from_its_measurements():
     from parlab.calibrate import describe
     serial, text = describe([_per_rank(1.0)] * 2, 2, "synthetic")
