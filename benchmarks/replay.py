@@ -51,7 +51,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import parlab  # noqa: E402
 from parlab import comm, schedules as sch  # noqa: E402
 from parlab.calibrate import calibrate, default_world, describe, measure_rank  # noqa: E402
-from parlab.calibrate_comm import ring_attention_step  # noqa: E402
+from parlab.calibrate_comm import ring_attention_step, traced_step  # noqa: E402
 from parlab.data_parallel import DistributedDataParallel  # noqa: E402
 from parlab.fsdp import FullyShardedDataParallel  # noqa: E402
 from parlab.groups import build_groups  # noqa: E402
@@ -60,7 +60,7 @@ from parlab.models import GPT, GPTConfig  # noqa: E402
 from parlab.pipeline_parallel import PipelineParallel  # noqa: E402
 from parlab.replay import measured_step, replay, step_time, timed  # noqa: E402
 from parlab.topology import ParallelGrid  # noqa: E402
-from parlab.trace import Trace, count_costs, recording, region  # noqa: E402
+from parlab.trace import Trace, count_costs, region  # noqa: E402
 
 CFG = GPTConfig(vocab_size=256, seq_len=64, n_layer=4, n_head=4, n_embd=128)
 ROWS = 8          # sequences per rank (per replica)
@@ -85,17 +85,7 @@ def _steps(make_step, steps, seconds=0.0):
     est = torch.tensor([(time.perf_counter() - t) / 3], dtype=torch.float64)
     comm.all_reduce(est, op=comm.ReduceOp.MAX)               # every rank runs the same count
     steps = max(steps, math.ceil(seconds / max(float(est), 1e-6)))
-    out = []
-    for i in range(steps + 2):
-        comm.barrier()
-        with recording() as rec:
-            if i >= steps:
-                with count_costs():
-                    step()
-            else:
-                step()
-        out.append(list(rec.events))
-    return out
+    return [traced_step(step, metered=i >= steps) for i in range(steps + 2)]
 
 
 def ddp():
@@ -214,14 +204,7 @@ def _during_calibration():
     def each(metered=False):
         for name, step in made.items():
             for _ in range(1 if metered else times[name]):
-                comm.barrier()
-                with recording() as rec:
-                    if metered:
-                        with count_costs():
-                            step()
-                    else:
-                        step()
-                out[name].append(list(rec.events))
+                out[name].append(traced_step(step, metered))
     measured = measure_rank("cpu", between=each)
     each(metered=True)
     each(metered=True)

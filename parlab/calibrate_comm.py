@@ -48,7 +48,7 @@ import statistics
 
 from .hardware import Hardware
 
-__all__ = ["PROGRAMS", "program_label", "ring_attention_step", "step_traces", "merge", "fit_step_comm"]
+__all__ = ["PROGRAMS", "program_label", "ring_attention_step", "traced_step", "step_traces", "merge", "fit_step_comm"]
 
 #: the calibration programs, none of them a shape benchmarks/replay.py reports (GPT: n_embd 128, 4 layers, 4 heads,
 #: 64 tokens, 8 rows, 0.25 MiB buckets; 1F1B: 2 layers and 2 micro-batches of 2 rows per stage; ring attention:
@@ -126,24 +126,28 @@ def program_label(wrapper: str, shape: tuple, extra) -> str:
     return f"{wrapper} {'x'.join(map(str, shape))}" + (f" ({extra:g}{what})" if extra else "")
 
 
+def traced_step(step, metered: bool = False) -> list:
+    """Every rank: a barrier, then `step()` in a recorder of its own (inside `count_costs()` if `metered`); its
+    events."""
+    from . import comm
+    from .trace import count_costs, recording
+    comm.barrier()
+    with recording() as rec:
+        if metered:
+            with count_costs():
+                step()
+        else:
+            step()
+    return list(rec.events)
+
+
 def step_traces(steps: int = 41, programs=PROGRAMS, between=None) -> list[list[list]]:
     """Run on every rank of an initialised process group: for each program one step traced inside
     `count_costs()`, then `steps` traced steps, each between barriers in a recorder of its own; the timed steps
     go round the programs (one step of each, then the next round), so that a change of the machine's load
     shifts every program alike. This rank's events (`parlab.trace.Event`) of each step, the metered step last
     (merge the ranks' with `merge`). `between()`, if given, is called after each round (`measure_rank`)."""
-    from . import comm
-    from .trace import count_costs, recording
-
-    def traced(step, metered=False):
-        comm.barrier()
-        with recording() as rec:
-            if metered:
-                with count_costs():
-                    step()
-            else:
-                step()
-        return list(rec.events)
+    traced = traced_step
     made = []
     for wrapper, shape, bucket_mb in programs:
         step = _program(wrapper, shape, bucket_mb)
