@@ -17,9 +17,10 @@
    cut by the communication inside them are split by the metered work (`parlab.replay_program`), so the
    replayed step does not depend on the metered step's own timing.
    With `--together`: the workloads' steps are timed during the calibration instead of after it, steps of each
-   (a cheap one several times) after each of its 50 rounds of timed training steps (`parlab.calibrate.measure_rank`'s `between`), so
-   that the machine's drift between a calibration and a measurement a minute later (10-25% on this VM) is not
-   part of the result; the calibration still fits nothing to the workloads.
+   (a cheap one several times) after each of its 50 rounds of timed training steps (`between` of
+   `parlab.calibrate.measure_rank`), so that the machine's drift between a calibration and a measurement a minute
+   later (10-25% on this VM) is not part of the result; the calibration still fits nothing to the workloads. (Its
+   first step of each round then follows the workloads' steps instead of its own: caches and allocator differ.)
    Before them (and alone with `--only phases`): the plain GPT's forward, backward and optimizer step, each
    phase's measured time against its replay (the check that made the per-op cost two, `parlab.calibrate_step`).
 3. Replay a 16-rank trace (1F1B, pp = 4, dp = 4) on DGX H100 and report how long the replay itself takes.
@@ -348,6 +349,9 @@ def main(argv=None):
     a = p.parse_args(argv)
     if a.together and (a.only != "consistency" or a.hardware):
         p.error("--together goes with --only consistency and without --hardware (it calibrates)")
+    if a.together and (a.steps != p.get_default("steps") or a.seconds != p.get_default("seconds")):
+        p.error("--together times as many steps as the calibration has rounds (50; a cheap workload several times "
+                "each); --steps and --seconds are for the default mode")
     print(f"load: {os.getloadavg()} on {os.cpu_count()} cores; world {a.world}", flush=True)
     if a.only == "published":
         published()

@@ -9,7 +9,7 @@ at once (so each rank gets the share of the machine it has in a real run):
   t = FLOPs / F + cached bytes / B_cache + other bytes / B + c per kernel gives the sustained FLOP/s F, the
   bandwidths of the cache level and of memory with the working-set size that separates them, and the per-kernel
   cost c (on a CPU, c is mostly framework overhead per op; `fit_compute` keeps one bandwidth when two do not fit
-  clearly better);
+  clearly better; both in `parlab.calibrate_compute`);
 * special functions: exp, GeLU and logsumexp of a few sizes; what their bytes and kernel do not explain, per
   result, is `special_rate` (`parlab.calibrate_special`);
 * training steps (CPU): forward, backward and AdamW steps of small GPTs of a few shapes, metered and timed;
@@ -36,8 +36,8 @@ GPUs. The description has one link: `intra_bw` = `inter_bw` = the bandwidth fitt
 In a job on one node that is the node's link (NVLink); in a job across nodes the ring crosses them, so it is the
 slower, inter-node one (calibrate one node alone for the other and put both in the JSON). Under torchrun on CPUs
 each rank keeps torch's default threads (every core) unless OMP_NUM_THREADS says otherwise; the description's
-`source` records the count, since a CPU's rates depend on it (2 ranks on this 2-core machine under torchrun with 2
-threads each measured 28 GFLOP/s and 78 us per op against 87 GFLOP/s and 15 us with one thread each).
+`source` records the count, since a CPU's rates depend on it (benchmarks/README.md, round 8: 2 ranks sharing 2
+cores with 2 threads each measured a third of the FLOP/s of 2 ranks with one thread each).
 `Hardware.efficiency` is 1 here: the measured throughput already is what the products sustain.
 """
 from __future__ import annotations
@@ -247,6 +247,8 @@ def _bad_args(a, sizes) -> str | None:
     out = os.path.abspath(a.out)
     if os.path.isdir(out):
         return f"--out {a.out} is a folder; give a file name, e.g. {os.path.join(a.out, 'hardware.json')}"
+    if os.path.exists(out):                               # replaced in place: the file itself must be writable
+        return None if os.access(out, os.W_OK) else f"--out {a.out} exists and is not writable; choose another name"
     folder = os.path.dirname(out)
     if not os.path.isdir(folder):
         return f"--out {a.out}: the folder {folder} does not exist; create it first"

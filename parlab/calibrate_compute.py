@@ -7,6 +7,12 @@ compute model to them (`parlab.calibrate` has the whole procedure and the formul
 cache level only when it fits clearly better and is at least 1.25x faster; `fit_roofline` is the one-level
 form. `_compute_samples` measures on every rank at once (a barrier before each sample), the work counted by the
 replay's own meter (`parlab.replay_meter`), so that the fitted rates apply to metered spans.
+
+References
+    S. Williams, A. Waterman, D. Patterson, "Roofline: An Insightful Visual Performance Model for Multicore
+        Architectures", CACM 52(4), 2009 (time bounded by FLOPs / peak and bytes / bandwidth).
+    J. Bang et al., "vTrain", MICRO 2024: operator costs profiled on the machine itself, as here, rather than
+        taken from a datasheet.
 """
 from __future__ import annotations
 

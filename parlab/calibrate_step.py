@@ -1,7 +1,7 @@
 """Calibration inside a step: the per-op, per-byte and per-message costs that single ops and isolated
 messages do not show.
 
-`parlab.calibrate` fits the replay's compute model (`parlab.hardware`) to single ops timed in a loop: a matrix
+`parlab.calibrate_compute` fits the replay's compute model (`parlab.hardware`) to single ops timed in a loop: a matrix
 product, an add, a copy. A training step costs more per op than that: each aten op of the forward and backward also
 pays the autograd engine's bookkeeping, each of the optimizer's the Python between ops, and outputs freshly
 allocated every step pay page faults that a loop reusing its buffers never sees. On a CPU a replay with the

@@ -21,3 +21,4 @@ def test_a_readme_example_runs(code, tmp_path):
     out = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip()                                # every example prints what it shows
+    assert "Warning" not in out.stderr, out.stderr[-3000:]   # no warnings in normal use

@@ -431,7 +431,9 @@ def test_toggle_figures_switches_between_views_drawn_with_the_same_panels():
     sims = {k: sch.simulate(s).spans for k, s in (("1F1B", sch.one_f_one_b(2, 4)), ("GPipe", sch.gpipe(2, 4)))}
     here = schedules_figure(sims, title="here", time_unit="units")
     there = schedules_figure(sims, title="there", time_unit="seconds", scale=0.5)
+    before = (here.to_json(), there.to_json())
     fig = toggle_figures({"a": here, "b": there})
+    assert (here.to_json(), there.to_json()) == before                 # the views themselves are left as they were
     n = len(here.data)
     assert len(fig.data) == n + len(there.data) and [t.visible for t in fig.data] == [True] * n + [False] * n
     a, b = fig.layout.updatemenus[0].buttons
@@ -458,8 +460,8 @@ def test_cost_metering_is_a_no_op_without_a_recorder_and_the_cli_refuses_one_ran
 
 
 @pytest.mark.parametrize("args, says", [
-    (["--reps", "0"], "--reps must be at least 1"),
-    (["--max-size", "4"], "--max-size 4 leaves 1 message size(s) to measure"),
+    (["--reps", "0", "--out", "{tmp}/hw.json"], "--reps must be at least 1"),
+    (["--max-size", "4", "--out", "{tmp}/hw.json"], "--max-size 4 leaves 1 message size(s) to measure"),
     (["--out", "{tmp}/no/such/folder/hw.json"], "does not exist; create it first"),
     (["--out", "{tmp}"], "is a folder; give a file name"),
 ])
@@ -470,3 +472,22 @@ def test_calibrate_refuses_bad_arguments_before_it_measures(args, says, tmp_path
     assert main(["calibrate", *[a.format(tmp=tmp_path) for a in args]]) == 2
     assert says in capsys.readouterr().out
     assert list(tmp_path.iterdir()) == []                  # nothing written
+
+
+def test_calibrate_refuses_an_out_it_could_not_write(tmp_path, capsys, monkeypatch):
+    """A folder it may not write to, or an existing file it may not replace: refused before measuring (tests run as
+    root here, where every path is writable, so os.access is made to say no); an existing writable file (e.g.
+    /dev/null) is fine."""
+    import os
+
+    import parlab.calibrate as cal
+    from parlab.cli import main
+    existing = tmp_path / "old.json"
+    existing.write_text("{}")
+    monkeypatch.setattr(cal.os, "access", lambda path, mode: False)
+    assert main(["calibrate", "--out", str(tmp_path / "hw.json")]) == 2
+    assert f"the folder {tmp_path} is not writable; choose another place" in capsys.readouterr().out
+    assert main(["calibrate", "--out", str(existing)]) == 2
+    assert "exists and is not writable; choose another name" in capsys.readouterr().out
+    monkeypatch.setattr(cal.os, "access", lambda path, mode: path == os.path.abspath(str(existing)))
+    assert cal._bad_args(type("A", (), {"reps": 5, "max_size": 1 << 24, "out": str(existing)})(), cal.SIZES) is None

@@ -419,3 +419,6 @@ def test_the_benchmark_refuses_together_with_a_given_description_or_another_part
             bench.main(argv)
         assert e.value.code == 2
         assert "--together goes with --only consistency and without --hardware" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bench.main(["--only", "consistency", "--together", "--steps", "5"])
+    assert "--steps and --seconds are for the default mode" in capsys.readouterr().err

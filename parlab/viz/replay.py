@@ -72,8 +72,8 @@ def replay_toggle(trace: Any, hardware, title: str | None = None, show_labels: b
 
 def toggle_figures(views: Mapping[str, go.Figure], start: int = 0) -> go.Figure:
     """One figure, one button per view: `views` maps a button's label to a figure, all drawn with the same subplot
-    layout (the same panels); each view keeps its own title, axis titles and time range. The layout (panels,
-    their titles, the legend) is the first view's."""
+    layout (the same panels); each view keeps its own title, x-axis titles and time range. Everything else of the
+    layout (panel titles, y axes, the legend) is the first view's. The figures passed in are not changed."""
     names, figs = list(views), list(views.values())
     if len(figs) < 2:
         raise ValueError(f"toggle_figures needs at least two views, got {len(figs)}")
@@ -87,9 +87,8 @@ def toggle_figures(views: Mapping[str, go.Figure], start: int = 0) -> go.Figure:
     counts = []
     for i, fig in enumerate(figs):
         for t in fig.data:
-            t.visible = i == start
-            t.legendgroup = f"{i}-{t.legendgroup or t.name}"
-            out.add_trace(t)
+            out.add_trace(t.to_plotly_json() | {"visible": i == start,      # a copy: the caller's figure keeps its own
+                                                "legendgroup": f"{i}-{t.legendgroup or t.name}"})
         counts.append(len(fig.data))
     height = max(f.layout.height or 450 for f in figs) + 40
     plot_px = height - 120 - (out.layout.margin.b if out.layout.margin.b is not None else 80)
