@@ -74,18 +74,24 @@ def _batch(rows, seed=0):
             torch.randint(CFG.vocab_size, (rows, CFG.seq_len), generator=g))
 
 
-def _steps(make_step, steps, seconds=0.0):
-    """On every rank: at least `steps` plain traced steps (more for a cheap step: as many as fill about `seconds`,
-    the ranks agreeing on the count), then two metered; the events of each step."""
-    step = make_step()
+def _step_cost(step) -> float:
+    """On every rank: one untraced warm-up step, then the seconds of a step (3 timed between barriers), the slowest
+    rank's, so that the ranks size their samples alike."""
     step()                                                   # warm-up, untraced
     t = time.perf_counter()
-    for _ in range(3):                                       # the step's cost, to size the sample
+    for _ in range(3):
         comm.barrier()
         step()
     est = torch.tensor([(time.perf_counter() - t) / 3], dtype=torch.float64)
     comm.all_reduce(est, op=comm.ReduceOp.MAX)               # every rank runs the same count
-    steps = max(steps, math.ceil(seconds / max(float(est), 1e-6)))
+    return float(est)
+
+
+def _steps(make_step, steps, seconds=0.0):
+    """On every rank: at least `steps` plain traced steps (more for a cheap step: as many as fill about `seconds`,
+    the ranks agreeing on the count), then two metered; the events of each step."""
+    step = make_step()
+    steps = max(steps, math.ceil(seconds / max(_step_cost(step), 1e-6)))
     return [traced_step(step, metered=i >= steps) for i in range(steps + 2)]
 
 
@@ -104,19 +110,7 @@ def ddp():
 
 
 def zero3():
-    model = FullyShardedDataParallel(GPT(CFG, seed=0))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    x, y = _batch(ROWS, comm.get_rank())
-
-    def step():
-        with region("forward"):
-            _, loss = model(x, y)
-        with region("backward"):
-            loss.backward()
-        with region("optimizer"):
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-    return step
+    return plain_gpt(wrap=FullyShardedDataParallel)
 
 
 def one_f_one_b():
@@ -189,17 +183,9 @@ def _during_calibration():
     as long as the dearest one's step: ring attention's two modes need more than 50 samples); then two metered
     steps of each. (this rank's measurements, {workload: this rank's events per step})."""
     made = {name: make() for name, make in WORKLOADS.items()}
-    cost = {}
-    for name, step in made.items():
-        step()                                                 # warm-up, untraced
-        t = time.perf_counter()
-        for _ in range(3):
-            comm.barrier()
-            step()
-        cost[name] = torch.tensor([(time.perf_counter() - t) / 3], dtype=torch.float64)
-        comm.all_reduce(cost[name], op=comm.ReduceOp.MAX)       # every rank runs the same counts
-    top = max(float(c) for c in cost.values())
-    times = {name: max(1, round(top / max(float(c), 1e-6))) for name, c in cost.items()}
+    cost = {name: _step_cost(step) for name, step in made.items()}
+    top = max(cost.values())
+    times = {name: max(1, round(top / max(c, 1e-6))) for name, c in cost.items()}
     out = {name: [] for name in made}
 
     def each(metered=False):
@@ -224,9 +210,10 @@ def self_consistency_together(world):
             for name in WORKLOADS]
 
 
-def plain_gpt():
-    """The benchmark's GPT without a wrapper, its three phases in regions: what a per-op cost is fitted for."""
-    model = GPT(CFG, seed=0)
+def plain_gpt(wrap=None):
+    """The benchmark's GPT, its three phases in regions: without a wrapper, what a per-op cost is fitted for;
+    `wrap` (e.g. FSDP's constructor) wraps it first."""
+    model = GPT(CFG, seed=0) if wrap is None else wrap(GPT(CFG, seed=0))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     x, y = _batch(ROWS, comm.get_rank())
 
