@@ -9,9 +9,9 @@ thread per rank). Methods:
 
     full naive    one process, parlab.models.causal_attention (materialises the S x S scores)
     full sdpa     one process, torch's scaled_dot_product_attention (a fused CPU kernel)
-    ring contig   parlab.ring_attention, contiguous chunks (causal work imbalanced)
-    ring zigzag   parlab.ring_attention, zigzag chunks (balanced)
-    ulysses       parlab.sequence_parallel.ulysses_attention (all-to-all to heads, naive attention)
+    ring contig   parlab.parallel.context.ring, contiguous chunks (causal work imbalanced)
+    ring zigzag   parlab.parallel.context.ring, zigzag chunks (balanced)
+    ulysses       parlab.parallel.context.ulysses.ulysses_attention (all-to-all to heads, naive attention)
 
 (torch's own context_parallel does not run on the CPU, so the one-process attention is the reference.)
 
@@ -41,8 +41,8 @@ import torch.nn.functional as F
 import parlab
 from parlab import comm
 from parlab.models import causal_attention
-from parlab.ring_attention import ring_attention, shard_sequence
-from parlab.sequence_parallel import ulysses_attention
+from parlab.parallel.context import ring_attention, shard_sequence
+from parlab.parallel.context import ulysses_attention
 
 METHODS = {  # name -> (ranks: "P" or 1, layout)
     "full naive": (1, "contiguous"), "full sdpa": (1, "contiguous"),

@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 import parlab
 from parlab.data import BatchSampler, load_corpus
-from parlab.data_parallel import DistributedDataParallel
+from parlab.parallel.data import DistributedDataParallel
 from parlab.models import GPT, GPTConfig
 
 

@@ -24,9 +24,9 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import parlab
-from parlab import schedules as sch
+from parlab.parallel import pipeline as sch
 from parlab.models import GPT, GPTConfig
-from parlab.pipeline_parallel import PipelineParallel, measured_bubble, measured_costs
+from parlab.parallel.pipeline import PipelineParallel, measured_bubble, measured_costs
 from parlab.trace import recording
 
 

@@ -1,31 +1,31 @@
-"""Benchmark: does the replay (`parlab.replay`) reproduce what this machine measured? And how fast is it?
+"""Benchmark: does the replay (`parlab.cluster.replay`) reproduce what this machine measured? And how fast is it?
 
     python benchmarks/replay.py [--world 2] [--steps 21] [--seconds 3] [--hardware here.json]
                                 [--only consistency|phases|replay16|published]
     python benchmarks/replay.py --only consistency --together [--world 2]
 
-1. Calibrate this machine (`parlab.calibrate`, `world` gloo ranks measured together), unless a description
-   is given. The default world is one rank per core (2 to 4, `parlab.calibrate.default_world`): with more
+1. Calibrate this machine (`parlab.cluster.calibrate`, `world` gloo ranks measured together), unless a description
+   is given. The default world is one rank per core (2 to 4, `parlab.cluster.calibrate.default_world`): with more
    ranks than cores every message also pays the operating system's hand-off of a core, which no alpha-beta
    figure captures.
 2. For each workload (DDP, ZeRO-3, 1F1B, ring attention) on `world` ranks: time at least `steps` traced steps
    without the cost meter, more for a cheap workload (as many as fill about `seconds`: 21 ring-attention steps
    are a poor sample of its two modes, 7 and 13 ms), each step between barriers, in its own recorder (step
-   time = from the start of the last rank's first event to the last event's end, `parlab.replay.measured_step`:
+   time = from the start of the last rank's first event to the last event's end, `parlab.cluster.replay.measured_step`:
    the barrier's release skew is not the program's), then trace one more step inside `count_costs()` and replay
    it on the calibrated description. Report the median measured step, the replayed step and their ratio. Spans
-   cut by the communication inside them are split by the metered work (`parlab.replay_program`), so the
+   cut by the communication inside them are split by the metered work (`parlab.cluster.program`), so the
    replayed step does not depend on the metered step's own timing.
    With `--together`: the workloads' steps are timed during the calibration instead of after it, steps of each
    (a cheap one several times) after each of its 50 rounds of timed training steps (`between` of
-   `parlab.calibrate.measure_rank`), so that the machine's drift between a calibration and a measurement a minute
+   `parlab.cluster.calibrate.measure_rank`), so that the machine's drift between a calibration and a measurement a minute
    later (10-25% on this VM) is not part of the result; the calibration still fits nothing to the workloads. (Its
    first step of each round then follows the workloads' steps instead of its own: caches and allocator differ.)
    Before them (and alone with `--only phases`): the plain GPT's forward, backward and optimizer step, each
-   phase's measured time against its replay (the check that made the per-op cost two, `parlab.calibrate_step`).
+   phase's measured time against its replay (the check that made the per-op cost two, `parlab.cluster.calibrate.step`).
 3. Replay a 16-rank trace (1F1B, pp = 4, dp = 4) on DGX H100 and report how long the replay itself takes.
 4. Published configurations (`--only published`): trace a tiny 1F1B run with the published pipeline shape
-   (pp ranks, m micro-batches), scale it up to GPT-3 175B on the published layout (`parlab.scaleup`) on the
+   (pp ranks, m micro-batches), scale it up to GPT-3 175B on the published layout (`parlab.cluster.scaleup`) on the
    DGX A100 preset, and compare with the published step time and with the planner's estimate:
      Korthikanti et al. 2022 (arXiv:2205.05198) table 4, Selene: tp 8, pp 8, 64 GPUs, global batch 64, b = 1:
        18.13 s per step with full recomputation, 13.75 s with sequence parallelism + selective recomputation;
@@ -50,17 +50,18 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import parlab  # noqa: E402
-from parlab import comm, schedules as sch  # noqa: E402
-from parlab.calibrate import calibrate, default_world, describe, measure_rank  # noqa: E402
-from parlab.calibrate_comm import ring_attention_step, traced_step  # noqa: E402
-from parlab.data_parallel import DistributedDataParallel  # noqa: E402
-from parlab.fsdp import FullyShardedDataParallel  # noqa: E402
-from parlab.groups import build_groups  # noqa: E402
-from parlab.hardware import load, preset  # noqa: E402
+from parlab import comm  # noqa: E402
+from parlab.parallel import pipeline as sch
+from parlab.cluster.calibrate import calibrate, default_world, describe, measure_rank  # noqa: E402
+from parlab.cluster.calibrate.programs import ring_attention_step, traced_step  # noqa: E402
+from parlab.parallel.data import DistributedDataParallel  # noqa: E402
+from parlab.parallel.zero import FullyShardedDataParallel  # noqa: E402
+from parlab.parallel.groups import build_groups  # noqa: E402
+from parlab.cluster.hardware import load, preset  # noqa: E402
 from parlab.models import GPT, GPTConfig  # noqa: E402
-from parlab.pipeline_parallel import PipelineParallel  # noqa: E402
-from parlab.replay import measured_step, replay, step_time, timed  # noqa: E402
-from parlab.topology import ParallelGrid  # noqa: E402
+from parlab.parallel.pipeline import PipelineParallel  # noqa: E402
+from parlab.cluster.replay import measured_step, replay, step_time, timed  # noqa: E402
+from parlab.parallel.topology import ParallelGrid  # noqa: E402
 from parlab.trace import Trace, count_costs, region  # noqa: E402
 
 CFG = GPTConfig(vocab_size=256, seq_len=64, n_layer=4, n_head=4, n_embd=128)
@@ -178,7 +179,7 @@ def _compare(name, per_rank, hw, how=""):
 
 
 def _during_calibration():
-    """On every rank: build the workloads, then calibrate (`parlab.calibrate.measure_rank`) with traced steps of
+    """On every rank: build the workloads, then calibrate (`parlab.cluster.calibrate.measure_rank`) with traced steps of
     each workload after each round of calibration's timed training steps (a cheap workload several times, about
     as long as the dearest one's step: ring attention's two modes need more than 50 samples); then two metered
     steps of each. (this rank's measurements, {workload: this rank's events per step})."""
@@ -280,8 +281,8 @@ def megatron_flops(B, s, l, h, V):
 
 
 def published():
-    from parlab.costs import preset as model_preset
-    from parlab.scaleup import Layout, compare, scaleup
+    from parlab.cluster.costs import preset as model_preset
+    from parlab.cluster.scaleup import Layout, compare, scaleup
     gpt3, a100 = model_preset("gpt3-175b"), preset("dgx-a100")
     t_meg = megatron_flops(1536, 2048, 96, 12288, 51200) / (384 * 153e12)
     cases = [

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 import parlab
 from parlab import comm
 from parlab.models import GPT, GPTConfig
-from parlab.tensor_parallel import parallelize_gpt, sync_sequence_parallel_grads
+from parlab.parallel.tensor import parallelize_gpt, sync_sequence_parallel_grads
 
 CFG = GPTConfig(vocab_size=512, seq_len=128, n_layer=2, n_head=8, n_embd=256, tie_embeddings=False)
 B = 4

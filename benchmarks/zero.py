@@ -47,10 +47,10 @@ import torch.distributed as dist
 
 import parlab
 from parlab.data import BatchSampler, load_corpus
-from parlab.fsdp import FullyShardedDataParallel
-from parlab.memory import measure, tensor_bytes
+from parlab.parallel.zero import FullyShardedDataParallel
+from parlab.parallel.zero.memory import measure, tensor_bytes
 from parlab.models import GPT, GPTConfig
-from parlab.zero import ShardedOptimizer
+from parlab.parallel.zero import ShardedOptimizer
 
 VARIANTS = ["torch-ddp", "parlab-zero1", "torch-zero1", "parlab-zero2", "parlab-zero3", "torch-fsdp2"]
 

@@ -6,7 +6,7 @@
     parlab course html [NB ...] --out DIR  execute notebooks (default: the lessons) and export HTML pages
     parlab course open [--no-browser]    copy the course to my-course/ and open JupyterLab on its START page
     parlab grid --world 16 --tp 2 --pp 4 --gpus-per-node 8   print the rank groups of a layout
-    parlab grade SUBMISSIONS [--out DIR] [--jobs N]   grade a folder of exercise submissions (parlab.grader)
+    parlab grade SUBMISSIONS [--out DIR] [--jobs N]   grade a folder of exercise submissions (parlab.course.grader)
 
 Each subcommand is one ``add_<name>(subparsers)`` function that registers its
 parser and sets ``func`` (a function of the parsed arguments returning the exit
@@ -23,7 +23,7 @@ from pathlib import Path
 # ---------------------------------------------------------------------- parlab course ...
 def _unreadable(paths) -> str | None:
     """One line naming the first notebook that cannot be read, or None when all can."""
-    from . import course
+    from parlab import course
     for p in paths:
         try:
             course.read(p)
@@ -33,7 +33,7 @@ def _unreadable(paths) -> str | None:
 
 
 def _course_build(args) -> int:
-    from . import course
+    from parlab import course
     folder = Path(args.root) / "exercises" / "solutions"
     if not folder.is_dir():
         print(f"parlab course build: no such folder: {folder} (is --root the repository root?)", file=sys.stderr)
@@ -55,7 +55,7 @@ def _course_build(args) -> int:
 
 
 def _course_strip(args) -> int:
-    from . import course
+    from parlab import course
     if not any((Path(args.root) / f).is_dir() for f in ("lessons", "exercises")):
         print(f"parlab course strip: no such folder: {Path(args.root) / 'lessons'} or "
               f"{Path(args.root) / 'exercises'} (is --root the repository root?)", file=sys.stderr)
@@ -77,7 +77,7 @@ def _course_strip(args) -> int:
 
 def _course_scorecard(args) -> int:
     import xml.etree.ElementTree as ET
-    from . import course
+    from parlab import course
     if not Path(args.junit_xml).is_file():
         print(f"parlab course scorecard: no such file: {args.junit_xml}", file=sys.stderr)
         return 2
@@ -96,7 +96,7 @@ def _course_scorecard(args) -> int:
 
 
 def _course_html(args) -> int:
-    from . import course
+    from parlab import course
     paths = args.notebooks or sorted((course.ROOT / "lessons").glob("*.ipynb"))
     missing = [p for p in paths if not Path(p).is_file()]
     if missing:
@@ -108,7 +108,7 @@ def _course_html(args) -> int:
 
 
 def _course_open(args) -> int:
-    from .workspace import open_course
+    from parlab.course.workspace import open_course
     try:
         return open_course(args.root, browser=not args.no_browser, lab_args=args.lab_args)
     except FileNotFoundError as err:
@@ -149,7 +149,7 @@ MAX_GRID_RANKS = 65536   # `parlab grid` prints every group: 65536 ranks is ~450
 
 
 def _grid(args) -> int:
-    from .topology import ParallelGrid
+    from parlab.parallel.topology import ParallelGrid
     for k in ("world", "tp", "pp", "cp", "dp", "gpus_per_node"):
         if getattr(args, k) is not None and getattr(args, k) < 1:
             print(f"parlab grid: --{k.replace('_', '-')} must be a positive integer, got {getattr(args, k)}",
@@ -187,7 +187,7 @@ def add_plan(sub) -> None:
 
 
 def add_grade(sub) -> None:
-    from .grader import add_arguments, run_from_args
+    from parlab.course.grader import add_arguments, run_from_args
     p = sub.add_parser("grade", help="grade a folder of exercise submissions: gradebook, feedback, summary")
     add_arguments(p)
     p.set_defaults(func=run_from_args)
@@ -213,15 +213,15 @@ def make_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["plan"]:  # the planner owns its options (see parlab.planner.main)
-        from .planner import main as plan_main
+    if argv[:1] == ["plan"]:  # the planner owns its options (see parlab.cluster.planner.main)
+        from parlab.cluster.planner import main as plan_main
         return plan_main(argv[1:])
-    if argv[:1] == ["calibrate"]:  # the calibration owns its options (see parlab.calibrate.main)
-        from .calibrate import main as calibrate_main
+    if argv[:1] == ["calibrate"]:  # the calibration owns its options (see parlab.cluster.calibrate.main)
+        from parlab.cluster.calibrate import main as calibrate_main
         return calibrate_main(argv[1:])
     args = make_parser().parse_args(argv)
     if getattr(args, "root", "unset") is None:
-        from .course import ROOT
+        from parlab.course import ROOT
         args.root = ROOT
     return args.func(args)
 

@@ -21,8 +21,8 @@ import functools
 import torch
 import torch.nn as nn
 
-from . import models
-from .models import GPT, GPTConfig
+from parlab import models
+from parlab.models import GPT, GPTConfig
 
 __all__ = ["init_value", "materialize", "meta_parameters"]
 

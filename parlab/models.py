@@ -58,7 +58,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-__all__ = ["GPTConfig", "GPT", "Block", "CausalSelfAttention", "MLP", "causal_attention", "clone_model"]
+__all__ = ["GPTConfig", "GPT", "Block", "CausalSelfAttention", "MLP", "causal_attention", "clone_model",
+           "count_targets", "weighted_mean_loss"]
 
 
 # ----------------------------------------------------------------------------- config
@@ -311,3 +312,22 @@ M = TypeVar("M", bound=nn.Module)
 def clone_model(model: M) -> M:
     """An independent copy with equal values (``copy.deepcopy``; tied weights stay tied)."""
     return copy.deepcopy(model)
+
+
+# ----------------------------------------------------------------------------- the mean over many ranks' tokens
+# (every technique that spreads one batch's tokens over ranks divides by their global count: data, pipeline,
+# context and tensor parallel alike)
+def count_targets(targets: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+    """Number of targets that are not `ignore_index`: the denominator of the "mean" reduction. () int64."""
+    return (targets != ignore_index).sum()
+
+
+def weighted_mean_loss(loss_fn, logits: torch.Tensor, targets: torch.Tensor, n: int, weight: float) -> torch.Tensor:
+    """``loss_fn(logits, targets) * weight`` for a mean loss over the `n` non-ignored targets (GPT.loss, or
+    the vocab-parallel mean). With weight = n * D / N_global on each of D ranks whose gradients are averaged
+    afterwards, every rank's share is D * (its sum) / N_global, so the average is the global mean over the
+    N_global tokens of all ranks, whatever their padding. n == 0: a zero that still reaches the logits, so
+    backward gives zero gradients instead of the nan of an empty mean."""
+    if n == 0:
+        return logits.sum() * 0.0                                      # ()
+    return loss_fn(logits, targets) * weight                           # ()

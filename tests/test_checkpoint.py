@@ -1,4 +1,4 @@
-"""Sharded checkpoints (parlab.checkpoint, FSDP and ZeRO save/load): exact resharding across world sizes,
+"""Sharded checkpoints (parlab.parallel.zero.checkpoint, FSDP and ZeRO save/load): exact resharding across world sizes,
 and one case per fault: each damaged checkpoint raises CheckpointError naming the file and what is wrong."""
 import os
 import shutil
@@ -7,12 +7,13 @@ import pytest
 import torch
 
 import parlab
-from parlab import checkpoint, comm
-from parlab.checkpoint import CheckpointError
+from parlab import comm
+from parlab.parallel.zero import checkpoint
+from parlab.parallel.zero import CheckpointError
 from parlab.data import BatchSampler, load_corpus
-from parlab.fsdp import FullyShardedDataParallel as FSDP
+from parlab.parallel.zero import FullyShardedDataParallel as FSDP
 from parlab.models import GPT, GPTConfig
-from parlab.zero import ShardedOptimizer
+from parlab.parallel.zero import ShardedOptimizer
 
 CFG = GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=2, n_embd=32)
 BATCH = 8

@@ -3,7 +3,8 @@ import torch
 import torch.distributed as dist
 
 import parlab
-from parlab import comm, comm_strict
+from parlab import comm
+from parlab.comm import strict as comm_strict
 
 
 def _violations():

@@ -15,7 +15,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from parlab import cli, comm, course, formulas, grading
+from parlab import cli, comm, course
+from parlab.cluster import formulas
+from parlab.course import grading
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -17,8 +17,8 @@ import torch.nn as nn
 
 import parlab
 from parlab.data import BatchSampler, load_corpus
-from parlab.data_parallel import NAIVE_PHASES, DistributedDataParallel, NaiveDataParallel, traffic_by_phase
-from parlab.dp_comm import assign_buckets
+from parlab.parallel.data import NAIVE_PHASES, DistributedDataParallel, NaiveDataParallel, traffic_by_phase
+from parlab.parallel.data import assign_buckets
 from parlab.models import GPT, GPTConfig
 
 TOL = dict(rtol=1e-9, atol=1e-11)   # see the module docstring

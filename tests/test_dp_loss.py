@@ -1,15 +1,15 @@
-"""parlab.dp_loss: with unevenly padded targets, DDP / ZeRO / FSDP given `global_mean_loss` take the dense
+"""parlab.parallel.data.loss: with unevenly padded targets, DDP / ZeRO / FSDP given `global_mean_loss` take the dense
 model's step on the whole batch; each rank's own mean loss does not."""
 import pytest
 import torch
 
 import parlab
 from parlab import comm
-from parlab.data_parallel import DistributedDataParallel
-from parlab.dp_loss import global_mean_loss, global_target_count
-from parlab.fsdp import FullyShardedDataParallel
+from parlab.parallel.data import DistributedDataParallel
+from parlab.parallel.data import global_mean_loss, global_target_count
+from parlab.parallel.zero import FullyShardedDataParallel
 from parlab.models import GPT, GPTConfig
-from parlab.zero import ShardedOptimizer
+from parlab.parallel.zero import ShardedOptimizer
 
 CFG = GPTConfig(vocab_size=32, seq_len=8, n_layer=2, n_head=2, n_embd=16)
 

@@ -16,7 +16,8 @@ import torch.distributed as dist
 
 import parlab
 from parlab import RankError, RankKilled, RankTimeout, cli, launch
-from parlab.data_parallel import DistributedDataParallel
+from parlab.launch import child
+from parlab.parallel.data import DistributedDataParallel
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
@@ -31,17 +32,17 @@ def _ddp(**kw):
 
 
 def _column_zero():
-    from parlab.tensor_parallel import ColumnParallelLinear
+    from parlab.parallel.tensor import ColumnParallelLinear
     return ColumnParallelLinear(0, 4)
 
 
 def _row_zero():
-    from parlab.tensor_parallel import RowParallelLinear
+    from parlab.parallel.tensor import RowParallelLinear
     return RowParallelLinear(4, 0)
 
 
 def _embedding_negative():
-    from parlab.tensor_parallel import VocabParallelEmbedding
+    from parlab.parallel.tensor import VocabParallelEmbedding
     return VocabParallelEmbedding(8, -1)
 
 
@@ -76,9 +77,9 @@ BAD_ARGS = [  # (case, call, exception, message)
     ("DDP bucket_cap_mb=0", lambda: _ddp(bucket_cap_mb=0), ValueError, "bucket_cap_mb must be a positive"),
     ("DDP bucket_cap_mb=-1", lambda: _ddp(bucket_cap_mb=-1), ValueError, "bucket_cap_mb must be a positive"),
     ("DDP bucket_cap_mb=True", lambda: _ddp(bucket_cap_mb=True), ValueError, "bucket_cap_mb must be a positive"),
-    ("schedule microbatches=0", lambda: __import__("parlab.schedules").schedules.gpipe(2, 0), ValueError,
+    ("schedule microbatches=0", lambda: __import__("parlab.parallel.pipeline").schedules.gpipe(2, 0), ValueError,
      "microbatches must be a positive integer"),
-    ("schedule stages=-1", lambda: __import__("parlab.schedules").schedules.one_f_one_b(-1, 4), ValueError,
+    ("schedule stages=-1", lambda: __import__("parlab.parallel.pipeline").schedules.one_f_one_b(-1, 4), ValueError,
      "stages must be a positive integer"),
     ("GPTConfig n_layer=0", lambda: parlab.models.GPTConfig(n_layer=0), ValueError, "n_layer must be a positive"),
     ("BatchSampler batch_size=0", lambda: parlab.data.BatchSampler(torch.arange(100), 0, 8), ValueError,
@@ -87,7 +88,7 @@ BAD_ARGS = [  # (case, call, exception, message)
      "batch_size must be a positive integer, got True"),
     ("BatchSampler seq_len=8.0", lambda: parlab.data.BatchSampler(torch.arange(100), 4, 8.0), ValueError,
      "seq_len must be a positive integer, got 8.0"),
-    ("ParallelGrid tp=0", lambda: parlab.topology.ParallelGrid(4, tp=0), ValueError, "tp must be a positive int"),
+    ("ParallelGrid tp=0", lambda: parlab.parallel.topology.ParallelGrid(4, tp=0), ValueError, "tp must be a positive int"),
     ("ColumnParallelLinear in_features=0", lambda: _in_one_rank(_column_zero), RankError,
      "in_features must be a positive integer, got 0"),
     ("RowParallelLinear out_features=0", lambda: _in_one_rank(_row_zero), RankError,
@@ -101,7 +102,7 @@ BAD_ARGS = [  # (case, call, exception, message)
 def test_bad_argument_is_refused_up_front(case, call, exc, message):
     import parlab.data  # noqa: F401  (the cases reach these modules through the parlab package)
     import parlab.models  # noqa: F401
-    import parlab.topology  # noqa: F401
+    import parlab.parallel.topology  # noqa: F401
     with pytest.raises(exc, match=message):
         call()
 
@@ -304,10 +305,10 @@ class _Probe:
 def test_nccl_rank_sets_its_device_before_unpickling_the_arguments(monkeypatch):
     _order.clear()
     monkeypatch.setattr(torch.cuda, "set_device", lambda d: _order.append(f"set_device {d}"))
-    device, payload = launch._prepare(3, "nccl", pickle.dumps((_noop, (_Probe(),), {})))
+    device, payload = child._prepare(3, "nccl", pickle.dumps((_noop, (_Probe(),), {})))
     assert _order == ["set_device 3", "unpickled"] and device == torch.device("cuda", 3)
     _order.clear()
-    assert launch._prepare(3, "gloo", pickle.dumps((_noop, (_Probe(),), {})))[0] is None
+    assert child._prepare(3, "gloo", pickle.dumps((_noop, (_Probe(),), {})))[0] is None
     assert _order == ["unpickled"]
 
 

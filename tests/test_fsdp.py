@@ -10,8 +10,8 @@ import torch.nn as nn
 import parlab
 from parlab import comm
 from parlab.data import BatchSampler, load_corpus
-from parlab.fsdp import FullyShardedDataParallel as FSDP
-from parlab.memory import gathered_timeline
+from parlab.parallel.zero import FullyShardedDataParallel as FSDP
+from parlab.parallel.zero import gathered_timeline
 from parlab.models import GPT, GPTConfig, clone_model
 from toy_models import Toy
 
@@ -301,7 +301,7 @@ def test_tied_across_units_is_a_clear_error():
 
 def _backward_bytes():
     """Bytes the memory-bound ops of one backward move (the replay's meter), plain GPT against FSDP (1 rank)."""
-    from parlab.replay_meter import CostMeter
+    from parlab.trace.meter import CostMeter
     x, y = torch.randint(CFG.vocab_size, (2, CFG.seq_len)), torch.randint(CFG.vocab_size, (2, CFG.seq_len))
     out = {}
     for name, model in (("plain", GPT(CFG, seed=0)), ("fsdp", FSDP(GPT(CFG, seed=0)))):

@@ -41,7 +41,7 @@ def _rows(t, n, r):
 
 # ----------------------------------------------------------------------------- one strategy each, on every rank
 def _ddp():
-    from parlab.data_parallel import DistributedDataParallel
+    from parlab.parallel.data import DistributedDataParallel
     n, r = comm.get_world_size(), comm.get_rank()
     model = DistributedDataParallel(_gpt())
     for x, y in _batches():
@@ -50,7 +50,7 @@ def _ddp():
 
 
 def _zero(stage):
-    from parlab.zero import ShardedOptimizer
+    from parlab.parallel.zero import ShardedOptimizer
     n, r = comm.get_world_size(), comm.get_rank()
     model = _gpt()
     opt = ShardedOptimizer(model.parameters(), torch.optim.SGD, stage=stage, lr=LR)
@@ -62,7 +62,7 @@ def _zero(stage):
 
 def _zero_backward_after_reduce(stage):
     """A backward between reduce_gradients() and step() cannot be accumulated: a clear error, on every rank."""
-    from parlab.zero import ShardedOptimizer
+    from parlab.parallel.zero import ShardedOptimizer
     model = _gpt()
     opt = ShardedOptimizer(model.parameters(), torch.optim.SGD, stage=stage, lr=LR)
     (x, y), (x2, y2) = _batches()
@@ -77,7 +77,7 @@ def _zero_backward_after_reduce(stage):
 
 
 def _fsdp():
-    from parlab.fsdp import FullyShardedDataParallel
+    from parlab.parallel.zero import FullyShardedDataParallel
     n, r = comm.get_world_size(), comm.get_rank()
     model = FullyShardedDataParallel(_gpt())
     opt = torch.optim.SGD(model.parameters(), lr=LR)
@@ -90,7 +90,7 @@ def _fsdp():
 def _tp(sp, pattern):
     """pattern: 'sync each' (backward + sync, k times), 'sync once' (k backwards, one sync), 'zero in place'
     (backward, sync, zero_grad(set_to_none=False), backward, sync: only the last batch's gradient)."""
-    from parlab.tensor_parallel import dense_grads, parallelize_gpt, sync_sequence_parallel_grads
+    from parlab.parallel.tensor import dense_grads, parallelize_gpt, sync_sequence_parallel_grads
     model = parallelize_gpt(_gpt(), sequence_parallel=sp)
     for i, (x, y) in enumerate(_batches()):
         if pattern == "zero in place" and i == K - 1:
@@ -104,8 +104,8 @@ def _tp(sp, pattern):
 
 
 def _pipeline(name):
-    from parlab import schedules as sch
-    from parlab.pipeline_parallel import PipelineParallel
+    from parlab.parallel import pipeline as sch
+    from parlab.parallel.pipeline import PipelineParallel
     p = comm.get_world_size()
     schedule = {"1f1b": lambda: sch.one_f_one_b(p, p), "interleaved": lambda: sch.interleaved_1f1b(p, 2 * p, 2),
                 "zb-h1": lambda: sch.zero_bubble_h1(p, p), "gpipe": lambda: sch.gpipe(p, p)}[name]()
@@ -116,10 +116,10 @@ def _pipeline(name):
 
 
 def _pipeline_dp():
-    from parlab import schedules as sch
-    from parlab.groups import build_groups
-    from parlab.pipeline_parallel import PipelineParallel
-    from parlab.topology import ParallelGrid
+    from parlab.parallel import pipeline as sch
+    from parlab.parallel.groups import build_groups
+    from parlab.parallel.pipeline import PipelineParallel
+    from parlab.parallel.topology import ParallelGrid
     pg = build_groups(ParallelGrid(4, pp=2, dp=2), dims=("dp", "pp"))
     d = pg.coords["dp"]
     pp = PipelineParallel(_gpt(), sch.one_f_one_b(2, 2), group=pg.pp, dp_group=pg.dp)
@@ -129,7 +129,7 @@ def _pipeline_dp():
 
 
 def _cp(attention):
-    from parlab.sequence_parallel import ContextParallelGPT
+    from parlab.parallel.context import ContextParallelGPT
     cp = ContextParallelGPT(_gpt(), attention=attention, layout="zigzag")
     for x, y in _batches():
         cp(cp.shard(x), cp.shard(y))[1].backward()
@@ -138,9 +138,9 @@ def _cp(attention):
 
 
 def _hybrid(tp, cp, pp, **kw):
-    from parlab.groups import build_groups
-    from parlab.hybrid import build_hybrid
-    from parlab.topology import ParallelGrid
+    from parlab.parallel.groups import build_groups
+    from parlab.parallel.hybrid import build_hybrid
+    from parlab.parallel.topology import ParallelGrid
     grid = ParallelGrid(comm.get_world_size(), tp=tp, cp=cp, pp=pp)
     h = build_hybrid(_gpt(), build_groups(grid, dims=("tp", "cp", "pp", "dp-cp")), optimizer_cls=torch.optim.SGD,
                      lr=LR, **kw)

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from parlab import comm
-from parlab.fsdp import FullyShardedDataParallel
-from parlab.grading import fsdp as grading
+from parlab.parallel.zero import FullyShardedDataParallel
+from parlab.course.grading import fsdp as grading
 
 
 def gather_full(shard):

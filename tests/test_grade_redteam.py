@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from parlab import cli, course
-from parlab.grader.collect import collect, released_exercises
+from parlab.course.grader.collect import collect, released_exercises
 
 ROOT = Path(__file__).resolve().parents[1]
 CPU_LIMIT = 2          # seconds of CPU per check and rank: the solutions' ranks need well under one (they wait)
@@ -98,7 +98,7 @@ HOG = f"""def {RS}(chunks):
     hog = torch.empty(2 ** 32)                                     # 16 GiB at once, far over the grader's limit
 """
 GRID = """def {name}(world_size, tp, pp):
-    from parlab.topology import ParallelGrid
+    from parlab.parallel.topology import ParallelGrid
     return ParallelGrid(world_size, tp=tp, pp=pp).groups("{dim}")
 """
 LOCAL_SUM = """def all_reduce_in_dp_group(x, tp, pp):
@@ -196,15 +196,17 @@ def test_summary_and_json_record(graded):
 
 # ---------------------------------------------------------------------- calling parlab's answer, every exercise
 def _cheats():
-    from parlab import memory, ring_attention, schedules
-    from parlab.dp_comm import assign_buckets
-    from parlab.fsdp import FullyShardedDataParallel
-    from parlab.grading import (context_parallel, data_parallel, fsdp, hybrid, pipeline, sequence_parallel,
+    from parlab.parallel.zero import memory
+    from parlab.parallel.context import ring as ring_attention
+    from parlab.parallel import pipeline as schedules
+    from parlab.parallel.data import assign_buckets
+    from parlab.parallel.zero import FullyShardedDataParallel
+    from parlab.course.grading import (context_parallel, data_parallel, fsdp, hybrid, pipeline, sequence_parallel,
                                 tensor_parallel, zero)
-    from parlab.sequence_parallel import seq_to_head
-    from parlab.tensor_parallel import vocab_parallel_cross_entropy
-    from parlab.topology import ParallelGrid
-    import parlab.grading as g0
+    from parlab.parallel.context import seq_to_head
+    from parlab.parallel.tensor import vocab_parallel_cross_entropy
+    from parlab.parallel.topology import ParallelGrid
+    import parlab.course.grading as g0
 
     class CE(torch.autograd.Function):
         @staticmethod
@@ -241,7 +243,7 @@ def test_calling_the_reference_fails_in_every_exercise(k):
 
 
 def test_rebinding_parlab_internals_is_reported_as_tampered():
-    import parlab.grading as g0
+    import parlab.course.grading as g0
     from parlab import comm as parlab_comm
     original = torch.equal, parlab_comm.isend
     for target, name in ((torch, "equal"), (parlab_comm, "isend")):
@@ -258,7 +260,7 @@ def test_rebinding_parlab_internals_is_reported_as_tampered():
 def test_cells_that_lost_their_metadata_are_matched_by_cell_id():
     """An answered notebook whose nbgrader metadata was dropped (some editors do; or a solution notebook handed in)
     keeps its answers and its graded cells: they are matched to the release by the stable cell id."""
-    from parlab.grader.collect import restore
+    from parlab.course.grader.collect import restore
     stem = "00_ring_allreduce"
     released = course.read(ROOT / "exercises" / f"{stem}.ipynb")
     sub = answered(stem)

@@ -22,13 +22,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from parlab import comm, memory, schedules, topology
-from parlab import ring_attention as ra
-from parlab import sequence_parallel as sp
-from parlab.dp_comm import assign_buckets
-from parlab.grading import (context_parallel as g06, data_parallel as g02, fsdp as g09, hybrid as g07,
+from parlab import comm
+from parlab.parallel.zero import memory
+from parlab.parallel import pipeline as schedules
+from parlab.parallel import topology
+from parlab.parallel.context import ring as ra
+from parlab.parallel.context import ulysses as sp
+from parlab.parallel.data import assign_buckets
+from parlab.course.grading import (context_parallel as g06, data_parallel as g02, fsdp as g09, hybrid as g07,
                             pipeline as g05, sequence_parallel as g08, tensor_parallel as g04, zero as g03)
-from parlab.grading import guard
+from parlab.course.grading import guard
 
 
 # ---------------------------------------------------------------------- 02 DDP
@@ -74,10 +77,10 @@ def _exec_source(fn):
 
 
 def buckets_reloaded(nbytes, cap_bytes):
-    return _fresh_module("parlab.dp_comm").assign_buckets(nbytes, ["x"] * len(nbytes), cap_bytes)
+    return _fresh_module("parlab.parallel.data.buckets").assign_buckets(nbytes, ["x"] * len(nbytes), cap_bytes)
 
 
-_RELOADED_BEFORE = _fresh_module("parlab.dp_comm").assign_buckets
+_RELOADED_BEFORE = _fresh_module("parlab.parallel.data.buckets").assign_buckets
 _EXECED_BEFORE = _exec_source(assign_buckets)
 
 
@@ -325,11 +328,11 @@ class CrossEntropyGathersLogits(torch.autograd.Function):
         return grad.chunk(ctx.n, -1)[ctx.r], None, None
 
 
-class CrossEntropySubclass(__import__("parlab.tp_loss", fromlist=["x"])._VocabParallelCrossEntropy):
+class CrossEntropySubclass(__import__("parlab.parallel.tensor.loss", fromlist=["x"])._VocabParallelCrossEntropy):
     pass
 
 
-_PRIVATE_CE = __import__("parlab.tp_loss", fromlist=["x"])._VocabParallelCrossEntropy
+_PRIVATE_CE = __import__("parlab.parallel.tensor.loss", fromlist=["x"])._VocabParallelCrossEntropy
 
 
 class CrossEntropyPrivate(torch.autograd.Function):
@@ -365,7 +368,7 @@ def one_f_one_b_from_dict(p, m, r):
 
 
 def one_f_one_b_reloaded(p, m, r):
-    return list(_fresh_module("parlab.schedules").one_f_one_b(p, m).actions[r])
+    return list(_fresh_module("parlab.parallel.pipeline").one_f_one_b(p, m).actions[r])
 
 
 SEEN_BUBBLES = {(p, m, v): (p - 1) / (v * m + p - 1) for p, m, v in g05.BUBBLE_CASES}
@@ -450,13 +453,13 @@ def groups_4d_prebuilt(world, tp, cp, pp):
 
 
 def choose_layout_by_planner():
-    from parlab.costs import Cluster, preset
-    from parlab.planner import plan
+    from parlab.cluster.costs import Cluster, preset
+    from parlab.cluster.planner import plan
     best = plan(preset("llama-65b"), Cluster(nodes=4), 128)[0]
     return dict(tp=best.tp, pp=best.pp, micro_batch=best.micro_batch, zero=best.zero, recompute=best.recompute)
 
 
-_PLAN = __import__("parlab.planner", fromlist=["x"]).plan
+_PLAN = __import__("parlab.cluster.planner", fromlist=["x"]).plan
 
 
 def search_layout_default_arg(model, cluster, global_batch, _plan=_PLAN):
@@ -466,7 +469,7 @@ def search_layout_default_arg(model, cluster, global_batch, _plan=_PLAN):
 
 def _seen_layouts():
     """The answers printed by a passing run, for each public task (what a student could copy)."""
-    from parlab import planner
+    from parlab.cluster import planner
     out = {}
     for name, cluster, batch in g07.SEARCH_TASKS:
         best = planner.plan(g07._model(name), cluster, batch)[0]
@@ -494,8 +497,8 @@ def seq_to_head_untraced(x):
 
 
 def seq_to_head_fresh_module(x):
-    """A freshly imported copy of parlab.sequence_parallel, made inside the rank while the check runs."""
-    return _fresh_module("parlab.sequence_parallel").seq_to_head(x)
+    """A freshly imported copy of parlab.parallel.context.ulysses, made inside the rank while the check runs."""
+    return _fresh_module("parlab.parallel.context.ulysses").seq_to_head(x)
 
 
 def ulysses_private_function(q, k, v):
@@ -559,7 +562,7 @@ class FSDPKeepsFullInAGlobal(torch.autograd.Function):
 
 
 def fsdp_private(x, shard):
-    from parlab import fsdp as pf
+    from parlab.parallel.zero import fsdp as pf
     flat = pf._Flat.__new__(pf._Flat)
     return pf._GatherParams.apply(shard, flat, None)
 
@@ -695,7 +698,7 @@ CHEATS = [
      lambda: g05.check_1f1b_reference(one_f_one_b_hard_coded), r"1F1B for p=\d+, m=\d+, rank \d+"),
     ("05", "1F1B: parlab's one_f_one_b from a dict of schedules",
      lambda: g05.check_1f1b_reference(one_f_one_b_from_dict), CALLED.format("one_f_one_b")),
-    ("05", "1F1B: a freshly imported copy of parlab.schedules",
+    ("05", "1F1B: a freshly imported copy of parlab.parallel.pipeline",
      lambda: g05.check_1f1b_reference(one_f_one_b_reloaded), CALLED.format("one_f_one_b")),
     ("05", "bubble: the public cases' values hard-coded",
      lambda: g05.check_bubble_of_step(bubble_hard_coded), r"bubble_of_step\(p=\d+, m=\d+, v=\d+\) returned"),
@@ -718,16 +721,16 @@ CHEATS = [
      lambda: g07.check_groups_4d(groups_4d_subclass), CALLED.format("ParallelGrid")),
     ("07", "groups: ParallelGrid objects built before the check",
      lambda: g07.check_groups_4d(groups_4d_prebuilt), CALLED.format("ParallelGrid")),
-    ("07", "layout: parlab.planner.plan's best layout",
+    ("07", "layout: parlab.cluster.planner.plan's best layout",
      lambda: g07.check_layout(choose_layout_by_planner), CALLED.format("(plan|enumerate_layouts)")),
-    ("07", "search: parlab.planner.plan as a default argument",
+    ("07", "search: parlab.cluster.planner.plan as a default argument",
      lambda: g07.check_layout_search(search_layout_default_arg), r"(called parlab's plan|planner\.plan)"),
     ("07", "search: the layouts printed by a passing run, hard-coded",
      lambda: (SEEN_LAYOUTS.update(_seen_layouts()), g07.check_layout_search(search_layout_hard_coded)),
      r"search_layout\("),
     ("08", "seq_to_head: torch.distributed.all_to_all_single (untraced)",
      lambda: g08.check_seq_to_head(seq_to_head_untraced, world_sizes=(2,)), UNTRACED.format("all_to_all_single")),
-    ("08", "seq_to_head: a freshly imported parlab.sequence_parallel, inside the ranks",
+    ("08", "seq_to_head: a freshly imported parlab.parallel.context.ulysses, inside the ranks",
      lambda: g08.check_seq_to_head(seq_to_head_fresh_module, world_sizes=(2,)),
      r"you called parlab's .*\bseq_to_head; write your own"),
     ("08", "attention: parlab's private _SeqToHead / _HeadToSeq",

@@ -5,9 +5,9 @@ import pytest
 import torch
 
 from parlab import comm
-from parlab.grading import sequence_parallel as grading
+from parlab.course.grading import sequence_parallel as grading
 from parlab.models import causal_attention
-from parlab.sequence_parallel import ulysses_attention as parlabs_ulysses
+from parlab.parallel.context import ulysses_attention as parlabs_ulysses
 
 
 # ---------------------------------------------------------------------- reference answers (as in the solution)

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from parlab import comm
-from parlab import ring_attention as ra
-from parlab.grading import context_parallel as grading
+from parlab.parallel.context import ring as ra
+from parlab.course.grading import context_parallel as grading
 
 
 # ---------------------------------------------------------------------- reference answers (as in the solution)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from parlab import comm
-from parlab.grading import data_parallel as grading
+from parlab.course.grading import data_parallel as grading
 from parlab.viz import data_parallel as dpviz
 from parlab.viz import from_records
 

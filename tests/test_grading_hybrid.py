@@ -3,11 +3,11 @@ them (another rank order, cp left out, one dimension's groups for another, a lay
 parallelism across nodes, a slow layout, calling the planner's own search). Pure arithmetic: about a second."""
 import pytest
 
-from parlab import planner
-from parlab.costs import Cluster
-from parlab.grading import hybrid as grading
-from parlab.planner import estimate
-from parlab.topology import ParallelGrid
+from parlab.cluster import planner
+from parlab.cluster.costs import Cluster
+from parlab.course.grading import hybrid as grading
+from parlab.cluster.planner import estimate
+from parlab.parallel.topology import ParallelGrid
 
 
 # ---------------------------------------------------------------------- reference answers (as in the solution)

@@ -7,8 +7,8 @@ other convention, v ignored, a percentage.
 """
 import pytest
 
-from parlab import schedules as sch
-from parlab.grading import pipeline as grading
+from parlab.parallel import pipeline as sch
+from parlab.course.grading import pipeline as grading
 from parlab.viz import pipeline as vp
 
 

@@ -5,8 +5,9 @@ that names the problem. Also the lesson's figures (parlab.viz.memory)."""
 import pytest
 import torch
 
-from parlab import comm, memory
-from parlab.grading import zero as grading
+from parlab import comm
+from parlab.parallel.zero import memory
+from parlab.course.grading import zero as grading
 from parlab.viz.memory import fit_curves, gathered_figure, memory_bars
 
 

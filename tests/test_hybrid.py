@@ -1,14 +1,14 @@
-"""4D hybrid parallelism (parlab.hybrid) on 8 simulated ranks vs one process on the same global batch."""
+"""4D hybrid parallelism (parlab.parallel.hybrid) on 8 simulated ranks vs one process on the same global batch."""
 import re
 
 import pytest
 import torch
 
 import parlab
-from parlab.groups import build_groups
-from parlab.hybrid import build_hybrid, check_layout, group_dim, make_schedule, traffic_by_dim
+from parlab.parallel.groups import build_groups
+from parlab.parallel.hybrid import build_hybrid, check_layout, group_dim, make_schedule, traffic_by_dim
 from parlab.models import GPT, GPTConfig
-from parlab.topology import ParallelGrid
+from parlab.parallel.topology import ParallelGrid
 
 from p2p_order import assert_mirrored_p2p
 

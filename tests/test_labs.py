@@ -49,7 +49,7 @@ def check_trace(trace, ranks):
 @pytest.mark.parametrize("name,ranks,options", RUNS, ids=[f"{n}-{r}ranks{''.join(o[-2:])}" for n, r, o in RUNS])
 def test_lab_runs_under_torchrun(name, ranks, options, tmp_path):
     out, trace = run_lab(name, ranks, options, tmp_path)
-    backend = "nccl" if torch.cuda.is_available() else "gloo"   # --backend auto (parlab.torchrun.init)
+    backend = "nccl" if torch.cuda.is_available() else "gloo"   # --backend auto (parlab.launch.torchrun.init)
     summary = re.search(rf"^summary: lab=(\w+) world=(\d+) backend={backend} steps=2 loss=([\d.]+) "
                         r"tokens/s=(\d+) max_mem/rank=([\d.]+) MB", out, re.M)
     assert summary, out[-2000:]
@@ -104,10 +104,10 @@ def test_gpu_check_rejects_bad_arguments(argv, message, capsys):
 @pytest.mark.parametrize("gpus", [1, 2, 4, 8])
 def test_gpu_check_plan_covers_every_lab_with_options_each_lab_accepts(gpus, capsys):
     import importlib
-    from parlab.hybrid import check_layout, make_schedule
+    from parlab.parallel.hybrid import check_layout, make_schedule
     from parlab.labs import gpu_check, parser
     from parlab.models import GPTConfig
-    from parlab.topology import ParallelGrid
+    from parlab.parallel.topology import ParallelGrid
     runs = gpu_check.plan(gpus, "small", 20)
     assert {r.lab for r in runs} == set(LABS)
     for r in runs:

@@ -6,10 +6,10 @@ import torch
 import parlab
 from parlab import comm
 from parlab.data import BatchSampler, load_corpus
-from parlab.fsdp import FullyShardedDataParallel as FSDP
-from parlab.memory import comm_elements, max_params, measure, model_state_bytes, transformer_params
+from parlab.parallel.zero import FullyShardedDataParallel as FSDP
+from parlab.parallel.zero import comm_elements, max_params, measure, model_state_bytes, transformer_params
 from parlab.models import GPT, GPTConfig
-from parlab.zero import ShardedOptimizer, iter_owned
+from parlab.parallel.zero import ShardedOptimizer, iter_owned
 
 CFG = GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=2, n_embd=32)
 GB = 1e9
@@ -117,7 +117,7 @@ def test_measured_bytes_match_the_formulas():
 
 
 def test_min_dp_size_for_real_models():
-    from parlab.memory import min_dp_size
+    from parlab.parallel.zero import min_dp_size
     gpu = 80e9
     # model states only (16-bit Adam): DP never fits 7B (112 GB); ZeRO-1/2 keep 4 psi / 2 psi whole on every GPU
     assert [min_dp_size(7e9, gpu, s) for s in range(4)] == [None, 2, 2, 2]

@@ -7,16 +7,15 @@ import torch
 
 import parlab
 from parlab import comm
-from parlab import schedules as sch
+from parlab.parallel import pipeline as sch
 from parlab.data import BatchSampler, load_corpus
-from parlab.fsdp import FullyShardedDataParallel
-from parlab.groups import build_groups
-from parlab.hybrid import build_hybrid
-from parlab.memory import tensor_bytes
+from parlab.parallel.zero import FullyShardedDataParallel
+from parlab.parallel.groups import build_groups
+from parlab.parallel.hybrid import build_hybrid
 from parlab.models import GPT, GPTConfig
-from parlab.pipeline_parallel import PipelineParallel, split_layers
-from parlab.topology import ParallelGrid
-from parlab.torchrun import Context
+from parlab.parallel.pipeline import PipelineParallel, split_layers
+from parlab.parallel.topology import ParallelGrid
+from parlab.launch import Context
 
 CFG = GPTConfig(vocab_size=32, seq_len=8, n_layer=4, n_head=2, n_embd=16)
 
@@ -40,7 +39,7 @@ def _stage_bytes(cfg, stages, n_stages):
         if name == "lm_head.weight" and cfg.tie_embeddings and 0 in stages:
             continue                                                       # the same tensor as wte.weight
         if first or last or any(name.startswith(k) for k in keep):
-            total += tensor_bytes(p)
+            total += p.nbytes
     return total
 
 

@@ -9,15 +9,15 @@ import torch
 import parlab
 from parlab import comm
 from parlab import models as models_mod
-from parlab.fsdp import FullyShardedDataParallel
-from parlab.groups import build_groups
-from parlab.hybrid import build_hybrid
+from parlab.parallel.zero import FullyShardedDataParallel
+from parlab.parallel.groups import build_groups
+from parlab.parallel.hybrid import build_hybrid
 from parlab.meta_init import init_value, materialize, meta_parameters
 from parlab.models import GPT, GPTConfig
-from parlab.pipeline_parallel import PipelineParallel
-from parlab.schedules import one_f_one_b
-from parlab.tensor_parallel import parallelize_gpt
-from parlab.topology import ParallelGrid
+from parlab.parallel.pipeline import PipelineParallel
+from parlab.parallel.pipeline import one_f_one_b
+from parlab.parallel.tensor import parallelize_gpt
+from parlab.parallel.topology import ParallelGrid
 
 CFG = GPTConfig(vocab_size=64, seq_len=16, n_layer=4, n_head=4, n_embd=32)
 

@@ -8,11 +8,11 @@ import torch
 import parlab
 from parlab import comm
 from parlab.data import BatchSampler, load_corpus
-from parlab.fsdp import FullyShardedDataParallel
+from parlab.parallel.zero import FullyShardedDataParallel
 from parlab.labs import Lab, parser
-from parlab.mixed_precision import LossScaler
+from parlab.parallel.zero import LossScaler
 from parlab.models import GPT, GPTConfig
-from parlab.torchrun import Context
+from parlab.launch import Context
 
 CFG = GPTConfig(vocab_size=32, seq_len=8, n_layer=2, n_head=2, n_embd=16)
 

@@ -1,16 +1,16 @@
 """The pipeline's posting order under NCCL's rules: one serialised rendezvous p2p queue per rank.
 
-Pure tests run the model in parlab.p2p_plan; the rank tests run the real executor over gloo with the shim in
+Pure tests run the model in parlab.parallel.pipeline.plan; the rank tests run the real executor over gloo with the shim in
 tests/serialised_p2p.py, which enforces the same rules, and compare with the unsplit model."""
 import pytest
 import torch
 import torch.distributed as dist
 
 import parlab
-from parlab import schedules as sch
-from parlab.p2p_plan import Post, check_serialised, merged_plan, pair_plans, serialised_run
+from parlab.parallel import pipeline as sch
+from parlab.parallel.pipeline.plan import Post, check_serialised, merged_plan, pair_plans, serialised_run
 from parlab.models import GPT
-from parlab.pipeline_parallel import PipelineParallel
+from parlab.parallel.pipeline import PipelineParallel
 from serialised_p2p import serialised_p2p
 from test_pipeline_parallel import CFG, _batch, _check
 
@@ -54,7 +54,7 @@ def test_per_pair_order_deadlocks_interleaved_schedules_on_one_queue_per_rank():
 
 def check_serialised_with_plan_reversed():
     """A plan whose sends come out of program order cannot be posted: the model says so."""
-    import parlab.p2p_plan as pp
+    import parlab.parallel.pipeline.plan as pp
     s = sch.one_f_one_b(2, 3)
     orig = pp.merged_plan
     pp.merged_plan = lambda sc, r: list(reversed(orig(sc, r)))

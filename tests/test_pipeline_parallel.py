@@ -3,11 +3,11 @@ import pytest
 import torch
 
 import parlab
-from parlab import schedules as sch
-from parlab.groups import build_groups
+from parlab.parallel import pipeline as sch
+from parlab.parallel.groups import build_groups
 from parlab.models import GPT, GPTConfig
-from parlab.pipeline_parallel import PipelineParallel, measured_bubble, measured_costs, measured_spans, split_layers
-from parlab.topology import ParallelGrid
+from parlab.parallel.pipeline import PipelineParallel, measured_bubble, measured_costs, measured_spans, split_layers
+from parlab.parallel.topology import ParallelGrid
 from p2p_order import assert_mirrored_p2p
 
 CFG = GPTConfig(vocab_size=32, seq_len=8, n_layer=8, n_head=2, n_embd=16)

@@ -4,12 +4,12 @@ Megatron's published GPT-3 175B run (Narayanan et al., arXiv:2104.04473, table 1
 import pytest
 import torch
 
-from parlab.costs import Cluster, ModelSpec, activation_bytes_per_layer, from_gpt_config, preset
-from parlab.memory import measure, transformer_params
+from parlab.cluster.costs import Cluster, ModelSpec, activation_bytes_per_layer, from_gpt_config, preset
+from parlab.parallel.zero import measure, transformer_params
 from parlab.models import GPT, GPTConfig
-from parlab.planner import enumerate_layouts, estimate, explain, format_table, main, plan, tiny_state_bytes, \
+from parlab.cluster.planner import enumerate_layouts, estimate, explain, format_table, main, plan, tiny_state_bytes, \
     volume_table
-from parlab.topology import ParallelGrid
+from parlab.parallel.topology import ParallelGrid
 
 GB = 1e9
 GPT3 = preset("gpt3-175b")

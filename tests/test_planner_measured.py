@@ -2,7 +2,7 @@
 model against parlab's own measured bytes on the tiny GPT for several layouts, ratio reported").
 
 For each layout, 8 simulated ranks build the tiny GPT with `build_hybrid` (float32, AdamW), run one training
-step and count, with `parlab.memory.measure`, the bytes they hold in parameters, gradients and optimizer state
+step and count, with `parlab.parallel.zero.memory.measure`, the bytes they hold in parameters, gradients and optimizer state
 (after the step, so AdamW's state exists and the gradients are still there). The planner's number is
 `planner.tiny_state_bytes(cfg, tp, pp, dp, zero)`: 4 + 4 + 8 bytes per parameter of the *fullest* rank's stage
 (`ModelSpec.stage_params`: the stage's layers + the embedding on the first stage, or the head + its copy of the
@@ -45,15 +45,15 @@ import pytest
 import torch
 
 import parlab
-from parlab.costs import from_gpt_config
-from parlab.groups import build_groups
-from parlab.hybrid import build_hybrid
-from parlab.memory import measure, model_state_bytes
+from parlab.cluster.costs import from_gpt_config
+from parlab.parallel.groups import build_groups
+from parlab.parallel.hybrid import build_hybrid
+from parlab.parallel.zero import measure, model_state_bytes
 from parlab.models import GPT, GPTConfig
-from parlab.pipeline_parallel import split_layers
-from parlab.planner import tiny_state_bytes
-from parlab.topology import ParallelGrid
-from parlab.zero import partition_parameters
+from parlab.parallel.pipeline import split_layers
+from parlab.cluster.planner import tiny_state_bytes
+from parlab.parallel.topology import ParallelGrid
+from parlab.parallel.zero import partition_parameters
 
 WORLD = 8
 # the model of tests/test_hybrid.py: 8 heads and vocab 16 so tp up to 8 works, 4 layers so pp = 2 and 4 divide

@@ -6,12 +6,12 @@ import pytest
 import torch
 
 import parlab
-from parlab import schedules as sch
-from parlab.hardware import Hardware, load, preset
+from parlab.parallel import pipeline as sch
+from parlab.cluster.hardware import Hardware, load, preset
 from parlab.models import GPT, GPTConfig
-from parlab.pipeline_parallel import PipelineParallel
-from parlab.replay import ReplayError, bubble, measured_step, replay, step_time
-from parlab.topology import ParallelGrid
+from parlab.parallel.pipeline import PipelineParallel
+from parlab.cluster.replay import ReplayError, bubble, measured_step, replay, step_time
+from parlab.parallel.topology import ParallelGrid
 from parlab.trace import Event, Trace, count_costs, recording, region
 
 # Unit hardware: one FLOP per second, free communication (bandwidth 1e300, no latency): replayed times are the
@@ -175,7 +175,7 @@ def test_collectives_on_one_group_run_in_order_on_its_stream():
 def test_bad_traces_are_refused_saying_what_is_wrong():
     with pytest.raises(ReplayError, match="needs a parlab.Trace"):
         replay([comp(0, 0, 1)], UNIT)
-    with pytest.raises(ReplayError, match="needs a parlab.hardware.Hardware"):
+    with pytest.raises(ReplayError, match="needs a parlab.cluster.hardware.Hardware"):
         replay(Trace([comp(0, 0, 1)]), "dgx-h100")
     with pytest.raises(ReplayError, match="the trace is empty"):
         replay(Trace([]), UNIT)
@@ -328,7 +328,7 @@ def test_metered_spans_carry_flops_bytes_and_kernels_and_replay_by_the_roofline(
 
 # ---------------------------------------------------------------------- calibration fits (pure)
 def test_alpha_beta_and_roofline_fits_recover_the_parameters_of_exact_data():
-    from parlab.calibrate import fit_alpha_beta, fit_roofline
+    from parlab.cluster.calibrate import fit_alpha_beta, fit_roofline
     alpha, bw, n = 3e-5, 2e9, 4
     rows = [(x, alpha + 2 * (n - 1) / n * x / bw) for x in (4, 4096, 1 << 20, 1 << 24)]
     a, b = fit_alpha_beta(rows, n)
@@ -344,7 +344,7 @@ def test_alpha_beta_and_roofline_fits_recover_the_parameters_of_exact_data():
 
 
 def test_calibrate_refuses_a_single_rank():
-    from parlab.calibrate import calibrate
+    from parlab.cluster.calibrate import calibrate
     with pytest.raises(ValueError, match="world must be an integer >= 2"):
         calibrate(1)
 
@@ -356,8 +356,8 @@ def _pipeline_pattern(p, m):
 
 
 def test_scaleup_recosts_every_action_with_the_big_model_and_keeps_the_schedule():
-    from parlab.costs import preset as model_preset
-    from parlab.scaleup import Layout, layer_forward_bytes, layer_forward_flops, scaleup
+    from parlab.cluster.costs import preset as model_preset
+    from parlab.cluster.scaleup import Layout, layer_forward_bytes, layer_forward_flops, scaleup
     p, m = 2, 4
     tr = parlab.run(_pipeline_pattern, p, p, m, trace=True, echo=False).trace
     model = model_preset("llama-7b")
@@ -402,7 +402,7 @@ def test_a_wait_for_a_send_not_yet_received_does_not_hold_the_sender():
 
 
 def test_scale_work_multiplies_work_and_bytes_and_refuses_unmetered_traces():
-    from parlab.scaleup import scale_work
+    from parlab.cluster.scaleup import scale_work
     tr = Trace([Event(0, "compute", "f", 0.0, 1.0, flops=10.0, nbytes=4, kernels=3), coll(0, 1.0, (0,), 100)])
     big = scale_work(tr, flops=3.0, comm_bytes=2.0)
     assert (big.events[0].flops, big.events[0].nbytes, big.events[0].kernels, big.events[1].nbytes) == (30.0, 12, 3, 200)
@@ -425,7 +425,7 @@ def test_toggle_figure_switches_between_the_measured_and_the_replayed_timeline()
 def test_toggle_figures_switches_between_views_drawn_with_the_same_panels():
     """Lesson 05's schedules, measured and replayed: one button per view, each showing only its own cells and
     restoring its own title and time-axis title; views of other panels, or a single view, are refused."""
-    from parlab import schedules as sch
+    from parlab.parallel import pipeline as sch
     from parlab.viz.pipeline import schedules_figure
     from parlab.viz.replay import toggle_figures
     sims = {k: sch.simulate(s).spans for k, s in (("1F1B", sch.one_f_one_b(2, 4)), ("GPipe", sch.gpipe(2, 4)))}
@@ -480,7 +480,7 @@ def test_calibrate_refuses_an_out_it_could_not_write(tmp_path, capsys, monkeypat
     /dev/null) is fine."""
     import os
 
-    import parlab.calibrate as cal
+    import parlab.cluster.calibrate.measure as cal
     from parlab.cli import main
     existing = tmp_path / "old.json"
     existing.write_text("{}")

@@ -9,9 +9,10 @@ import torch
 
 import parlab
 from parlab import comm
-from parlab.calibrate import fit_compute
-from parlab.hardware import Hardware, hist_add, hist_sub, load, preset, size_class
-from parlab.replay import replay
+from parlab.cluster.calibrate import fit_compute
+from parlab.cluster.hardware import Hardware, load, preset
+from parlab.trace.histogram import hist_add, hist_sub, size_class
+from parlab.cluster.replay import replay
 from parlab.trace import Event, Trace, count_costs, recording, region
 
 # Round numbers: 10 GFLOP/s (batched products 4), 20 GB/s for ops whose working set fits in 1 MiB, 5 GB/s beyond,
@@ -25,9 +26,9 @@ FLOPS_ONLY = Hardware("flops", peak_flops=1.0, mem_bw=1e300, intra_bw=1e300, int
 
 def _pipeline_pattern(p, m):
     """On every rank: one tiny 1F1B step (the program a scale-up replays)."""
-    from parlab import schedules as sch
+    from parlab.parallel import pipeline as sch
     from parlab.models import GPT, GPTConfig
-    from parlab.pipeline_parallel import PipelineParallel
+    from parlab.parallel.pipeline import PipelineParallel
     cfg = GPTConfig(vocab_size=32, seq_len=8, n_layer=2 * p, n_head=2, n_embd=16)
     x = torch.randint(32, (m, 8), generator=torch.Generator().manual_seed(0))     # (m, S)
     PipelineParallel(GPT(cfg, seed=0), sch.one_f_one_b(p, m)).step(x, x)
@@ -75,8 +76,8 @@ def test_bad_mfu_and_cache_fields_are_refused_with_the_field_named(change, words
 
 
 def test_compare_gives_the_planner_the_mfu_and_the_replay_the_kernel_efficiency():
-    from parlab.costs import preset as model_preset
-    from parlab.scaleup import Layout, compare
+    from parlab.cluster.costs import preset as model_preset
+    from parlab.cluster.scaleup import Layout, compare
     tr = parlab.run(_pipeline_pattern, 2, 2, 4, trace=True, echo=False).trace
     model, lay, a100 = model_preset("llama-7b"), Layout(tp=8, pp=2), preset("dgx-a100")
     base = compare(tr, model, a100, lay, 4)
@@ -190,7 +191,7 @@ def test_the_split_does_not_depend_on_measured_durations():
 
 
 def test_scale_work_keeps_the_split_consistent_and_drops_the_size_classes():
-    from parlab.scaleup import scale_work
+    from parlab.cluster.scaleup import scale_work
     span = Event(0, "compute", "step", 0.0, 1.0, flops=10.0, nbytes=100, kernels=2, mem_hist=((6, 100),),
                  batched_flops=1.0, meter_at=(10.0, 100, 2, ((6, 100),), 1.0))
     call = Event(0, "collective", "all_reduce", 0.5, 0.5, group=(0,), meter_at=(4.0, 40, 1, ((6, 40),), 0.0))
@@ -230,7 +231,7 @@ def test_metered_work_outside_every_region_is_replayed_where_it_ran():
 
 def _two_metered_fsdp_steps():
     """On every rank: a warm-up step, then two metered ZeRO-3 steps, each in its own recorder."""
-    from parlab.fsdp import FullyShardedDataParallel
+    from parlab.parallel.zero import FullyShardedDataParallel
     from parlab.models import GPT, GPTConfig
     model = FullyShardedDataParallel(GPT(GPTConfig(vocab_size=32, seq_len=8, n_layer=2, n_head=2, n_embd=16), seed=0))
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
@@ -265,7 +266,7 @@ def test_two_runs_of_the_same_program_replay_to_the_same_time():
 
 
 def test_the_link_fit_keeps_the_latency_of_small_messages_when_a_large_one_is_noisy():
-    from parlab.calibrate import fit_alpha_beta
+    from parlab.cluster.calibrate import fit_alpha_beta
     alpha, bw, n = 3e-5, 2e9, 2
     sizes = [4 * 4 ** k for k in range(12)]                              # 4 B .. 16 MiB, as calibrate measures
     rows = [(x, (alpha + x / bw) * (1.2 if x == sizes[-1] else 1.0)) for x in sizes]   # the largest 20% slow
@@ -302,8 +303,8 @@ def test_a_bmm_span_keeps_its_batched_flops_and_size_classes_through_records():
 
 # ---------------------------------------------------------------------- scale-up: memory-bound ops, optimizer
 def test_memory_bound_bytes_per_layer_follow_the_op_list():
-    from parlab.costs import ModelSpec
-    from parlab.scaleup import attention_core_bytes, layer_forward_bytes
+    from parlab.cluster.costs import ModelSpec
+    from parlab.cluster.scaleup import attention_core_bytes, layer_forward_bytes
     m = ModelSpec("t", layers=2, hidden=8, heads=2, vocab=16, seq=4)            # f = 4h = 32
     b, s, h, a, f = 1, 4, 8, 2, 32
     E, A, F = b * s * h, a * b * s * s, b * s * f
@@ -319,8 +320,8 @@ def test_memory_bound_bytes_per_layer_follow_the_op_list():
 
 
 def test_the_scaleup_adds_an_adam_step_over_each_ranks_parameters():
-    from parlab.costs import preset as model_preset
-    from parlab.scaleup import OPTIMIZER_BYTES_PER_PARAM, Layout, scaleup
+    from parlab.cluster.costs import preset as model_preset
+    from parlab.cluster.scaleup import OPTIMIZER_BYTES_PER_PARAM, Layout, scaleup
     tr = parlab.run(_pipeline_pattern, 2, 2, 4, trace=True, echo=False).trace
     model, a100 = model_preset("llama-7b"), preset("dgx-a100")
     out = scaleup(tr, model, a100, Layout(tp=8, pp=2), dropout=False)
@@ -336,7 +337,7 @@ def test_the_scaleup_adds_an_adam_step_over_each_ranks_parameters():
 
 
 def step_of(tr):
-    from parlab.replay import step_time
+    from parlab.cluster.replay import step_time
     return step_time(tr)
 
 
@@ -355,7 +356,7 @@ def _step_rows(c, beta, gamma, noise=(1.0,) * 5):
 
 
 def test_the_step_fit_recovers_the_per_op_cost_and_the_factors_from_exact_samples():
-    from parlab.calibrate_step import apply_step_fit, fit_step
+    from parlab.cluster.calibrate.step import apply_step_fit, fit_step
     c, beta, gamma = 7e-6, 2.5, 1.4
     got = fit_step(TWO, _step_rows(c, beta, gamma))
     # exact samples: only the full model predicts the left-out steps, and its fit is exact up to rounding
@@ -372,7 +373,7 @@ def test_the_step_fit_recovers_the_per_op_cost_and_the_factors_from_exact_sample
 
 
 def test_the_step_fit_weights_the_per_op_model_most_when_the_larger_ones_fit_noise():
-    from parlab.calibrate_step import fit_step
+    from parlab.cluster.calibrate.step import fit_step
     # steps that follow the per-op model (single-op rates right, 20 us per op), each timed up to 7% off: here the
     # larger models bend to the noise and predict the left-out steps worse (leave-one-out errors 8.3% against
     # 12-13%), so the per-op model gets the largest weight (with other noise a larger model can win)
@@ -393,7 +394,7 @@ def test_step_samples_time_the_shapes_round_by_round(monkeypatch):
     """A load change during calibration must shift every shape alike: the timed repetitions go round the shapes
     (one step of each, then the next round), each part's time (forward + backward, optimizer) is the median of
     its own repetitions, two rows per shape."""
-    import parlab.calibrate_step as cs
+    import parlab.cluster.calibrate.step as cs
     calls, clock = [], [0.0]
 
     def fake_step(n_embd, *_, parts=False):
@@ -456,7 +457,7 @@ def _per_rank(exposed_fraction):
     """One rank's calibration measurements, synthetic and exact: links of 30 us + X / 1 GB/s (p2p) and
     100 us + X / 2 GB/s (all-reduce, 2 ranks), single ops and training steps at TWO's rates (steps: 20 us per op),
     and compute slowed by `exposed_fraction` x the message time while a ring step's messages are in flight."""
-    from parlab.calibrate import SIZES
+    from parlab.cluster.calibrate import SIZES
     lat, bw = 3e-5, 1e9
     allreduce = [(x, 1e-4 + x / 2e9) for x in SIZES]
     p2p = [(x, lat + x / bw) for x in SIZES]
@@ -474,7 +475,7 @@ def _per_rank(exposed_fraction):
 def test_a_calibration_says_how_many_torch_threads_its_ranks_ran():
     """A CPU's rates depend on the threads per rank (parlab.run forks ranks of one; torchrun leaves torch's default),
     so the description's source says it; measurements without the count (written before) say nothing."""
-    from parlab.calibrate import describe
+    from parlab.cluster.calibrate import describe
     one = {**_per_rank(1.0), "threads": 1}
     assert "on 2 ranks (1 torch thread each)" in describe([one] * 2, 2, "synthetic")[0].source
     two = {**_per_rank(1.0), "threads": 2}
@@ -484,7 +485,7 @@ def test_a_calibration_says_how_many_torch_threads_its_ranks_ran():
 
 
 def test_calibration_describes_overlap_and_the_step_fit_from_its_measurements():
-    from parlab.calibrate import describe
+    from parlab.cluster.calibrate import describe
     serial, text = describe([_per_rank(1.0)] * 2, 2, "synthetic")
     assert serial.comm_overlap is False and "comm_overlap False" in text
     assert serial.kernel_overhead == pytest.approx(2e-5, rel=1e-3)      # the steps' per-op cost, not the single ops'

@@ -1,16 +1,16 @@
 """What a step costs beyond products and bytes: special functions (exp, erf) counted by the meter and charged at
 their own rate, and the delay of a transfer inside a training step (`Hardware.comm_delay`) and the rank's share of
-an asynchronous call (`Hardware.comm_cpu`), with the calibration fits that measure them (`parlab.calibrate_special`,
-`parlab.calibrate_comm`)."""
+an asynchronous call (`Hardware.comm_cpu`), with the calibration fits that measure them (`parlab.cluster.calibrate.special`,
+`parlab.cluster.calibrate.programs`)."""
 import dataclasses
 import json
 
 import pytest
 import torch
 
-from parlab.hardware import Hardware, preset
-from parlab.replay import replay, step_time
-from parlab.replay_meter import CostMeter
+from parlab.cluster.hardware import Hardware, preset
+from parlab.cluster.replay import replay, step_time
+from parlab.trace.meter import CostMeter
 from parlab.trace import Event, Trace
 
 # 1 FLOP/s, free memory and kernels, links of 1 byte/s without latency: times are easy to add up by hand
@@ -62,7 +62,7 @@ def test_a_trace_recorded_before_special_results_were_counted_replays_as_before(
 
 
 def test_the_special_rate_fit_recovers_the_rate_of_exact_samples():
-    from parlab.calibrate_special import fit_special_rate
+    from parlab.cluster.calibrate.special import fit_special_rate
     h = UNIT.with_(mem_bw=1e9, kernel_overhead=1e-6)
     rate = 2e8
     samples = [(8 * n, 1, ((20, 8 * n),), n, h.compute_time(0.0, 8 * n, 1, ((20, 8 * n),)) + n / rate)
@@ -131,7 +131,7 @@ def test_the_step_fit_tells_the_delay_from_the_ranks_share_by_blocking_and_async
     """Programs measured as replays with delay 2 ms and share 0.5 ms on a serial description: a blocking call
     pays only the delay, an asynchronous one issued before 1 s of compute only the share (its transfer ends under
     the compute), so the two are told apart and recovered to the grid's resolution."""
-    from parlab.calibrate_comm import fit_step_comm
+    from parlab.cluster.calibrate.programs import fit_step_comm
     serial = UNIT.with_(comm_overlap=False, intra_bw=1e6, inter_bw=1e6)   # 2 us transfers: the fit sees ms
     traces = [_two_ranks(False, 1.0), _two_ranks(True, 1.0), _two_ranks(False, 0.2)]
     programs = [(_measured(tr, serial, 2e-3, 5e-4), tr) for tr in traces]
@@ -143,7 +143,7 @@ def test_the_step_fit_tells_the_delay_from_the_ranks_share_by_blocking_and_async
 
 
 def test_the_step_fit_recovers_a_known_delay_from_programs_replayed_with_it():
-    from parlab.calibrate_comm import fit_step_comm
+    from parlab.cluster.calibrate.programs import fit_step_comm
     programs = [(_measured(tr, UNIT, 2.5e-3), tr) for tr in (_two_ranks(False, 1.0), _two_ranks(False, 0.2))]
     fit = fit_step_comm(UNIT, programs)
     assert fit["delay"] == pytest.approx(2.5e-3, abs=1e-6)     # grid of 0.25 ms refined twice: to 0.16 us
@@ -159,7 +159,7 @@ def test_calibration_puts_the_fitted_delay_in_the_description_and_its_report():
     returns them: events per step, the metered step last) fit comm_delay, which replaces the message probe's
     in-step p2p cost."""
     from test_replay_model import _per_rank
-    from parlab.calibrate import describe
+    from parlab.cluster.calibrate import describe
     base, _ = describe([_per_rank(2.0)] * 2, 2, "synthetic")
     assert base.comm_delay == 0.0 and base.p2p_latency == pytest.approx(6e-5, rel=1e-3)   # the probe's in-step cost
     metered = Trace([dataclasses.replace(e, flops=e.flops * 1e-3) for e in _two_ranks(False, 1.0).events])
@@ -176,14 +176,14 @@ def test_calibration_puts_the_fitted_delay_in_the_description_and_its_report():
     assert hw.p2p_latency == pytest.approx(3e-5, rel=1e-3)      # the isolated fit: the programs measure in-step
     assert "not used: the training-step programs below measure it" in text
     assert "communication inside training steps: each collective ends" in text
-    assert hw.comm_delay > 0 and "parlab.calibrate_comm" in hw.source
+    assert hw.comm_delay > 0 and "parlab.cluster.calibrate.programs" in hw.source
     assert step_time(replay(metered, hw)) == pytest.approx(step_time(measured), rel=2e-3)
 
 
 def test_calibration_reads_how_many_collectives_gloo_runs_at_once(monkeypatch):
     import torch.distributed as dist
 
-    from parlab import calibrate
+    from parlab.cluster.calibrate import measure as calibrate
     assert calibrate._gloo_threads() == dist.ProcessGroupGloo._Options()._threads == 2    # torch's default pool
     monkeypatch.setattr(dist, "ProcessGroupGloo", object())                              # no such options here
     assert calibrate._gloo_threads() == 2
@@ -193,7 +193,7 @@ def test_calibration_reads_how_many_collectives_gloo_runs_at_once(monkeypatch):
 def test_keeping_freed_memory_is_harmless_where_there_is_no_glibc(monkeypatch):
     import ctypes
 
-    import parlab.rank_process as rp
+    import parlab.launch.child as rp
     rp._keep_freed_memory()                                     # on this Linux: glibc's mallopt, no error
 
     def missing(name):
@@ -207,7 +207,7 @@ def test_calibration_programs_run_on_every_rank_and_merge_into_measured_steps_an
     programs, the metered one is last and carries the work a replay needs and the program's communication
     (all-reduces, all-gathers, messages)."""
     import parlab
-    from parlab.calibrate_comm import merge, step_traces
+    from parlab.cluster.calibrate.programs import merge, step_traces
     programs = (("ddp", (32, 1, 2, 16, 2), 0.01), ("fsdp", (32, 2, 2, 16, 2), None), ("1f1b", (32, 1, 2, 16, 1), 2),
                 ("ring", (2, 8, 16), None))
     res = parlab.run(step_traces, 2, 2, programs, backend="gloo", echo=False)
@@ -229,7 +229,7 @@ def _traces_with_between(steps, programs):
     import torch
 
     from parlab import comm
-    from parlab.calibrate_comm import step_traces
+    from parlab.cluster.calibrate.programs import step_traces
     seen = []
 
     def between():
@@ -251,7 +251,7 @@ def test_calibration_calls_between_after_each_round_of_programs():
 
 
 def test_calibration_programs_are_named_by_wrapper_shape_and_bucket():
-    from parlab.calibrate_comm import PROGRAMS, program_label
+    from parlab.cluster.calibrate.programs import PROGRAMS, program_label
     assert program_label("ddp", (96, 3, 4, 64, 8), 0.25) == "ddp 96x3x4x64x8 (0.25 MiB buckets)"
     assert program_label("fsdp", (112, 3, 4, 64, 6), None) == "fsdp 112x3x4x64x6"
     assert program_label("1f1b", (96, 1, 4, 96, 2), 3) == "1f1b 96x1x4x96x2 (3 micro-batches per stage)"
@@ -310,7 +310,7 @@ def test_the_step_fit_recovers_both_per_op_costs_from_steps_timed_in_two_parts()
     (memory-bound, every op plain). Exact times from known costs: the fit recovers c, c_plain, beta, gamma."""
     from test_replay_model import _STEPS, TWO
 
-    from parlab.calibrate_step import PARTS, apply_step_fit, fit_step
+    from parlab.cluster.calibrate.step import PARTS, apply_step_fit, fit_step
     c, c_plain, beta, gamma = 9e-6, 3e-6, 2.0, 1.3
     rows = []
     for i, (f, b, k, h, fb) in enumerate(_STEPS):
@@ -367,7 +367,7 @@ def test_the_step_fit_fits_messages_apart_from_collectives():
     """Collective programs measured with delay 2 ms and share 0.5 ms, message programs with 3 ms and 1 ms (one
     where compute hides the messages' delay, one that waits for them at once): the fit recovers all four to the
     grids' resolution (the collectives' from the collective programs alone)."""
-    from parlab.calibrate_comm import fit_step_comm
+    from parlab.cluster.calibrate.programs import fit_step_comm
     serial = UNIT.with_(comm_overlap=False, intra_bw=1e6, inter_bw=1e6)   # us transfers: the fit sees ms
     truth = serial.with_(comm_delay=2e-3, comm_cpu=5e-4, p2p_delay=3e-3, p2p_cpu=1e-3)
     traces = [_two_ranks(False, 1.0), _two_ranks(True, 1.0), _two_ranks(False, 0.2), _ring_pair(1.0),
@@ -382,7 +382,7 @@ def test_the_step_fit_fits_messages_apart_from_collectives():
 
 
 def test_without_torchs_current_node_the_meter_counts_no_op_as_plain(monkeypatch):
-    import parlab.replay_meter as rm
+    import parlab.trace.meter as rm
     monkeypatch.setattr(rm, "_current_node", None)              # a torch that lacks _current_autograd_node
     w = torch.ones(4, 4, requires_grad=True)
     with CostMeter() as meter:
@@ -395,7 +395,7 @@ def test_without_torchs_current_node_the_meter_counts_no_op_as_plain(monkeypatch
 def test_a_real_calibration_step_is_timed_in_two_parts_that_the_meter_tells_apart():
     """step_samples on a tiny GPT: a forward + backward row whose ops all run under autograd, and an optimizer
     row (AdamW) whose ops all run outside it, both timed."""
-    from parlab.calibrate_step import PARTS, step_samples
+    from parlab.cluster.calibrate.step import PARTS, step_samples
     fb, opt = step_samples(shapes=((16, 1, 2, 8, 2),), reps=1)
     assert (fb[8], opt[8]) == PARTS
     f, b, k, t, hist, fbat, sp, kp, _ = fb

@@ -6,7 +6,7 @@ import torch
 import parlab
 from parlab import comm
 from parlab.models import causal_attention
-from parlab.ring_attention import (LAYOUTS, RingStats, attention_block, block_plan, check_seq_len, chunk_ids,
+from parlab.parallel.context import (LAYOUTS, RingStats, attention_block, block_plan, check_seq_len, chunk_ids,
                                    merge_partials, ring_attention, ring_bytes_per_rank, shard_positions, shard_sequence,
                                    unshard_sequence, work_matrix)
 
@@ -213,7 +213,7 @@ def test_bad_inputs_raise_value_errors_on_the_rank():
 
 
 def test_ring_steps_reads_every_transfer_and_block_back_from_the_trace():
-    from parlab.ring_attention import ring_steps
+    from parlab.parallel.context import ring_steps
     P, S = 4, 8
     res = parlab.run(_ring, P, S, True, "contiguous", torch.float64, trace=True)
     rows = ring_steps(res.trace)
@@ -229,7 +229,7 @@ def test_ring_steps_reads_every_transfer_and_block_back_from_the_trace():
 
 
 def test_ring_steps_compute_rows_name_the_block_and_rows_the_schedule_chose():
-    from parlab.ring_attention import ring_steps
+    from parlab.parallel.context import ring_steps
     P, S = 4, 16
     res = parlab.run(_ring, P, S, True, "zigzag", torch.float64, trace=True)
     computes = [x for x in ring_steps(res.trace) if x["what"] == "compute"]
@@ -240,7 +240,7 @@ def test_ring_steps_compute_rows_name_the_block_and_rows_the_schedule_chose():
 
 
 def test_memory_and_overlap_formulas():
-    from parlab.ring_attention import attention_memory_per_rank, overlap_threshold
+    from parlab.parallel.context import attention_memory_per_rank, overlap_threshold
     full = attention_memory_per_rank(1024, 1, 8, 64, method="full", element_size=1)
     assert full == {"tensors": 4 * 1024 * 512, "scores": 8 * 1024 ** 2, "total": 4 * 1024 * 512 + 8 * 1024 ** 2}
     ring = attention_memory_per_rank(1024, 4, 8, 64, method="ring", element_size=1)
@@ -326,7 +326,7 @@ def test_ring_attention_runs_under_nccl_p2p_rules(P):
 
 
 def test_block_scores_stay_float32_under_autocast():
-    from parlab.ring_attention import _attention_block
+    from parlab.parallel.context.ring import _attention_block
     q, k, v, _ = _qkv_do(16, torch.bfloat16)                              # bf16 values, (B, nh, 16, hd)
     with torch.autocast("cpu", dtype=torch.bfloat16):                     # the labs' --dtype bfloat16 mode
         out, lse = _attention_block(q, k, v, mask=True)

@@ -4,8 +4,8 @@ import pathlib
 
 import pytest
 
-import parlab.schedules as sch_module
-from parlab.schedules import (Action, Schedule, ScheduleError, bubble_formula, gpipe, interleaved_1f1b, naive,
+import parlab.parallel.pipeline.simulate as sch_module
+from parlab.parallel.pipeline import (Action, Schedule, ScheduleError, bubble_formula, gpipe, interleaved_1f1b, naive,
                               one_f_one_b, simulate, validate, zero_bubble_h1)
 
 GENERATORS = {"naive": naive, "gpipe": gpipe, "1f1b": one_f_one_b, "zb-h1": zero_bubble_h1,
@@ -193,11 +193,13 @@ def test_costs_may_be_a_function_of_the_action():
     assert slow.bubble[3] < slow.bubble[0]
 
 
-def test_schedules_module_is_pure_python():
-    tree = ast.parse(pathlib.Path(sch_module.__file__).read_text())
+@pytest.mark.parametrize("module", ["schedules", "simulate", "plan"])
+def test_schedules_module_is_pure_python(module):
+    path = pathlib.Path(sch_module.__file__).with_name(f"{module}.py")
+    tree = ast.parse(path.read_text())
     imported = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     imported |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
-    assert "torch" not in imported, "parlab.schedules must not import torch (it is pure planning)"
+    assert "torch" not in imported, f"parlab.parallel.pipeline.{module} must not import torch (pure planning)"
 
 
 def test_message_order_of_1f1b_on_two_ranks():

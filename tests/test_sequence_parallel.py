@@ -7,8 +7,8 @@ import torch
 import parlab
 from parlab import comm
 from parlab.models import GPT, GPTConfig, causal_attention
-from parlab.ring_attention import LAYOUTS, RingStats, shard_sequence, unshard_sequence, work_matrix
-from parlab.sequence_parallel import (ContextParallelGPT, head_to_seq, seq_to_head, ulysses_attention,
+from parlab.parallel.context import LAYOUTS, RingStats, shard_sequence, unshard_sequence, work_matrix
+from parlab.parallel.context import (ContextParallelGPT, head_to_seq, seq_to_head, ulysses_attention,
                                       ulysses_bytes_per_layer)
 
 B, NH, HD = 2, 4, 3
@@ -174,8 +174,8 @@ def test_context_parallel_gpt_rejects_bad_settings():
 
 
 def _cp_on_subgroup(attention):
-    from parlab.groups import build_groups
-    from parlab.topology import ParallelGrid
+    from parlab.parallel.groups import build_groups
+    from parlab.parallel.topology import ParallelGrid
     pg = build_groups(ParallelGrid(4, cp=2, order="dp-cp-tp-pp"), dims=("cp",))   # cp groups [0, 2], [1, 3]
     model = GPT(CFG, seed=0, dtype=torch.float64)
     cp = ContextParallelGPT(model, group=pg.cp, attention=attention, layout="zigzag")

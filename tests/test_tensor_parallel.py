@@ -10,7 +10,7 @@ import torch.nn as nn
 import parlab
 from parlab import comm
 from parlab.models import GPT, GPTConfig
-from parlab.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, check_divisible, dense_grads,
+from parlab.parallel.tensor import (ColumnParallelLinear, RowParallelLinear, check_divisible, dense_grads,
                                     dense_state_dict, gpt_plan, parallelize, parallelize_gpt,
                                     sync_sequence_parallel_grads)
 

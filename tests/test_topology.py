@@ -1,4 +1,4 @@
-"""Tests for parlab.topology (pure) and parlab.groups (one multi-process test)."""
+"""Tests for parlab.parallel.topology (pure) and parlab.parallel.groups (one multi-process test)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import itertools
 import pytest
 
 from parlab.launch import run
-from parlab.topology import DIMS, ParallelGrid
+from parlab.parallel.topology import DIMS, ParallelGrid
 
 COMBOS = ["tp", "cp", "dp", "pp", "tp-pp", "dp-cp", "tp-cp", "tp-cp-dp-pp"]
 
@@ -185,11 +185,11 @@ def test_topology_does_not_import_torch():
     import subprocess
     import sys
 
-    import parlab.topology
+    import parlab.parallel.topology
 
     code = (
         "import importlib.util, sys; "
-        f"spec = importlib.util.spec_from_file_location('topology', {parlab.topology.__file__!r}); "
+        f"spec = importlib.util.spec_from_file_location('topology', {parlab.parallel.topology.__file__!r}); "
         "m = sys.modules['topology'] = importlib.util.module_from_spec(spec); spec.loader.exec_module(m); "
         "assert m.ParallelGrid(16, tp=2).dp == 8; "
         "assert 'torch' not in sys.modules, 'topology imported torch'"
@@ -202,7 +202,7 @@ def _check_groups() -> dict:
     import torch
     import torch.distributed as dist
 
-    from parlab.groups import build_groups
+    from parlab.parallel.groups import build_groups
 
     grid = ParallelGrid(8, tp=2, pp=2, dp=2)
     pg = build_groups(grid)
@@ -250,7 +250,7 @@ def test_build_groups_on_8_ranks():
 
 
 def test_build_groups_needs_init():
-    from parlab.groups import build_groups
+    from parlab.parallel.groups import build_groups
 
     with pytest.raises(RuntimeError, match="not initialized"):
         build_groups(ParallelGrid(8, tp=2))

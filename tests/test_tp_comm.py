@@ -5,7 +5,7 @@ import torch
 import torch.distributed as dist
 
 import parlab
-from parlab import tp_comm
+from parlab.parallel.tensor import mappings as tp_comm
 
 # (parlab.run forks ranks with one torch thread each; the timeout turns a deadlock into a failure)
 RUN = dict(timeout=60, echo=False)

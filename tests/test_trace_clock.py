@@ -106,7 +106,7 @@ def test_comm_calls_are_timed_by_device_events(fake_cuda):
 
 
 def _ddp_step(dev):
-    from parlab.data_parallel import DistributedDataParallel
+    from parlab.parallel.data import DistributedDataParallel
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
     ddp = DistributedDataParallel(model, bucket_cap_mb=0.0001)   # several buckets: several backward spans
     with recording(clock="cuda-events") as rec:

@@ -323,7 +323,7 @@ def test_summary_writes_si_bytes():
 
 
 def test_memory_bars_write_totals_in_plain_numbers_when_asked():
-    from parlab import memory
+    from parlab.parallel.zero import memory
     from parlab.viz.memory import memory_bars
     cols = [dict(stage=memory.STAGES[s], source="Nd=64", **memory.model_state_bytes(175e9, 64, s)) for s in range(4)]
     fig = memory_bars(cols, unit=1e9, unit_name="GB", totals=True)

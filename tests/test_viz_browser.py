@@ -1,8 +1,8 @@
 """Figures as a student sees them: drawn by plotly.js in headless Chromium and checked from the page
-(`parlab.viz.check`). First the checker itself, on figures made to fail each rule; then real lessons.
+(`parlab.course.figcheck`). First the checker itself, on figures made to fail each rule; then real lessons.
 
 Needs Debian's `chromium` package (.ci/run installs it) and the playwright Python package (a dependency).
-Every lesson is checked here (about 4 minutes on a quiet 2-core machine); `python -m parlab.viz.check` does the
+Every lesson is checked here (about 4 minutes on a quiet 2-core machine); `python -m parlab.course.figcheck` does the
 same by hand and writes a screenshot of each figure for a person to look at.
 """
 import json

@@ -3,7 +3,7 @@ of each dimension (dashed when they cross nodes), hover text, and a dropdown tha
 import plotly.io as pio
 import pytest
 
-from parlab.topology import ParallelGrid
+from parlab.parallel.topology import ParallelGrid
 from parlab.viz.grid import HIGHLIGHTS, gpu_positions, grid_figure
 
 SEED_000 = ParallelGrid(16, tp=2, pp=4, gpus_per_node=8)

@@ -1,7 +1,7 @@
 """vocab_parallel_cross_entropy against F.cross_entropy on the full logits: every reduction, ignore_index
 (padding), fp32 and bf16 logits, 1, 2 and 4 ranks; bad targets and bad arguments give a ValueError; the
 statistics travel in fp32 (issue 18, item 7). Then every caller of the loss with padded targets against the
-dense GPT: the TP GPT, ContextParallelGPT, PipelineParallel (with dp) and parlab.hybrid, whose mean must
+dense GPT: the TP GPT, ContextParallelGPT, PipelineParallel (with dp) and parlab.parallel.hybrid, whose mean must
 divide by the global number of non-ignored tokens."""
 import functools
 
@@ -11,8 +11,8 @@ import torch.nn.functional as F
 
 import parlab
 from parlab import comm
-from parlab.tensor_parallel import vocab_parallel_cross_entropy
-from parlab.tp_loss import check_targets
+from parlab.parallel.tensor import vocab_parallel_cross_entropy
+from parlab.parallel.tensor.loss import check_targets
 
 RUN = dict(timeout=90, echo=False)
 B, S, V = 3, 5, 12                     # V divisible by every tp tested
@@ -192,7 +192,7 @@ def test_padding_changes_the_dense_loss():
 
 def _tp_gpt_padded(sp):
     from parlab.models import GPT
-    from parlab.tensor_parallel import dense_grads, parallelize_gpt, sync_sequence_parallel_grads
+    from parlab.parallel.tensor import dense_grads, parallelize_gpt, sync_sequence_parallel_grads
     model = parallelize_gpt(GPT(_cfg(), seed=0, dtype=torch.float64), sequence_parallel=sp)
     _, loss = model(*_padded_batch())
     loss.backward()
@@ -211,7 +211,7 @@ def test_tensor_parallel_gpt_loss_ignores_padding_like_the_dense_gpt(tp, sp):
 
 def _cp_gpt_padded():
     from parlab.models import GPT
-    from parlab.sequence_parallel import ContextParallelGPT
+    from parlab.parallel.context import ContextParallelGPT
     out = []
     for attention, layout in (("ring", "zigzag"), ("ulysses", "contiguous")):
         cp = ContextParallelGPT(GPT(_cfg(), seed=0, dtype=torch.float64), attention=attention, layout=layout)
@@ -233,11 +233,11 @@ def test_context_parallel_gpt_divides_by_the_global_count_of_targets():
 
 
 def _pp_dp_padded():
-    from parlab import schedules as sch
-    from parlab.groups import build_groups
+    from parlab.parallel import pipeline as sch
+    from parlab.parallel.groups import build_groups
     from parlab.models import GPT
-    from parlab.pipeline_parallel import PipelineParallel
-    from parlab.topology import ParallelGrid
+    from parlab.parallel.pipeline import PipelineParallel
+    from parlab.parallel.topology import ParallelGrid
     pg = build_groups(ParallelGrid(4, pp=2, dp=2), dims=("dp", "pp"))
     x, y = _padded_batch()
     d = pg.coords["dp"]
@@ -265,10 +265,10 @@ HYBRID = [dict(tp=2, cp=1, pp=1),                                   # dp 2 x tp 
 
 
 def _hybrid_padded():
-    from parlab.groups import build_groups
-    from parlab.hybrid import build_hybrid
+    from parlab.parallel.groups import build_groups
+    from parlab.parallel.hybrid import build_hybrid
     from parlab.models import GPT
-    from parlab.topology import ParallelGrid
+    from parlab.parallel.topology import ParallelGrid
     out = []
     for kw in HYBRID:
         kw = dict(kw)

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import nbformat
 
-from parlab import cli, workspace
+from parlab import cli
+from parlab.course import workspace
 
 ROOT = Path(__file__).resolve().parents[1]
 

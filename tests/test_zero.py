@@ -8,8 +8,8 @@ import parlab
 from parlab import comm
 from parlab.data import BatchSampler, load_corpus
 from parlab.models import GPT, GPTConfig
-from parlab.zero import ShardedOptimizer, iter_owned, partition_parameters
-from parlab.zero_flat import (chunk_bounds, join_chunks, make_layouts, merge_state, owned_runs, split_chunks,
+from parlab.parallel.zero import ShardedOptimizer, iter_owned, partition_parameters
+from parlab.parallel.zero.flat import (chunk_bounds, join_chunks, make_layouts, merge_state, owned_runs, split_chunks,
                               split_state)
 from toy_models import Toy
 
@@ -193,8 +193,8 @@ def test_state_dict_reloads_at_another_world_size():
 def _train_small_chunks(*args, **kw):
     """`_train` with the inner optimizer stepping 32-element (256-byte float64) chunks, so runs span many
     chunks and chunks cut through parameters."""
-    import parlab.zero
-    parlab.zero.STEP_CHUNK_BYTES = 256
+    import parlab.parallel.zero.optimizer
+    parlab.parallel.zero.optimizer.STEP_CHUNK_BYTES = 256
     return _train(*args, **kw)
 
 
@@ -360,8 +360,8 @@ def test_overlap_matches_single_process_and_starts_during_backward(stage, world_
 def _train_overlap_mixed_messages(*args, **kw):
     """`_train_overlap` with gloo's message rule moved down to 512 bytes (64 float64 elements): the weight
     matrices go as messages straight from .grad, the 32-element norms and biases are staged together."""
-    import parlab.zero_comm
-    parlab.zero_comm.DIRECT_MIN_BYTES = 512
+    import parlab.parallel.zero.comm
+    parlab.parallel.zero.comm.DIRECT_MIN_BYTES = 512
     return _train_overlap(*args, **kw)
 
 

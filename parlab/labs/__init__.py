@@ -25,7 +25,7 @@ Every lab is short because the common scaffolding lives here:
 Memory. On GPUs the report gives ``torch.cuda.max_memory_allocated`` twice, labelled: the peak of
 construction (everything before the first step, since the process started) and the peak of training
 (counter reset after construction); max_mem/rank is the larger. On CPUs (no allocator counter) it gives the
-bytes of parameters, gradients and optimizer state the rank holds (`parlab.memory.measure`) and the
+bytes of parameters, gradients and optimizer state the rank holds (`parlab.parallel.zero.memory.measure`) and the
 process's peak resident set (``ru_maxrss``, which includes the Python and torch runtime) after
 construction and at the end.
 
@@ -56,11 +56,11 @@ from typing import Callable, Iterable
 import torch
 import torch.distributed as dist
 
-from ..data import BatchSampler, CharTokenizer, load_corpus
-from ..torchrun import Context, init
-from ..memory import measure
-from ..models import GPT, GPTConfig
-from ..trace import Trace, recording
+from parlab.data import BatchSampler, CharTokenizer, load_corpus
+from parlab.launch import Context, init
+from parlab.parallel.zero import measure
+from parlab.models import GPT, GPTConfig
+from parlab.trace import Trace, recording
 
 __all__ = ["Lab", "start", "parser", "peak_memory", "LABS", "Watch"]
 
@@ -205,7 +205,7 @@ class Lab:
         if self.ctx.is_main:
             key = "max_allocated" if cuda else "total"
             self.log("memory per rank (" + ("torch.cuda.max_memory_allocated: peak of construction, peak of training "
-                     "steps, the larger" if cuda else "params + grads + optimizer state held, parlab.memory.measure; "
+                     "steps, the larger" if cuda else "params + grads + optimizer state held, parlab.parallel.zero.memory.measure; "
                      "process peak RSS (incl. the runtime) after construction and at the end") + "):")
             for r in reports:
                 self.log(f"  rank {r['rank']:>3}: " + ", ".join(f"{k} {_mb(v)}" for k, v in r["memory"].items()))

@@ -1,6 +1,6 @@
 """Lab: context parallelism. Every sequence is split over the N ranks (zigzag chunks balance the causal
 work); attention runs as ring attention (K/V blocks passed around the ring, Liu et al. arXiv:2310.01889)
-or Ulysses (all-to-all to head-sharded and back, arXiv:2309.14509), `parlab.sequence_parallel`.
+or Ulysses (all-to-all to head-sharded and back, arXiv:2309.14509), `parlab.parallel.context.ulysses`.
 Gradients are averaged over the ranks. Grow --seq-len with N: activations per rank stay constant.
 
     torchrun --nproc_per_node=8 -m parlab.labs.context_parallel --seq-len 4096 --attention ring
@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from parlab.labs import start
-from parlab.sequence_parallel import ContextParallelGPT
+from parlab.parallel.context import ContextParallelGPT
 
 
 def add_args(p):

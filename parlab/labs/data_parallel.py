@@ -1,5 +1,5 @@
 """Lab: data parallelism. Every rank holds the whole model and trains on its rows of the global batch;
-`parlab.data_parallel.DistributedDataParallel` averages the gradients with bucketed all-reduces launched
+`parlab.parallel.data.ddp.DistributedDataParallel` averages the gradients with bucketed all-reduces launched
 during backward (Li et al., "PyTorch Distributed", VLDB 2020).
 
     torchrun --nproc_per_node=8 -m parlab.labs.data_parallel --batch 64 --bucket-mb 1
@@ -9,8 +9,8 @@ from __future__ import annotations
 import torch
 
 from parlab import comm
-from parlab.data_parallel import DistributedDataParallel
-from parlab.dp_loss import global_mean_loss
+from parlab.parallel.data import DistributedDataParallel
+from parlab.parallel.data import global_mean_loss
 from parlab.labs import start
 
 

@@ -76,7 +76,7 @@ def plan(gpus: int, size: str = "small", steps: int = 20, only: list[str] | None
     """The lab runs for `gpus` GPUs: every lab at least once, the schedules and options that touch different
     NCCL paths (sequence parallelism, interleaved and zero-bubble pipelines, ring and Ulysses attention,
     ZeRO 1/2/3, bf16 mixed precision), and a hybrid layout that uses every dimension the GPU count allows."""
-    from . import LABS
+    from parlab.labs import LABS
     if gpus not in GPU_COUNTS:
         raise ValueError(f"--gpus must be one of {GPU_COUNTS} (the layouts split heads, vocabulary and layers "
                          f"by it), got {gpus}")

@@ -1,5 +1,5 @@
-"""Lab: 4D hybrid parallelism. The N = tp x cp x dp x pp ranks form a grid (`parlab.topology`, order
-tp-cp-dp-pp: tp neighbours share a node, pp crosses nodes); `parlab.hybrid.build_hybrid` shards the
+"""Lab: 4D hybrid parallelism. The N = tp x cp x dp x pp ranks form a grid (`parlab.parallel.topology`, order
+tp-cp-dp-pp: tp neighbours share a node, pp crosses nodes); `parlab.parallel.hybrid.build_hybrid` shards the
 layers over tp, cuts stages over pp, splits sequences over cp and averages gradients (or ZeRO) over
 dp-cp. The report shows the bytes each dimension moved: TP > DP > PP in volume.
 
@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import os
 
-from parlab.groups import build_groups
-from parlab.hybrid import build_hybrid, check_layout, make_schedule, traffic_by_dim
+from parlab.parallel.groups import build_groups
+from parlab.parallel.hybrid import build_hybrid, check_layout, make_schedule, traffic_by_dim
 from parlab.labs import start
-from parlab.schedules import SCHEDULES
-from parlab.topology import ParallelGrid
+from parlab.parallel.pipeline import SCHEDULES
+from parlab.parallel.topology import ParallelGrid
 
 
 def add_args(p):

@@ -1,5 +1,5 @@
-"""Lab: pipeline parallelism. The layers are cut into N stages (`parlab.pipeline_parallel`), the batch
-into micro-batches, and a schedule from `parlab.schedules` orders each rank's forwards and backwards
+"""Lab: pipeline parallelism. The layers are cut into N stages (`parlab.parallel.pipeline.executor`), the batch
+into micro-batches, and a schedule from `parlab.parallel.pipeline` orders each rank's forwards and backwards
 (GPipe arXiv:1811.06965, 1F1B arXiv:2006.09503, interleaved arXiv:2104.04473, ZB-H1 arXiv:2401.10241).
 Stages only exchange activations and their gradients point to point: PP is the dimension to stretch
 across nodes. Open the trace to see the bubble.
@@ -11,10 +11,10 @@ from __future__ import annotations
 import torch
 
 from parlab import comm
-from parlab.hybrid import make_schedule
+from parlab.parallel.hybrid import make_schedule
 from parlab.labs import start
-from parlab.pipeline_parallel import PipelineParallel
-from parlab.schedules import SCHEDULES
+from parlab.parallel.pipeline import PipelineParallel
+from parlab.parallel.pipeline import SCHEDULES
 
 
 def add_args(p):

@@ -1,5 +1,5 @@
 """Lab: tensor parallelism (Megatron-LM, arXiv:1909.08053). Every rank holds 1/N of each weight matrix
-(`parlab.tensor_parallel.parallelize_gpt`) and sees the whole batch; per layer 2 all-reduces forward and
+(`parlab.parallel.tensor.layers.parallelize_gpt`) and sees the whole batch; per layer 2 all-reduces forward and
 2 backward. --sp adds Megatron sequence parallelism (arXiv:2205.05198): all-gather / reduce-scatter along
 the sequence instead, layer norms on S/N tokens. Keep N within one node (NVLink).
 
@@ -11,7 +11,7 @@ import torch
 
 from parlab.labs import start
 from parlab.meta_init import materialize
-from parlab.tensor_parallel import parallelize_gpt, sync_sequence_parallel_grads
+from parlab.parallel.tensor import parallelize_gpt, sync_sequence_parallel_grads
 
 
 def add_args(p):

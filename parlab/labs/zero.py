@@ -1,7 +1,7 @@
 """Lab: ZeRO. Data parallelism whose training state is sharded over the ranks [Rajbhandari et al.,
 arXiv:1910.02054]: stage 1 the optimizer state, stage 2 also the gradients
-(`parlab.zero.ShardedOptimizer`: reduce-scatter, step the owned shard, all-gather), stage 3 also the
-parameters (`parlab.fsdp.FullyShardedDataParallel`: all-gather each block's weights when it runs).
+(`parlab.parallel.zero.optimizer.ShardedOptimizer`: reduce-scatter, step the owned shard, all-gather), stage 3 also the
+parameters (`parlab.parallel.zero.fsdp.FullyShardedDataParallel`: all-gather each block's weights when it runs).
 Compare the per-rank memory of --stage 1, 2 and 3 at the same world size.
 
     torchrun --nproc_per_node=8 -m parlab.labs.zero --stage 2 --layers 8 --hidden 512
@@ -11,10 +11,10 @@ from __future__ import annotations
 import torch
 
 from parlab import comm
-from parlab.dp_loss import global_mean_loss
-from parlab.fsdp import FullyShardedDataParallel
+from parlab.parallel.data import global_mean_loss
+from parlab.parallel.zero import FullyShardedDataParallel
 from parlab.labs import start
-from parlab.zero import ShardedOptimizer
+from parlab.parallel.zero import ShardedOptimizer
 
 
 def add_args(p):

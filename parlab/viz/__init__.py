@@ -11,7 +11,7 @@ Examples::
     viz.comm_animation(res.trace)                  # who sends what to whom, step by step of each algorithm (play)
     viz.bytes_bars(res.trace)                      # wire bytes sent per rank, stacked by op
     viz.bytes_bars(res.trace, by="label")          # ... or by label prefix ("grad bucket 3" -> "grad bucket")
-    viz.grid_figure(parlab.topology.ParallelGrid(16, tp=2, pp=4, gpus_per_node=8), highlight="pp")
+    viz.grid_figure(parlab.parallel.topology.ParallelGrid(16, tp=2, pp=4, gpus_per_node=8), highlight="pp")
 
     # plain records work too, e.g. a simulated 1F1B schedule in abstract time steps:
     sched = [dict(rank=0, op="forward", start=0, end=1, label="mb 0"),
@@ -28,16 +28,16 @@ Figures for one technique live in their own module, used by its lesson:
 `viz.data_parallel`, `viz.memory` (ZeRO/FSDP), `viz.tensor_parallel`, `viz.pipeline` (schedule timelines),
 `viz.context_parallel` (ring and Ulysses), `viz.planner` (layout search); `grid_figure` draws a rank grid.
 
-`python -m parlab.viz.check` draws every lesson figure in headless Chromium and checks it from the page
+`python -m parlab.course.figcheck` draws every lesson figure in headless Chromium and checks it from the page
 (overlapping or cut-off text, stretched axes, duplicate legend entries, text under 10 px), with a screenshot each.
 
 Colours are shared by every lesson (`parlab.viz.style`): blues for compute regions
 (forward / backward / optimizer), one colour per collective, mustard for send/recv.
 """
-from . import style
-from .animation import Move, Step, algorithm_steps, comm_animation, comm_steps, step_edges
-from .grid import grid_figure
-from .timeline import as_trace, bytes_bars, from_records, timeline
+from parlab.viz import style
+from parlab.viz.animation import Move, Step, algorithm_steps, comm_animation, comm_steps, step_edges
+from parlab.viz.grid import grid_figure
+from parlab.viz.timeline import as_trace, bytes_bars, from_records, timeline
 
 __all__ = ["timeline", "comm_animation", "bytes_bars", "from_records", "as_trace", "comm_steps", "step_edges",
            "Step", "Move", "algorithm_steps", "style", "grid_figure"]

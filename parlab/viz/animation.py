@@ -40,9 +40,10 @@ from typing import Any
 
 import plotly.graph_objects as go
 
-from ..trace import Event
-from . import style
-from .timeline import as_trace, empty_figure
+from parlab.trace import Event
+from parlab.trace.wire import ring_factor
+from parlab.viz import style
+from parlab.viz.timeline import as_trace, empty_figure
 
 __all__ = ["Step", "Move", "comm_steps", "step_edges", "algorithm_steps", "comm_animation"]
 
@@ -105,10 +106,8 @@ def step_edges(step: Step) -> list[tuple[int, int, float]]:
     if n < 2 or step.op == "barrier":
         return []
     ring = [(g[i], g[(i + 1) % n]) for i in range(n)]
-    if step.op == "all_reduce":
-        return [(a, b, 2 * (n - 1) / n * x) for a, b in ring]
-    if step.op in ("all_gather", "reduce_scatter"):
-        return [(a, b, (n - 1) / n * x) for a, b in ring]
+    if step.op in ("all_reduce", "all_gather", "reduce_scatter"):
+        return [(a, b, ring_factor(step.op, n) * x) for a, b in ring]
     if step.op == "all_to_all":
         return [(a, b, x / n) for a in g for b in g if a != b]
     if step.root not in g:

@@ -1,7 +1,7 @@
 """Figures of lesson 06 (sequence / context parallel): plotly only, fed by plain data, never communicates.
 
     ring_animation(rows, P, layout, causal)   K/V blocks travelling around the ring (from
-                                              `parlab.ring_attention.ring_steps(trace)`), with the score
+                                              `parlab.parallel.context.ring.ring_steps(trace)`), with the score
                                               matrix filling in block by block, coloured by the rank
                                               that computed it: each row is a rank's output.
     work_heatmaps({"contiguous": m, ...})     score blocks computed, rank x ring step (RingStats or
@@ -21,7 +21,7 @@ from typing import Mapping, Sequence
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from . import style
+from parlab.viz import style
 
 __all__ = ["RANK_COLORS", "ring_animation", "work_heatmaps", "ulysses_grid", "memory_figure", "overlap_figure",
            "block_cells"]

@@ -8,7 +8,7 @@ Plain data in, plotly figure out; nothing here communicates.
   launched while backward was still running, and how long the end of backward
   waited for it ("grad sync");
 * `phase_bars`: bytes each rank sent, stacked by phase, one panel per design
-  (fed by `parlab.data_parallel.traffic_by_phase`);
+  (fed by `parlab.parallel.data.naive.traffic_by_phase`);
 * `memory_bars`: bytes each rank held, stacked by category, one panel per design
   (fed by `NaiveDataParallel.memory` / `memory_report`).
 
@@ -23,8 +23,8 @@ import plotly.graph_objects as go
 from plotly.colors import qualitative
 from plotly.subplots import make_subplots
 
-from ..trace import Event, Trace
-from .timeline import as_trace
+from parlab.trace import Event, Trace
+from parlab.viz.timeline import as_trace
 
 __all__ = ["split_steps", "ddp_overlap", "phase_bars", "memory_bars"]
 

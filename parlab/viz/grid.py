@@ -1,6 +1,6 @@
 """The group grid: which GPUs work together along each parallel dimension, and which groups leave a node.
 
-`grid_figure(grid)` draws every GPU of a `parlab.topology.ParallelGrid` as a square inside its node's
+`grid_figure(grid)` draws every GPU of a `parlab.parallel.topology.ParallelGrid` as a square inside its node's
 box, labelled with its global rank and its (tp, cp, dp, pp) coordinates. The groups of one dimension
 are drawn on top: each group gets its own colour, an outline around each of its GPUs and a line
 through them in rank order. A group whose GPUs sit on more than one node is drawn **dashed** and
@@ -10,7 +10,7 @@ the model-parallel groups) in the browser, so the figure works in a static HTML 
 
 Seed 000's example (Megatron's docstring): 2 nodes x 8 GPUs, tp=2, pp=4, hence dp=2::
 
-    from parlab.topology import ParallelGrid
+    from parlab.parallel.topology import ParallelGrid
     from parlab.viz.grid import grid_figure
     grid_figure(ParallelGrid(16, tp=2, pp=4, gpus_per_node=8), highlight="pp")
 
@@ -25,7 +25,7 @@ from __future__ import annotations
 import plotly.graph_objects as go
 from plotly.colors import qualitative
 
-from ..topology import ParallelGrid, parse_dims
+from parlab.parallel.topology import ParallelGrid, parse_dims
 
 __all__ = ["grid_figure", "gpu_positions", "HIGHLIGHTS"]
 
@@ -99,7 +99,7 @@ def grid_figure(grid: ParallelGrid, highlight: str = "tp", nodes_per_row: int = 
     `highlight` is one of ``HIGHLIGHTS`` ("tp", "cp", "dp", "pp", "tp-pp"); nodes come from
     ``grid.gpus_per_node``. Returns a plotly Figure (``fig.write_html(path)`` keeps the dropdown)."""
     if not isinstance(grid, ParallelGrid):
-        raise ValueError(f"grid_figure needs a parlab.topology.ParallelGrid, got {type(grid).__name__}")
+        raise ValueError(f"grid_figure needs a parlab.parallel.topology.ParallelGrid, got {type(grid).__name__}")
     if highlight not in HIGHLIGHTS:
         parse_dims(highlight)   # a clear error for unknown names first
         raise ValueError(f"highlight must be one of {HIGHLIGHTS}, got {highlight!r}")

@@ -1,8 +1,8 @@
 """Figures for lesson 03 (ZeRO and FSDP): model-state memory per rank, and gathered weights over time.
 
-Fed by plain data (dicts of bytes, `parlab.memory.gathered_timeline` points); never communicates.
+Fed by plain data (dicts of bytes, `parlab.parallel.zero.memory.gathered_timeline` points); never communicates.
 
-    from parlab import memory
+    from parlab.parallel.zero import memory
     from parlab.viz.memory import memory_bars, gathered_figure, fit_curves
 
     cols = [dict(stage="ZeRO-1", source="rank 0", **memory.measure(model.parameters(), opt)),
@@ -17,8 +17,8 @@ from typing import Iterable, Sequence
 
 import plotly.graph_objects as go
 
-from .. import memory
-from . import style
+from parlab.parallel.zero import memory
+from parlab.viz import style
 
 __all__ = ["PART_COLORS", "memory_bars", "gathered_figure", "fit_curves"]
 
@@ -70,7 +70,7 @@ def _number(v: float) -> str:
 def gathered_figure(points: Iterable[dict], title: str | None = None, full_bytes: float | None = None,
                     unit: float = 1e6, unit_name: str = "MB") -> go.Figure:
     """Bytes of gathered (unsharded) weights over time: a step line through the marks FSDP leaves
-    (`parlab.memory.gathered_timeline`), each point labelled 'gathered blocks.0', 'freed blocks.0', ...
+    (`parlab.parallel.zero.memory.gathered_timeline`), each point labelled 'gathered blocks.0', 'freed blocks.0', ...
     `full_bytes` draws the whole model's weights as a reference line."""
     pts = list(points)
     if not pts:

@@ -2,7 +2,7 @@
 
 The pictures of the GPipe, 1F1B, interleaved and zero-bubble papers (and of seed 001 / 003), drawn from data:
 
-    from parlab import schedules as sch
+    from parlab.parallel import pipeline as sch
     from parlab.viz import pipeline as vp
 
     sim = sch.simulate(sch.one_f_one_b(4, 8))
@@ -24,7 +24,7 @@ from typing import Mapping, Sequence
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from . import style
+from parlab.viz import style
 
 __all__ = ["KIND_COLORS", "KIND_NAMES", "schedule_timeline", "schedules_figure", "peak_bars"]
 

@@ -1,19 +1,19 @@
 """The planner as figures: every candidate layout's memory per GPU against its step time, and where the time goes.
 
-`planner_figure(estimates, cluster)` draws one marker per layout that `parlab.planner.enumerate_layouts`
+`planner_figure(estimates, cluster)` draws one marker per layout that `parlab.cluster.planner.enumerate_layouts`
 returned: x = memory of the fullest GPU (GB), y = estimated step time (s), both on log axes. Filled markers
 fit the GPU's usable memory, open crosses do not; the colour says the tensor-parallel size (and whether its
 groups leave a node). A dashed vertical line marks the usable memory, a star the planner's best layout, and
 optional `marks` (e.g. a published layout) get their own labelled symbol. Hovering a marker shows the
 layout and its memory and time split.
 
-`breakdown_figure(ranked)` stacks the step time of the first layouts of `parlab.planner.plan` into its
+`breakdown_figure(ranked)` stacks the step time of the first layouts of `parlab.cluster.planner.plan` into its
 terms (compute, bubble, TP, CP, exposed DP, PP), so "why is the best one best" becomes visible.
 
 Example::
 
-    from parlab.costs import Cluster, preset
-    from parlab.planner import enumerate_layouts, plan
+    from parlab.cluster.costs import Cluster, preset
+    from parlab.cluster.planner import enumerate_layouts, plan
     from parlab.viz.planner import planner_figure, breakdown_figure
     gpt3, cluster = preset("gpt3-175b"), Cluster(nodes=128)            # Megatron's 1024 A100s
     every = enumerate_layouts(gpt3, cluster, 1536)
@@ -32,7 +32,7 @@ from plotly.colors import qualitative
 __all__ = ["planner_figure", "breakdown_figure", "TERMS"]
 
 GB = 1e9
-#: step-time terms of `parlab.planner.Estimate`, in the order they are stacked, with their colours
+#: step-time terms of `parlab.cluster.planner.Estimate`, in the order they are stacked, with their colours
 TERMS = (("compute_s", "compute", "#4c78a8"), ("bubble_s", "pipeline bubble", "#bab0ac"),
          ("tp_s", "TP all-reduces", "#e45756"), ("cp_s", "CP ring", "#b279a2"),
          ("dp_s", "DP (exposed)", "#54a24b"), ("pp_s", "PP send/recv", "#eeca3b"))
@@ -71,12 +71,12 @@ def _ticks_125(values) -> list[float]:
 def planner_figure(estimates, cluster=None, marks: dict | None = None, title: str | None = None) -> go.Figure:
     """Memory per GPU (x) vs step time (y) of every layout in `estimates`; fitting ones filled, the rest open.
 
-    `cluster` (a `parlab.costs.Cluster`) draws its usable memory as a line; `marks` maps a label to a dict of
+    `cluster` (a `parlab.cluster.costs.Cluster`) draws its usable memory as a line; `marks` maps a label to a dict of
     Estimate fields (e.g. ``{"Megatron": dict(tp=8, pp=8)}``): the fastest fitting estimate that matches is
     ringed and labelled. The fastest fitting layout overall gets a star."""
     estimates = list(estimates)
     if not estimates:
-        raise ValueError("planner_figure needs at least one Estimate (from parlab.planner.enumerate_layouts)")
+        raise ValueError("planner_figure needs at least one Estimate (from parlab.cluster.planner.enumerate_layouts)")
     fig = go.Figure()
     tps = sorted({e.tp for e in estimates})
     colors = {tp: qualitative.D3[i % len(qualitative.D3)] for i, tp in enumerate(tps)}
@@ -134,7 +134,7 @@ def breakdown_figure(ranked, top: int = 8, title: str | None = None) -> go.Figur
     """Stacked bars: each term of the step time for the first `top` layouts of `ranked` (fastest first)."""
     rows = list(ranked)[:top]
     if not rows:
-        raise ValueError("breakdown_figure needs at least one Estimate (from parlab.planner.plan)")
+        raise ValueError("breakdown_figure needs at least one Estimate (from parlab.cluster.planner.plan)")
     names = [f"{i}. {e.layout}" for i, e in enumerate(rows, 1)]
     fig = go.Figure([go.Bar(y=names, x=[getattr(e, attr) for e in rows], name=label, orientation="h",
                             marker_color=color, hovertemplate=f"{label}: %{{x:.2f}} s<extra></extra>")

@@ -2,7 +2,7 @@
 
 `toggle(measured, replayed)` draws both traces (`parlab.viz.timeline.timeline`) in one figure with two buttons,
 "this machine" and "replayed on <hardware>"; each keeps its own time unit and axis. `replay_toggle(trace,
-hardware)` replays the trace first (`parlab.replay.replay`). `toggle_figures({name: figure})` does the same for
+hardware)` replays the trace first (`parlab.cluster.replay.replay`). `toggle_figures({name: figure})` does the same for
 figures already drawn with one subplot layout (e.g. `parlab.viz.pipeline.schedules_figure` of measured and of
 replayed runs). Plotly graph_objects only; nothing communicates.
 """
@@ -12,8 +12,8 @@ from typing import Any, Mapping
 
 import plotly.graph_objects as go
 
-from ..replay import replay, step_time
-from .timeline import as_trace, timeline
+from parlab.cluster.replay import replay, step_time
+from parlab.viz.timeline import as_trace, timeline
 
 __all__ = ["toggle", "toggle_figures", "replay_toggle", "pick_unit"]
 
@@ -65,7 +65,7 @@ def toggle(measured: Any, replayed: Any, title: str | None = None, labels: tuple
 
 
 def replay_toggle(trace: Any, hardware, title: str | None = None, show_labels: bool = False, **replay_kw) -> go.Figure:
-    """Replay `trace` on `hardware` (keyword arguments go to `parlab.replay.replay`) and `toggle` the two."""
+    """Replay `trace` on `hardware` (keyword arguments go to `parlab.cluster.replay.replay`) and `toggle` the two."""
     tr = as_trace(trace)
     return toggle(tr, replay(tr, hardware, **replay_kw), title=title, show_labels=show_labels)
 

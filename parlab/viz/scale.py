@@ -7,7 +7,7 @@ speed-up, a loss curve that survives a dead rank, and the pipeline bubble below 
     vs.resume_figure(reference, {"crashed run": {0: 4.1, 1: 3.9}}, crash_step=7, checkpoint_step=4)
     vs.bubble_vs_microbatches([1, 2, 4, 8], bubbles, busy, stages=4)        # the m >= p rule
 
-Inputs are plain numbers (measured by the lesson or computed by `parlab.planner` / `parlab.schedules`); these
+Inputs are plain numbers (measured by the lesson or computed by `parlab.cluster.planner` / `parlab.parallel.pipeline`); these
 functions only draw. Plotly graph_objects only; never communicates.
 
 References: speed-up and efficiency as in seed 002 (total speed ~ single-device speed x devices x speed-up);

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import zlib
 
-from ..trace import format_bytes
+from parlab.trace import format_bytes
 
 __all__ = ["COMPUTE_COLORS", "COLLECTIVE_COLORS", "P2P_COLORS", "MARK_COLOR", "OTHER_COLOR", "KIND_ORDER",
            "color", "colors", "human_bytes"]
@@ -26,7 +26,7 @@ COMPUTE_COLORS: dict[str, str] = {
     "forward": "#9ecae1",
     "backward": "#4292c6",
     "optimizer": "#08306b",
-    "untraced": "#bdbdbd",              # a replay's work outside every traced region (parlab.replay): grey, not blue
+    "untraced": "#bdbdbd",              # a replay's work outside every traced region (parlab.cluster.replay): grey, not blue
 }
 # other region names (loss, attention, ...): teals, purples and a deep blue, each at least 55 (RGB distance) from
 # the fixed compute colours, every collective and p2p colour and white, and 75 from each other, so that a region

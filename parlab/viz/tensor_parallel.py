@@ -18,7 +18,7 @@ from typing import Sequence
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from . import style
+from parlab.viz import style
 
 __all__ = ["RANK_COLORS", "rank_color", "split_matmul", "megatron_diagram", "memory_per_rank", "layer_time"]
 

@@ -33,8 +33,8 @@ from typing import Any, Iterable, Sequence
 
 import plotly.graph_objects as go
 
-from ..trace import COLLECTIVES, P2P, Event, Trace
-from . import style
+from parlab.trace import COLLECTIVES, P2P, Event, Trace
+from parlab.viz import style
 
 __all__ = ["timeline", "bytes_bars", "from_records", "as_trace", "TIME_UNITS", "SYNC_WIDTH", "ASYNC_WIDTH",
            "ASYNC_SHIFT"]
@@ -151,7 +151,7 @@ def timeline(trace: Any, title: str | None = None, ranks: Sequence[int] | None =
     if time_unit not in TIME_UNITS:
         raise ValueError(f"unknown time_unit {time_unit!r}; choose one of {sorted(TIME_UNITS)}")
     tr = as_trace(trace)
-    if tr.hardware:   # a replayed trace (parlab.replay) says what it was replayed on
+    if tr.hardware:   # a replayed trace (parlab.cluster.replay) says what it was replayed on
         title = f"{title} (replayed on {tr.hardware})" if title else f"replayed on {tr.hardware}"
     if not tr.events:
         return empty_figure("empty trace: nothing was recorded (run with parlab.run(..., trace=True) "

@@ -28,7 +28,7 @@ def test_nccl_all_reduce_through_parlab_comm():
 
 
 def _ring_bf16():
-    from parlab.ring_attention import ring_attention, shard_sequence
+    from parlab.parallel.context import ring_attention, shard_sequence
     P, r = comm.get_world_size(), comm.get_rank()
     dev = torch.device("cuda", r)
     g = torch.Generator().manual_seed(0)
@@ -43,7 +43,7 @@ def _ring_bf16():
 @two_gpus
 def test_ring_attention_bf16_on_nccl_matches_the_reference():
     from parlab.models import causal_attention
-    from parlab.ring_attention import unshard_sequence
+    from parlab.parallel.context import unshard_sequence
     res = parlab.run(_ring_bf16, 2, backend="nccl")
     g = torch.Generator().manual_seed(0)
     q, k, v, do = (torch.randn(2, 4, 256, 32, generator=g, dtype=torch.float64) for _ in range(4))

@@ -1,0 +1,22 @@
+"""parlab.cluster: the virtual cluster. What a run would cost on hardware this machine is not.
+
+    from parlab.cluster import hardware, replay
+    replay.replay(trace, hardware.preset("dgx-h100"), gpus_per_node=8)     # the same program, re-timed
+
+Read in this order:
+
+* ``formulas.py``   the closed forms lesson 00 quotes: speed-up, efficiency, training FLOPs, GPU-days (no torch).
+* ``hardware.py``   `Hardware`: how fast a GPU computes and how fast its links move bytes (DGX A100 / H100
+                     presets, each number cited; or this machine, measured by ``calibrate/``).
+* ``program.py``    a trace turned into per-rank programs: the ordered steps a replay re-times.
+* ``replay.py``     `replay(trace, hardware)`: every rank's program re-timed on the hardware model, its waits
+                     and overlaps kept; an ordinary trace comes back, drawn like any other.
+* ``scaleup.py``    a tiny pipeline run replayed as a named model (GPT-3 175B) on a big cluster.
+* ``costs.py``      the cost model of one training step: model and cluster presets, per-GPU memory and time.
+* ``planner.py``    the layout search over (dp, tp, pp, cp, micro-batches, ZeRO stage, recomputation):
+                     ``parlab plan``.
+* ``calibrate/``    measuring this machine (compute, messages, costs inside a real step) into a `Hardware`.
+
+The virtual cluster reads traces and models, never a technique's internals. This face imports nothing, so
+``import parlab.cluster.formulas`` needs no torch.
+"""

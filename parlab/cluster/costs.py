@@ -1,0 +1,214 @@
+"""Cost model of one training step: a model, a cluster, and the per-GPU memory and time formulas.
+
+The planner (`parlab.cluster.planner`) enumerates layouts; this module holds the arithmetic it uses, one
+formula per function, so a lesson can print the formula beside the number. Pure Python (no torch).
+
+Model. A dense decoder-only transformer with L layers, hidden size h, a heads, vocabulary V,
+sequence length s and MLP width f (4h for GPT's GELU MLP; LLaMA's SwiGLU MLP has three f x h
+matrices with f ~ 8h/3, e.g. 11008 for LLaMA-7B). Parameters, split into what tensor parallelism
+shards (/tp) and what every TP rank keeps whole (LayerNorms, row-parallel biases, positions):
+
+    attention   4 h^2 (+ 4 h biases)                     Megatron: q, k, v column-, proj row-parallel
+    MLP (GELU)  2 h f (+ f + h biases)       SwiGLU: 3 h f (no biases)
+    norms       2 x (2 h LayerNorm | h RMSNorm)
+    GPT-3: 12 h^2 + 13 h per layer, + V h (tied) + s h (positions): 174.6B for GPT-3 "175B" [1, 2].
+
+Activations per layer and micro-batch (b sequences), 16-bit, Korthikanti et al. [3] section 4.1:
+
+    s b h (34 + 5 a s / h)         = attention 11 + 5 a s / h, LayerNorms 4, GELU MLP 19
+    with sequence parallelism:     all of it / tp  (eq. 5); with context parallelism also / cp
+    full recomputation:            2 s b h / tp kept per layer (its input), plus one layer's full
+                                   set while that layer is recomputed in the backward pass
+    The MLP's 19 is 2 + 2f/h + 2f/h + 1 (input, fc output, GELU output, dropout mask) for f = 4h;
+    for SwiGLU we write 2 + 8 f / h (input, gate, up, silu(gate), product): an extension of [3],
+    which treats only GELU. The attention part (dropout masks, a s^2 score matrix) is kept as in
+    [3] for every model: FlashAttention would drop the 5 a s / h term.
+
+Model states: ZeRO [4], via `parlab.parallel.zero.memory.model_state_bytes` (2 + 2 + K bytes per parameter, K = 12).
+
+Time. Compute: 6 psi FLOPs per token (2 forward + 4 backward [5]); 8 psi with full recomputation
+(one more forward). Collectives use ring costs [6]: an all-reduce of X bytes sends 2 (N-1)/N X per
+rank, a reduce-scatter or all-gather (N-1)/N X.
+
+References
+    [1] T. Brown et al., "Language Models are Few-Shot Learners" (GPT-3), arXiv:2005.14165, table 2.1.
+    [2] H. Touvron et al., "LLaMA: Open and Efficient Foundation Language Models", arXiv:2302.13971,
+        table 2 (sizes), section 2.2 (SwiGLU, RMSNorm, RoPE).
+    [3] V. Korthikanti et al., "Reducing Activation Recomputation in Large Transformer Models",
+        arXiv:2205.05198, sections 4.1-4.3 (activation memory, sequence parallelism, recomputation).
+    [4] S. Rajbhandari et al., "ZeRO", arXiv:1910.02054, sections 3, 5 and 7.
+    [5] J. Kaplan et al., "Scaling Laws for Neural Language Models", arXiv:2001.08361, section 2.1.
+    [6] P. Patarasuk, X. Yuan, "Bandwidth optimal all-reduce algorithms", JPDC 2009.
+    [7] D. Narayanan et al., "Efficient Large-Scale Language Model Training on GPU Clusters Using
+        Megatron-LM", SC 2021, arXiv:2104.04473, sections 2-3 (placement, bubble, p2p scatter/gather).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from parlab.parallel.pipeline import split_layers
+
+__all__ = ["ModelSpec", "Cluster", "PRESETS", "CLUSTERS", "preset", "from_gpt_config",
+           "activation_bytes_per_layer", "BYTES_16BIT"]
+
+BYTES_16BIT = 2  # bf16 / fp16 weights, gradients and activations
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A dense decoder-only transformer, described by what the cost formulas need."""
+
+    name: str
+    layers: int
+    hidden: int
+    heads: int
+    vocab: int
+    seq: int
+    ffn: int | None = None          # MLP width f; default 4 h
+    swiglu: bool = False            # LLaMA: 3 matrices h x f, no biases
+    bias: bool = True               # biases in linear layers; LayerNorm (2h) if True else RMSNorm (h)
+    tied: bool = True               # output head shares the embedding matrix
+    learned_pos: bool = True        # a learned s x h position table (GPT); False for RoPE (LLaMA)
+
+    def __post_init__(self) -> None:
+        for k in ("layers", "hidden", "heads", "vocab", "seq"):
+            v = getattr(self, k)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"model {self.name!r}: {k} must be a positive integer, got {v!r}")
+        if self.hidden % self.heads:
+            raise ValueError(f"model {self.name!r}: hidden {self.hidden} is not divisible by heads {self.heads}; "
+                             f"every head gets hidden // heads channels")
+        if self.ffn is None:
+            object.__setattr__(self, "ffn", 4 * self.hidden)
+
+    # ------------------------------------------------------------ parameters
+    def layer_params(self, tp: int = 1) -> float:
+        """Parameters of one transformer layer held by one of tp ranks (sharded / tp + replicated)."""
+        h, f = self.hidden, self.ffn
+        sharded = 4 * h * h + (3 if self.swiglu else 2) * h * f
+        replicated = 2 * (2 * h if self.bias else h)                 # two norms
+        if self.bias:
+            sharded += 3 * h + (0 if self.swiglu else f)                 # q, k, v and fc biases (column-parallel)
+            replicated += h + (0 if self.swiglu else h)                 # proj biases (row-parallel: kept whole)
+        return sharded / tp + replicated
+
+    def embedding_params(self, tp: int = 1) -> float:
+        """Token embedding (vocab-parallel, / tp) plus the position table (kept whole)."""
+        return self.vocab * self.hidden / tp + (self.seq * self.hidden if self.learned_pos else 0)
+
+    def head_params(self, tp: int = 1) -> float:
+        """Final norm plus, when untied, the output matrix (vocab-parallel)."""
+        norm = 2 * self.hidden if self.bias else self.hidden
+        return norm + (0 if self.tied else self.vocab * self.hidden / tp)
+
+    def param_count(self) -> int:
+        """psi: all parameters (GPT-3 175B: 174.6e9 with V = 50257; LLaMA-7B: 6.74e9)."""
+        return round(self.layers * self.layer_params() + self.embedding_params() + self.head_params())
+
+    def stage_params(self, tp: int, pp: int) -> float:
+        """Parameters on the fullest rank: its stage's layers plus the embedding (first stage) or the head
+        (last stage; with a tied head and pp > 1 the last stage keeps its own copy of the embedding [7]).
+        Layers per stage as parlab's pipeline splits them (`schedules.split_layers`): L/pp each when pp
+        divides L, else one more on some stages."""
+        if pp == 1:
+            return self.layers * self.layer_params(tp) + self.embedding_params(tp) + self.head_params(tp)
+        sizes = [len(r) for r in split_layers(self.layers, pp)]
+        first = sizes[0] * self.layer_params(tp) + self.embedding_params(tp)
+        last = sizes[-1] * self.layer_params(tp) + self.head_params(tp) + (self.vocab * self.hidden / tp
+                                                                           if self.tied else 0)
+        middle = max(sizes[1:-1], default=0) * self.layer_params(tp)
+        return max(first, last, middle)
+
+
+def activation_bytes_per_layer(m: ModelSpec, b: int, tp: int = 1, cp: int = 1, recompute: bool = False) -> float:
+    """Bytes one layer keeps for the backward pass of one micro-batch of b sequences ([3] eq. 5 with SP).
+
+    s b h (34 + 5 a s / h) / (tp cp)     no recomputation (34 = 15 attention+norms + 19 GELU MLP)
+    2 s b h / (tp cp)                    full recomputation: only the layer input
+    """
+    s, h, a, f = m.seq, m.hidden, m.heads, m.ffn
+    if recompute:
+        return BYTES_16BIT * s * b * h / (tp * cp)
+    mlp = 2 + 8 * f / h if m.swiglu else 3 + 4 * f / h                  # = 19 for GELU with f = 4h
+    return s * b * h * (15 + mlp + 5 * a * s / h) / (tp * cp)
+
+
+# ---------------------------------------------------------------------- presets
+def _gpt3() -> ModelSpec:
+    return ModelSpec("gpt3-175b", layers=96, hidden=12288, heads=96, vocab=50257, seq=2048)
+
+
+def _llama(name: str, layers: int, hidden: int, heads: int, ffn: int) -> ModelSpec:
+    return ModelSpec(name, layers, hidden, heads, vocab=32000, seq=2048, ffn=ffn, swiglu=True, bias=False,
+                     tied=False, learned_pos=False)
+
+
+#: Named models ([1] table 2.1; [2] table 2 and the released configs' MLP widths).
+PRESETS: dict[str, ModelSpec] = {
+    "gpt3-175b": _gpt3(),
+    "llama-7b": _llama("llama-7b", 32, 4096, 32, 11008),
+    "llama-13b": _llama("llama-13b", 40, 5120, 40, 13824),
+    "llama-65b": _llama("llama-65b", 80, 8192, 64, 22016),
+}
+
+
+def preset(name: str) -> ModelSpec:
+    if name not in PRESETS:
+        raise ValueError(f"unknown model preset {name!r}; known: {', '.join(PRESETS)} (or build a ModelSpec)")
+    return PRESETS[name]
+
+
+def from_gpt_config(config, name: str = "parlab-gpt") -> ModelSpec:
+    """The tiny parlab GPT (`parlab.models.GPTConfig`) as a ModelSpec: same parameter count."""
+    return ModelSpec(name, config.n_layer, config.n_embd, config.n_head, config.vocab_size, config.seq_len,
+                     ffn=config.mlp_ratio * config.n_embd, bias=config.bias, tied=config.tie_embeddings)
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """nodes x gpus_per_node GPUs. Bandwidths in GB/s per GPU and direction; peak in FLOP/s.
+
+    Defaults: DGX A100 80 GB nodes: 312 TFLOP/s dense bf16, NVLink3 300 GB/s per direction, one
+    200 Gb/s HDR InfiniBand adapter per GPU = 25 GB/s. `mfu` is the fraction of peak the matrix
+    multiplications sustain (Megatron reports 44-52% on 175B-1T models [7] table 1); `usable` the
+    fraction of GPU memory left after the CUDA context, allocator fragmentation and buffers."""
+
+    nodes: int = 1
+    gpus_per_node: int = 8
+    gpu_mem_gb: float = 80.0
+    intra_gbps: float = 300.0
+    inter_gbps: float = 25.0
+    peak_tflops: float = 312.0
+    mfu: float = 0.5
+    usable: float = 0.9
+
+    def __post_init__(self) -> None:
+        for k in ("nodes", "gpus_per_node"):
+            v = getattr(self, k)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"cluster {k} must be a positive integer, got {v!r}")
+        for k in ("gpu_mem_gb", "intra_gbps", "inter_gbps", "peak_tflops"):
+            if not getattr(self, k) > 0:
+                raise ValueError(f"cluster {k} must be positive, got {getattr(self, k)!r}")
+        if not (0 < self.mfu <= 1 and 0 < self.usable <= 1):
+            raise ValueError(f"mfu ({self.mfu}) and usable ({self.usable}) are fractions in (0, 1]")
+
+    @property
+    def world(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+    @property
+    def mem_bytes(self) -> float:
+        return self.usable * self.gpu_mem_gb * 1e9
+
+    def bandwidth(self, crosses_nodes: bool) -> float:
+        """Bytes per second of a group's slowest link."""
+        return (self.inter_gbps if crosses_nodes else self.intra_gbps) * 1e9
+
+
+#: A few clusters for the lessons (per-GPU inter-node bandwidth: one NIC per GPU).
+CLUSTERS: dict[str, Cluster] = {
+    "a100-80gb": Cluster(),
+    "a100-40gb": Cluster(gpu_mem_gb=40.0),
+    "h100-80gb": Cluster(intra_gbps=450.0, inter_gbps=50.0, peak_tflops=989.0),
+}

@@ -1,0 +1,367 @@
+"""Layout planner: which (dp, tp, pp, cp, micro-batch, ZeRO stage, recomputation) to train a model with.
+
+`plan(model, cluster, global_batch)` enumerates every layout the model and the cluster allow, estimates
+the memory of the fullest GPU and the time of one step with the formulas of `parlab.cluster.costs` (and of the
+lessons), rejects the layouts that do not fit, ranks the rest by step time; `explain(ranked)` says in
+words why the winner has its tp, pp and dp; `format_table` prints them; `main` is ``parlab plan``.
+
+A layout is valid when tp divides the heads, pp divides the layers, cp divides the sequence, and
+tp * pp * cp divides the GPUs (dp is the rest); the global batch of B sequences is m micro-batches of
+b sequences on each of the dp replicas: B = dp * b * m (cp ranks share a sequence, s / cp tokens each).
+Ranks are placed in Megatron's order tp-cp-dp-pp (`parlab.parallel.topology.ParallelGrid`): a group whose ranks
+sit on several nodes talks at the inter-node bandwidth. tp > gpus_per_node is allowed, and pays for it.
+
+Memory of the fullest GPU (first pipeline stage) = model states + activations (+ ZeRO-3 buffers):
+    states        2 + 2 + 12 bytes per parameter of its stage, sharded over dp * cp by ZeRO [1]
+    activations   (L / pp) layers x min(pp, m) micro-batches in flight (1F1B's first stage [3])
+                  x `costs.activation_bytes_per_layer` (Korthikanti [2]; full recomputation adds one
+                  layer's full activations while it is recomputed)
+    ZeRO-3        two gathered 16-bit layers (the one computing and the one prefetched)
+
+Time of one step = compute + bubble + TP + CP + exposed DP + PP communication:
+    compute   c psi B s / (GPUs x peak x MFU), c = 6, or 8 with full recomputation (one more forward)
+    bubble    (pp - 1) / m x compute: 1F1B's idle time relative to the ideal step [3] (the fraction
+              of the *step* is (pp - 1)/(m + pp - 1), `schedules.bubble_formula`)
+    TP        per layer and micro-batch 4 all-reduces of 2 s b h / cp bytes (2 forward, 2 backward;
+              +2 with recomputation), 2(tp-1)/tp of it per rank [4], on the critical path (no overlap)
+    CP        ring attention: each layer passes (cp-1) K/V blocks of 2 x 2 s b h / (cp tp) bytes
+              forward, twice that backward (K, V and their gradients); counted unhidden
+    DP        gradient all-reduce of 2 psi_stage bytes over dp * cp ranks (ZeRO-1/2: reduce-scatter +
+              all-gather, the same bytes). With m > 1 micro-batches the stages differ [1, 3]: ZeRO-2 keeps
+              only a gradient shard, so it reduce-scatters after *every* micro-batch, (m + 1)(N-1)/N 2 psi;
+              ZeRO-3 also all-gathers the weights forward and backward, 3 m (N-1)/N 2 psi_stage.
+              Overlap assumption: ZeRO 0/1 hide the all-reduce behind the backward pass of the last
+              micro-batch (the only one after which gradients are final); ZeRO-2 behind every backward
+              pass (2/3 of compute); ZeRO-3 prefetches, hiding behind the whole compute. Only the rest
+              is exposed. Equal step times go to the layout with less memory.
+    PP        per micro-batch one activation forward and one gradient backward of 2 s b h /(tp cp)
+              bytes per stage boundary (Megatron's scatter/gather optimisation [3]), unhidden
+
+References: see `parlab.cluster.costs`; [1] ZeRO arXiv:1910.02054; [2] Korthikanti et al. arXiv:2205.05198;
+[3] Narayanan et al. arXiv:2104.04473 (1F1B, placement; their GPT-3 175B run: t = 8, p = 8 on 1024
+A100s, batch 1536, table 1); [4] Patarasuk & Yuan 2009 (ring collectives). Seed 000: TP > DP > PP in
+volume, so TP stays inside a node and PP crosses nodes.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+from dataclasses import dataclass
+
+from parlab.cluster.costs import (BYTES_16BIT, CLUSTERS, PRESETS, Cluster, ModelSpec, activation_bytes_per_layer,
+    from_gpt_config, preset)
+from parlab.parallel.zero import model_state_bytes
+from parlab.parallel.pipeline import bubble_formula, split_layers
+from parlab.parallel.topology import ParallelGrid
+from parlab.trace.wire import wire_bytes
+
+__all__ = ["Estimate", "estimate", "enumerate_layouts", "plan", "explain", "format_table", "volume_table",
+           "format_volume_table", "tiny_state_bytes", "main", "ModelSpec", "Cluster", "PRESETS", "CLUSTERS"]
+
+GB = 1e9
+DIMS = ("tp", "cp", "dp", "pp")
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """One layout and everything the planner estimated for it (bytes per GPU, seconds per step)."""
+
+    tp: int
+    pp: int
+    dp: int
+    cp: int
+    micro_batch: int          # b sequences per micro-batch
+    micro_batches: int        # m per step on each pipeline
+    zero: int                 # ZeRO stage 0-3
+    recompute: bool           # full activation recomputation
+    # memory of the fullest GPU
+    params_bytes: float
+    grads_bytes: float
+    optimizer_bytes: float
+    activation_bytes: float
+    buffer_bytes: float       # ZeRO-3 gathered layers
+    total_bytes: float
+    # time of one step
+    compute_s: float
+    bubble_s: float
+    tp_s: float
+    cp_s: float
+    dp_s: float               # exposed part
+    dp_total_s: float         # before overlap
+    pp_s: float
+    step_s: float
+    # bytes each GPU sends per step, and whether the dimension's groups cross nodes
+    volume: dict
+    crosses: dict
+    fits: bool
+    reason: str               # why it does not fit ("" when it does)
+    tokens_per_s: float
+    achieved_tflops: float    # model FLOPs (6 psi per token) per GPU per second, in TFLOP/s
+
+    @property
+    def layout(self) -> str:
+        return (f"tp{self.tp} pp{self.pp} dp{self.dp} cp{self.cp} b{self.micro_batch} m{self.micro_batches} "
+                f"Z{self.zero}{' rc' if self.recompute else ''}")
+
+
+@functools.lru_cache(maxsize=4096)
+def crossing(world: int, tp: int, pp: int, cp: int, gpus_per_node: int) -> dict[str, bool]:
+    """Does any group of each dimension span several nodes (Megatron order, `ParallelGrid`)?"""
+    grid = ParallelGrid(world, tp=tp, pp=pp, cp=cp, gpus_per_node=gpus_per_node)
+    # ranks fill nodes in order, so an ascending group crosses iff its first and last ranks do
+    # DP gradients are reduced over the dp x cp ranks holding the same weights (Megatron's dp-cp group)
+    group = {"tp": "tp", "cp": "cp", "dp": "cp-dp", "pp": "pp"}
+    return {d: any(g[0] // gpus_per_node != g[-1] // gpus_per_node for g in grid.groups(group[d])) for d in DIMS}
+
+
+def estimate(model: ModelSpec, cluster: Cluster, global_batch: int, *, tp: int = 1, pp: int = 1, cp: int = 1,
+             micro_batch: int = 1, zero: int = 0, recompute: bool = False) -> Estimate:
+    """Memory and step time of one layout (see the module docstring for every formula)."""
+    world = cluster.world
+    dp, rest = divmod(world, tp * pp * cp)
+    if rest:
+        raise ValueError(f"tp*pp*cp = {tp * pp * cp} does not divide the {world} GPUs")
+    m, rest = divmod(global_batch, dp * micro_batch)
+    if rest or m < 1:
+        raise ValueError(f"global batch {global_batch} is not divisible by dp * micro_batch = {dp * micro_batch}")
+    s, h, nd = model.seq, model.hidden, dp * cp
+    cross = crossing(world, tp, pp, cp, cluster.gpus_per_node)
+    # ---- memory of the first stage (the fullest: embedding + the most micro-batches in flight)
+    psi_stage = model.stage_params(tp, pp)
+    states = model_state_bytes(psi_stage, nd, zero)
+    layers = max(len(r) for r in split_layers(model.layers, pp))   # the fullest stage's layers (L / pp if pp | L)
+    in_flight = min(pp, m)
+    act = layers * in_flight * activation_bytes_per_layer(model, micro_batch, tp, cp, recompute)
+    if recompute:   # the layer being recomputed holds its full set for a moment
+        act += activation_bytes_per_layer(model, micro_batch, tp, cp, recompute=False)
+    buffers = 2 * BYTES_16BIT * model.layer_params(tp) if zero == 3 else 0.0
+    total = states["total"] + act + buffers
+    fits = total <= cluster.mem_bytes
+    reason = "" if fits else (f"needs {total / GB:.1f} GB > {cluster.mem_bytes / GB:.1f} GB usable "
+                              f"(states {states['total'] / GB:.1f}, activations {act / GB:.1f})")
+    # ---- time
+    psi, tokens = model.param_count(), global_batch * s
+    flops = (8 if recompute else 6) * psi * tokens
+    compute = flops / (world * cluster.peak_tflops * 1e12 * cluster.mfu)
+    f = bubble_formula("1f1b", pp, m)                 # fraction of the step ...
+    bubble = f / (1 - f) * compute                    # ... = (pp - 1) / m relative to the ideal step
+    act_msg = BYTES_16BIT * s * micro_batch * h / cp  # one micro-batch's activations of one layer, on a CP rank
+    vol = {
+        "tp": (6 if recompute else 4) * layers * m * wire_bytes("all_reduce", act_msg, tp),
+        "cp": (4 if recompute else 3) * layers * m * (cp - 1) * 2 * act_msg / tp,
+        "dp": {3: 3 * m, 2: m + 1}.get(zero, 2) * wire_bytes("all_gather", BYTES_16BIT * psi_stage, nd),
+        "pp": 2 * m * act_msg / tp if pp > 1 else 0.0,
+    }
+    t = {d: vol[d] / cluster.bandwidth(cross[d]) for d in DIMS}
+    # what the DP traffic can hide behind: ZeRO-3 the whole compute (prefetch), ZeRO-2 every backward
+    # (a reduce-scatter per micro-batch), ZeRO 0/1 only the backward of the last micro-batch
+    window = {3: compute, 2: compute * 2 / 3}.get(zero, compute * 2 / 3 / m)
+    dp_exposed = max(0.0, t["dp"] - window)
+    step = compute + bubble + t["tp"] + t["cp"] + dp_exposed + t["pp"]
+    return Estimate(tp, pp, dp, cp, micro_batch, m, zero, recompute, states["params"], states["grads"],
+                    states["optimizer"], act, buffers, total, compute, bubble, t["tp"], t["cp"], dp_exposed,
+                    t["dp"], t["pp"], step, vol, cross, fits, reason, tokens / step,
+                    6 * psi * tokens / step / world / 1e12)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def enumerate_layouts(model: ModelSpec, cluster: Cluster, global_batch: int, *, micro_batches=(1, 2, 4, 8),
+                      zero_stages=(0, 1, 2, 3), recompute=(False, True), cp_max: int = 8,
+                      min_cp_chunk: int = 4096) -> list[Estimate]:
+    """Every valid layout with its estimate, fitting or not (see `plan` for the ranked fitting ones).
+
+    Context parallelism (cp > 1) is tried only while each rank keeps at least `min_cp_chunk` tokens of
+    the sequence: the cost model charges CP for its K/V ring (less traffic than TP's all-reduces) but
+    not for the smaller matrix multiplications and attention blocks it leaves each GPU, so it would
+    overrate CP on short sequences (Megatron-Core recommends CP for long contexts). Pass 1 to try all."""
+    if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
+        raise ValueError(f"global batch must be a positive number of sequences, got {global_batch!r}")
+    world = cluster.world
+    out = []
+    for tp in _divisors(world):
+        if model.heads % tp:
+            continue
+        for pp in _divisors(world // tp):
+            if model.layers % pp:
+                continue
+            for cp in _divisors(world // (tp * pp)):
+                if cp > 1 and (cp > cp_max or model.seq % cp or model.seq // cp < min_cp_chunk):
+                    continue
+                dp = world // (tp * pp * cp)
+                for b in micro_batches:
+                    if global_batch % (dp * b):
+                        continue
+                    for z in (z for z in zero_stages if z == 0 or dp * cp > 1):   # ZeRO needs dp*cp > 1
+                        for rc in recompute:
+                            out.append(estimate(model, cluster, global_batch, tp=tp, pp=pp, cp=cp,
+                                                micro_batch=b, zero=z, recompute=rc))
+    if not out:
+        raise ValueError(
+            f"no valid layout for {model.name} on {world} GPUs with global batch {global_batch}: the batch must be "
+            f"a multiple of dp * micro_batch, tp must divide the {model.heads} heads and pp the {model.layers} "
+            f"layers; try a global batch that is a multiple of {world}, or another number of GPUs")
+    return out
+
+
+def plan(model: ModelSpec, cluster: Cluster, global_batch: int, **kw) -> list[Estimate]:
+    """The layouts that fit, fastest first (ties: less memory). Raises if none fits, saying by how much."""
+    allk = enumerate_layouts(model, cluster, global_batch, **kw)
+    ok = sorted((e for e in allk if e.fits), key=lambda e: (e.step_s, e.total_bytes))
+    if not ok:
+        best = min(allk, key=lambda e: e.total_bytes)
+        raise ValueError(f"no layout of {model.name} ({model.param_count() / 1e9:.1f}B parameters) fits on "
+                         f"{cluster.world} GPUs of {cluster.gpu_mem_gb:g} GB: the smallest, {best.layout}, "
+                         f"{best.reason}; use more GPUs, GPUs with more memory, or a smaller model")
+    return ok
+
+
+def _dominant(a: Estimate, b: Estimate) -> str:
+    """The cost term that differs most between two estimates, as words."""
+    terms = {"bubble_s": "pipeline bubble", "tp_s": "TP communication", "dp_s": "exposed DP communication",
+             "pp_s": "PP communication", "cp_s": "CP communication", "compute_s": "compute (recomputation)"}
+    k = max(terms, key=lambda k: abs(getattr(b, k) - getattr(a, k)))
+    return f"{terms[k]} {getattr(b, k):.2f} s vs {getattr(a, k):.2f} s"
+
+
+def explain(ranked: list[Estimate], every: list[Estimate] | None = None, gpus_per_node: int | None = None) -> str:
+    """Why the first layout of `ranked` has its tp, pp, dp (and the rest): the best alternative for each."""
+    top = ranked[0]
+    every = every or ranked
+    lines = [f"Best: {top.layout}: {top.step_s:.2f} s/step, {top.total_bytes / GB:.1f} GB per GPU, "
+             f"{top.achieved_tflops:.0f} TFLOP/s per GPU."]
+    size = {"tp": top.tp, "cp": top.cp, "dp": top.dp, "pp": top.pp}
+    where = {d: "no group" if size[d] == 1 else "crosses nodes" if top.crosses[d] else "inside a node" for d in DIMS}
+    lines.append(f"  tp={top.tp} ({where['tp']}), pp={top.pp} ({where['pp']}), dp={top.dp} ({where['dp']}); "
+                 f"per GPU and step TP sends {top.volume['tp'] / GB:.1f} GB, DP {top.volume['dp'] / GB:.1f} GB, "
+                 f"PP {top.volume['pp'] / GB:.2f} GB.")
+    for dim, attr in (("tp", "tp"), ("pp", "pp"), ("dp", "dp"), ("ZeRO stage", "zero"),
+                      ("recomputation", "recompute"), ("micro-batch", "micro_batch")):
+        others = [e for e in every if getattr(e, attr) != getattr(top, attr)]
+        fitting = [e for e in others if e.fits]
+        if fitting:
+            alt = min(fitting, key=lambda e: (e.step_s, e.total_bytes))
+            if alt.step_s - top.step_s < 0.005 * top.step_s:
+                lines.append(f"  {dim}={getattr(top, attr)} or {getattr(alt, attr)}: a tie within 0.5% "
+                             f"({alt.layout}: {alt.step_s:.2f} s, {alt.total_bytes / GB:.1f} GB): closer than this "
+                             f"model can tell apart; either is a sound choice.")
+                continue
+            lines.append(f"  {dim}={getattr(top, attr)} rather than {getattr(alt, attr)}: the best such layout "
+                         f"({alt.layout}) takes {alt.step_s:.2f} s (+{100 * (alt.step_s / top.step_s - 1):.0f}%), "
+                         f"mostly {_dominant(top, alt)}.")
+        elif others:
+            alt = min(others, key=lambda e: e.total_bytes)
+            lines.append(f"  {dim}={getattr(top, attr)}: no layout with another {dim} fits "
+                         f"(smallest {alt.layout} {alt.reason}).")
+    return "\n".join(lines)
+
+
+def format_table(estimates: list[Estimate], top: int | None = 10) -> str:
+    """A fixed-width text table: layout, memory split, time split, step time, throughput."""
+    head = (f"{'#':>3} {'tp':>3} {'pp':>3} {'dp':>4} {'cp':>2} {'b':>2} {'m':>4} {'Z':>1} {'rc':>2} | "
+            f"{'states':>7} {'act':>6} {'total GB':>8} | {'compute':>7} {'bubble':>6} {'TP':>6} {'DP':>6} "
+            f"{'PP':>6} {'CP':>6} {'step s':>7} {'TF/GPU':>6} {'note':<4}")
+    rows = [head, "-" * len(head)]
+    for i, e in enumerate(estimates[:top] if top else estimates, 1):
+        states = e.params_bytes + e.grads_bytes + e.optimizer_bytes
+        x = {d: "*" if e.crosses[d] and e.volume[d] else " " for d in DIMS}
+        rows.append(f"{i:>3} {e.tp:>3} {e.pp:>3} {e.dp:>4} {e.cp:>2} {e.micro_batch:>2} {e.micro_batches:>4} "
+                    f"{e.zero:>1} {'y' if e.recompute else 'n':>2} | {states / GB:>7.1f} "
+                    f"{e.activation_bytes / GB:>6.1f} {e.total_bytes / GB:>8.1f} | {e.compute_s:>7.2f} "
+                    f"{e.bubble_s:>6.2f} {e.tp_s:>5.2f}{x['tp']} {e.dp_s:>5.2f}{x['dp']} {e.pp_s:>5.2f}{x['pp']} "
+                    f"{e.cp_s:>5.2f}{x['cp']} {e.step_s:>7.2f} {e.achieved_tflops:>6.0f} "
+                    f"{'' if e.fits else 'NO: ' + e.reason}")
+    rows.append("(times in s per step; * = that dimension's groups cross nodes; DP = exposed part)")
+    return "\n".join(rows)
+
+
+def volume_table(model: ModelSpec, grid: ParallelGrid, global_batch: int, micro_batch: int = 1, zero: int = 0,
+                 recompute: bool = False) -> list[dict]:
+    """Bytes each GPU sends per step along each dimension of `grid` (TP > DP > PP for large models).
+
+    Rows: {'dim', 'size', 'bytes', 'crosses_nodes', 'what'}; the formulas are those of `estimate`."""
+    cluster = Cluster(nodes=grid.num_nodes, gpus_per_node=grid.gpus_per_node)
+    e = estimate(model, cluster, global_batch, tp=grid.tp, pp=grid.pp, cp=grid.cp, micro_batch=micro_batch,
+                 zero=zero, recompute=recompute)
+    what = {"tp": "4 all-reduces of activations per layer and micro-batch",
+            "cp": "K/V blocks around the ring, per layer and micro-batch",
+            "dp": "gradient all-reduce once per step" if zero < 3 else "ZeRO-3 gathers + reduce-scatters",
+            "pp": "activation + gradient per micro-batch at each stage boundary"}
+    return [{"dim": d, "size": grid.sizes[d], "bytes": e.volume[d], "crosses_nodes": bool(e.crosses[d]),
+             "what": what[d]} for d in sorted(DIMS, key=lambda d: -e.volume[d])]
+
+
+def format_volume_table(rows: list[dict]) -> str:
+    out = [f"{'dim':<4} {'size':>4} {'GB/GPU/step':>12} {'link':<10} what"]
+    for r in rows:
+        link = "-" if r["size"] == 1 else "inter-node" if r["crosses_nodes"] else "intra-node"
+        out.append(f"{r['dim']:<4} {r['size']:>4} {r['bytes'] / GB:>12.3f} {link:<10} {r['what']}")
+    return "\n".join(out)
+
+
+def tiny_state_bytes(config, *, tp: int = 1, pp: int = 1, dp: int = 1, zero: int = 0, param_bytes: float = 4,
+                     grad_bytes: float = 4, k: float = 8) -> dict[str, float]:
+    """The planner's parameter / gradient / optimizer bytes on the fullest rank of the tiny parlab GPT
+    (`GPTConfig`) for a layout; defaults are parlab's fp32 AdamW runs (4 + 4 + 8 bytes per parameter),
+    so it can be compared with `parlab.parallel.zero.memory.measure` on real ranks (ratio = measured / planned)."""
+    psi = from_gpt_config(config).stage_params(tp, pp)
+    return model_state_bytes(psi, dp, zero, param_bytes=param_bytes, grad_bytes=grad_bytes, k=k)
+
+
+# ---------------------------------------------------------------------- command line
+MAX_GPUS = 16384   # `parlab plan` answers in seconds up to here (1024 nodes x 8: ~6 s at load 27 on 2 cores)
+
+
+def main(argv=None) -> int:
+    """``parlab plan``: print the ranked layouts of a model on a cluster."""
+    p = argparse.ArgumentParser(prog="parlab plan", description="rank training layouts by estimated step time")
+    p.add_argument("--model", default="gpt3-175b", choices=[*PRESETS, "custom"])
+    for k in ("layers", "hidden", "heads", "vocab", "seq"):
+        p.add_argument(f"--{k}", type=int, help=f"custom model {k} (overrides the preset)")
+    c = Cluster()
+    p.add_argument("--nodes", type=int, default=1)
+    p.add_argument("--gpus-per-node", type=int, default=c.gpus_per_node)
+    p.add_argument("--gpu-mem-gb", type=float, default=c.gpu_mem_gb)
+    p.add_argument("--intra-gbps", type=float, default=c.intra_gbps, help="GB/s per GPU inside a node")
+    p.add_argument("--inter-gbps", type=float, default=c.inter_gbps, help="GB/s per GPU between nodes")
+    p.add_argument("--tflops", type=float, default=c.peak_tflops, help="peak dense 16-bit TFLOP/s per GPU")
+    p.add_argument("--mfu", type=float, default=c.mfu, help="fraction of peak the matmuls reach")
+    p.add_argument("--global-batch", type=int, default=None, help="sequences per step (default 2 x GPUs)")
+    p.add_argument("--top", type=int, default=10)
+    a = p.parse_args(argv)
+    for k in ("layers", "hidden", "heads", "vocab", "seq", "global_batch", "top", "nodes", "gpus_per_node"):
+        if getattr(a, k) is not None and getattr(a, k) < 1:
+            p.error(f"--{k.replace('_', '-')} must be a positive integer, got {getattr(a, k)}")
+    if a.nodes * a.gpus_per_node > MAX_GPUS:   # every layout is enumerated: a huge cluster would take minutes
+        p.error(f"at most {MAX_GPUS} GPUs (--nodes x --gpus-per-node), got {a.nodes * a.gpus_per_node}")
+    try:
+        custom = {k: getattr(a, k) for k in ("layers", "hidden", "heads", "vocab", "seq") if getattr(a, k) is not None}
+        if a.model == "custom":
+            missing = [k for k in ("layers", "hidden", "heads", "vocab", "seq") if k not in custom]
+            if missing:
+                p.error(f"--model custom needs --{' --'.join(missing)}")
+            model = ModelSpec("custom", **custom)
+        else:
+            base = preset(a.model)
+            model = ModelSpec(**{**base.__dict__, **custom}) if custom else base
+        cluster = Cluster(a.nodes, a.gpus_per_node, a.gpu_mem_gb, a.intra_gbps, a.inter_gbps, a.tflops, a.mfu)
+        batch = a.global_batch or 2 * cluster.world
+        every = enumerate_layouts(model, cluster, batch)
+        ranked = plan(model, cluster, batch)
+    except ValueError as err:
+        print(f"error: {err}")
+        return 2
+    print(f"{model.name}: {model.param_count() / 1e9:.2f}B parameters, {model.layers} layers, h={model.hidden}, "
+          f"{model.heads} heads, seq {model.seq}; {cluster.nodes} x {cluster.gpus_per_node} GPUs "
+          f"({cluster.gpu_mem_gb:g} GB, {cluster.peak_tflops:g} TFLOP/s, MFU {cluster.mfu:g}); global batch {batch}")
+    print(f"{len(every)} valid layouts, {len(ranked)} fit.\n")
+    print(format_table(ranked, a.top))
+    print()
+    print(explain(ranked, every))
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())

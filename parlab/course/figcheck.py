@@ -1,0 +1,280 @@
+"""Look at every figure of the course the way a student does: drawn by plotly.js in a real browser.
+
+    python -m parlab.course.figcheck                        # every lesson: execute, draw, check, screenshot
+    python -m parlab.course.figcheck lessons/05_*.ipynb --out figcheck --jobs 2
+
+Each notebook is executed (unless it already carries outputs) in a fresh kernel (`parlab.course.execute`);
+every plotly figure it shows, in a cell's output or inside an interactive widget's output in its initial
+state, is drawn in headless Chromium (Debian's ``chromium`` package, driven by playwright) at the width of
+a JupyterLab notebook, and `check.js` measures from the drawn page:
+
+* no two text boxes overlap: the title, subplot titles and other annotations, axis titles, the legend,
+  slider and buttons, and tick labels against all of these;
+* no text is cut off at the figure's edge;
+* every axis range lies within the data's (with half the data's span of margin; the data include shapes
+  and annotations placed on that axis), so no marker stretches an axis to 10^70;
+* no legend entry is listed twice, no two entries look alike (same colour and swatch shape), and the legend
+  fits the figure's height (a legend that scrolls hides its last entries on a slide);
+* no log axis labels a minor tick with a single digit (plotly writes 20 as "2" between 10 and 100);
+* no text is smaller than 10 px (plotly shrinks bar labels to fit; ``<sup>`` is 70% of its font);
+* an animation (``parlab.viz.comm_animation``) has at least as many frames as its calls' algorithms have
+  steps, and its frames are checked too (first, last and the one with the longest heading);
+* every ipywidgets description fits its 80 px label box (longer ones are cut to "microbatc...").
+
+A PNG of every figure is written to ``OUT/<notebook>/cell<NN>_<k>.png`` for a person to look through,
+and the problems to ``OUT/report.txt``; the exit status is 1 when there are any.
+
+The figures are drawn offline (plotly.js from the plotly package); nothing is fetched from a network.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shutil
+import sys
+import tempfile
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+__all__ = ["Figure", "collect", "check_pages", "main", "CHROMIUM_ARGS", "chromium_path"]
+
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync", "--no-first-run"]
+PLOTLY_MIME = "application/vnd.plotly.v1+json"
+WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
+WIDGET_STATE = "application/vnd.jupyter.widget-state+json"
+WIDTH = 920              # px: a notebook's output area in JupyterLab on a 1280-px screen with the file browser shut
+
+
+@dataclass
+class Figure:
+    """One figure as a student sees it: notebook, cell index, k-th figure of that cell, where it sits."""
+    notebook: str
+    cell: int
+    k: int
+    spec: dict                                 # plotly's JSON: {"data": [...], "layout": {...}, "frames"?}
+    in_widget: bool = False
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def name(self) -> str:
+        return f"{self.notebook}/cell{self.cell:02d}_{self.k}"
+
+
+def chromium_path() -> str | None:
+    """Debian's chromium (or chromium-browser), if installed."""
+    return next((shutil.which(n) for n in ("chromium", "chromium-browser") if shutil.which(n)), None)
+
+
+# ---------------------------------------------------------------------- collecting figures
+def _widget_state(nb) -> dict:
+    return nb.metadata.get("widgets", {}).get(WIDGET_STATE, {}).get("state", {})
+
+
+def _widget_children(state: dict, model_id: str, seen=None) -> list[str]:
+    """Every model reachable from `model_id` (children, outputs' widgets, style), depth first."""
+    seen = set() if seen is None else seen
+    if model_id in seen or model_id not in state:
+        return []
+    seen.add(model_id)
+    out = [model_id]
+
+    def refs(v):
+        if isinstance(v, str) and v.startswith("IPY_MODEL_"):
+            yield v[len("IPY_MODEL_"):]
+        elif isinstance(v, list):
+            for x in v:
+                yield from refs(x)
+        elif isinstance(v, dict):
+            for x in v.values():
+                yield from refs(x)
+
+    for v in state[model_id]["state"].values():
+        for ref in refs(v):
+            out += _widget_children(state, ref, seen)
+    return out
+
+
+def collect(nb, notebook: str) -> tuple[list[Figure], list[dict]]:
+    """The plotly figures an executed notebook shows (cell outputs, and widgets' outputs in their initial state)
+    and the widget descriptions it shows ([{"notebook", "cell", "description", "width"}])."""
+    figs, labels = [], []
+    state = _widget_state(nb)
+    for i, cell in enumerate(nb.cells):
+        k = 0
+        for out in cell.get("outputs", []):
+            data = out.get("data", {})
+            if PLOTLY_MIME in data:
+                figs.append(Figure(notebook, i, k, data[PLOTLY_MIME]))
+                k += 1
+            elif WIDGET_VIEW in data:
+                for mid in _widget_children(state, data[WIDGET_VIEW]["model_id"]):
+                    m = state[mid]["state"]
+                    for o in m.get("outputs", []) if state[mid]["model_name"] == "OutputModel" else []:
+                        if PLOTLY_MIME in o.get("data", {}):
+                            figs.append(Figure(notebook, i, k, o["data"][PLOTLY_MIME], in_widget=True))
+                            k += 1
+                    if m.get("description") and state[mid]["model_name"] not in ("ButtonModel", "OutputModel"):
+                        style = state.get(str(m.get("style", "")).replace("IPY_MODEL_", ""), {}).get("state", {})
+                        width = style.get("description_width") or "80px"
+                        labels.append({"notebook": notebook, "cell": i, "description": m["description"],
+                                       "width": None if width == "initial" else width})
+    return figs, [lb for lb in labels if lb["width"]]
+
+
+def _animation_problems(spec: dict) -> list[str]:
+    """An animation of parlab.viz.comm_animation must have a frame per step of each call's algorithm."""
+    meta = (spec.get("layout", {}).get("meta") or {})
+    anim = meta.get("parlab_animation") if isinstance(meta, dict) else None
+    if not anim or anim.get("per_call"):
+        return []
+    from parlab.viz.animation import Step, algorithm_steps
+    need = sum(len(algorithm_steps(Step(op, "collective", "", tuple(range(n)), 1, root=0)))
+               for op, n in anim["calls"])
+    have = len(spec.get("frames", []))
+    if have < need and not anim.get("cut"):
+        return [f"animation has {have} frames, its algorithm {need} steps"]
+    return []
+
+
+# ---------------------------------------------------------------------- drawing and checking
+_PAGE = """<!doctype html><html><head><meta charset="utf-8">
+<style>body {{ margin: 0; background: white; font-family: sans-serif; }} #fig {{ width: {width}px; }}</style>
+<script src="plotly.min.js"></script><script src="check.js"></script></head>
+<body><div id="fig"></div></body></html>"""
+
+_DRAW = """async (spec) => {
+  const gd = document.getElementById('fig');
+  Plotly.purge(gd);
+  const layout = Object.assign({}, spec.layout || {});
+  await Plotly.newPlot(gd, spec.data || [], layout, {displayModeBar: false, responsive: false});
+  if (spec.frames) await Plotly.addFrames(gd, spec.frames);
+  return gd.getBoundingClientRect().height;
+}"""
+
+_FRAME = """async (name) => {
+  const gd = document.getElementById('fig');
+  await Plotly.animate(gd, [name], {mode: 'immediate', frame: {duration: 0, redraw: true},
+                                    transition: {duration: 0}});
+  return true;
+}"""
+
+
+def _frames_to_check(spec: dict) -> list[str]:
+    frames = spec.get("frames") or []
+    if not frames:
+        return []
+    names = [str(f.get("name", i)) for i, f in enumerate(frames)]
+    longest = max(range(len(frames)), key=lambda i: len(str(frames[i].get("layout", {}).get("title", ""))))
+    return list(dict.fromkeys([names[0], names[longest], names[-1]]))
+
+
+def check_pages(figs: list[Figure], labels: list[dict], out: Path, width: int = WIDTH,
+                chromium: str | None = None) -> list[str]:
+    """Draw every figure in headless Chromium, fill each figure's `problems`, write a PNG per figure under
+    `out`; returns the problems of the widget labels."""
+    from playwright.sync_api import sync_playwright
+
+    import plotly
+
+    chromium = chromium or chromium_path()
+    if chromium is None:
+        raise RuntimeError("parlab.course.figcheck draws figures in Debian's chromium: apt-get install -y chromium")
+    work = Path(tempfile.mkdtemp(prefix="parlab-check-"))
+    shutil.copy(Path(plotly.__file__).parent / "package_data" / "plotly.min.js", work / "plotly.min.js")
+    shutil.copy(Path(__file__).with_name("check.js"), work / "check.js")
+    (work / "page.html").write_text(_PAGE.format(width=width), encoding="utf-8")
+    label_problems: list[str] = []
+    try:
+        with sync_playwright() as pw:
+            browser = pw.chromium.launch(executable_path=chromium, args=CHROMIUM_ARGS)
+            page = browser.new_page(viewport={"width": width + 40, "height": 900})
+            page.route("http*://**", lambda route: route.abort())          # offline: nothing from a network
+            page.goto((work / "page.html").as_uri())
+            for fig in figs:
+                fig.problems += _animation_problems(fig.spec)
+                page.evaluate(_DRAW, fig.spec)
+                found = page.evaluate("() => parlabCheck(document.getElementById('fig'))")
+                png = out / (fig.name + ".png")
+                png.parent.mkdir(parents=True, exist_ok=True)
+                page.locator("#fig").screenshot(path=str(png))
+                for name in _frames_to_check(fig.spec)[1:]:
+                    page.evaluate(_FRAME, name)
+                    found += [f"frame {name}: {p}" for p in
+                              page.evaluate("() => parlabCheck(document.getElementById('fig'))")]
+                fig.problems += list(dict.fromkeys(found))
+            if labels:
+                cut = set(page.evaluate("(l) => parlabCheckLabels(l)", labels))
+                label_problems = [f"{lb['notebook']}/cell{lb['cell']:02d}: widget label cut off: "
+                                  f"{lb['description']!r} does not fit {lb['width']}" for lb in labels
+                                  if lb["description"] in cut]
+            browser.close()
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return list(dict.fromkeys(label_problems))
+
+
+# ---------------------------------------------------------------------- command line
+def _executed(path: str, timeout: float):
+    """(notebook with outputs, error or None): as it is when it has outputs, else executed in its own folder.
+    A cell that fails leaves the outputs up to it (still checked) and the error's last line."""
+    from parlab import course
+
+    nb = course.read(path)
+    if not any(c.get("outputs") for c in nb.cells if c.cell_type == "code"):
+        try:
+            course.execute(nb, Path(path).resolve().parent, timeout=timeout)
+        except Exception as err:                      # CellExecutionError, CellTimeoutError, a dead kernel
+            text = re.sub(r"\x1b\[[0-9;]*m", "", str(err))          # the traceback's colour codes
+            last = [ln for ln in text.splitlines() if ln.strip()][-1:] or [type(err).__name__]
+            return nb, f"the notebook stopped with an error: {last[0][:200]}"
+    return nb, None
+
+
+def run(paths: list[Path], out: Path, jobs: int = 1, width: int = WIDTH, timeout: float = 300.0) -> list[str]:
+    """Execute, collect, draw and check; returns every problem as 'notebook/cellNN_k: what'."""
+    out.mkdir(parents=True, exist_ok=True)
+    with ProcessPoolExecutor(max_workers=max(1, jobs)) as pool:
+        done = list(pool.map(_executed, map(str, paths), [timeout] * len(paths)))
+    figs, labels, failed = [], [], []
+    for path, (nb, error) in zip(paths, done):
+        f, lb = collect(nb, Path(path).stem)
+        figs += f
+        labels += lb
+        if error:
+            failed.append(f"{Path(path).stem}: {error}")
+    label_problems = check_pages(figs, labels, out, width=width)
+    problems = failed + [f"{fig.name}: {p}" for fig in figs for p in fig.problems] + label_problems
+    (out / "report.txt").write_text(
+        f"{len(figs)} figures from {len(paths)} notebooks, {len(labels)} widget labels; "
+        f"{len(problems)} problems\n" + "".join(p + "\n" for p in problems), encoding="utf-8")
+    (out / "figures.json").write_text(json.dumps([{"name": f.name, "in_widget": f.in_widget,
+                                                   "problems": f.problems} for f in figs], indent=1))
+    return problems
+
+
+def main(argv: list[str] | None = None) -> int:
+    from parlab import course
+
+    p = argparse.ArgumentParser(prog="python -m parlab.course.figcheck", description=__doc__.split("\n\n")[0])
+    p.add_argument("notebooks", nargs="*", type=Path, help="notebooks (default: every lesson)")
+    p.add_argument("--out", type=Path, default=Path("figcheck"), help="folder for the PNGs and report.txt")
+    p.add_argument("--jobs", type=int, default=1, help="notebooks executed at once")
+    p.add_argument("--width", type=int, default=WIDTH, help="px width of the output area figures are drawn in")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds a cell may run")
+    a = p.parse_args(argv)
+    paths = a.notebooks or sorted((course.ROOT / "lessons").glob("*.ipynb"))
+    missing = [q for q in paths if not q.exists()]
+    if missing:
+        print(f"no such notebook: {', '.join(map(str, missing))}", file=sys.stderr)
+        return 2
+    problems = run(paths, a.out, jobs=a.jobs, width=a.width, timeout=a.timeout)
+    print((a.out / "report.txt").read_text(encoding="utf-8"), end="")
+    print(f"screenshots: {a.out}/")
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,228 @@
+"""``parlab grade``: grade a folder of submissions into a gradebook, per-student feedback and a class summary.
+
+    parlab grade SUBMISSIONS [--out DIR] [--jobs N] [--wall S] [--cell-timeout S] [--cpu-limit S] [--memory-gb G]
+
+For each submission (`collect`: any layout, names with dots, spaces, non-ASCII):
+
+1. **restore** every graded and read-only cell from the released exercise by its nbgrader ``grade_id``
+   (`collect.restore`), noting each edit or deletion: wrapping a graded cell in ``try/except``, editing it
+   or deleting it changes nothing but the report;
+2. **run** it in its own process (`worker`) with a wall-time limit (the whole process group, kernel and
+   ranks, is killed after `wall` seconds), a memory limit (``RLIMIT_AS``, inherited by the kernel and the
+   ranks), a per-cell limit and a CPU-time limit for the student's code inside each check; `jobs`
+   notebooks run side by side, and one runaway submission never stops the batch;
+3. **score** every graded cell of the *released* exercise (a deleted one still counts, as failed if it
+   could not run), with a status per notebook: ok, missing, timeout (a cell or the notebook ran out of
+   time, or a check hit the CPU limit), crashed (the kernel died: ``os._exit``, memory), tampered
+   (grading or parlab rebound; no check of that notebook counts).
+
+Outputs in `out`: ``gradebook.csv`` (one row per student and exercise; per-check pass/fail columns),
+``gradebook.json`` (everything, with full tracebacks), ``feedback/<student>.md`` and ``summary.html``
+(pass rate per check, a plotly figure). See `report`.
+
+Like otter-grader, grading runs the notebook afresh in a separate process; like nbgrader, it trusts the
+released cells, not the submitted ones. Run it in a throw-away container: a submission is arbitrary code.
+"""
+from __future__ import annotations
+
+import json
+import os
+import resource
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import nbformat
+
+from parlab.course.grader.collect import Submission, collect, released_exercises, restore
+
+__all__ = ["Limits", "Result", "grade", "grade_one", "main"]
+
+
+@dataclass
+class Limits:
+    wall: float = 900.0            # seconds for one notebook, kernel start included
+    cell_timeout: float = 300.0    # seconds for one cell (the kernel is interrupted, the notebook goes on)
+    cpu_limit: float = 60.0        # CPU seconds the student's code may use inside one check (per rank)
+    memory_gb: float = 8.0         # address space of the notebook's processes (RLIMIT_AS), GiB
+
+
+@dataclass
+class Result:
+    student: str
+    exercise: str
+    status: str                                            # ok / missing / timeout / crashed / tampered
+    checks: list[dict] = field(default_factory=list)       # one per graded cell of the released exercise
+    notes: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def passed(self) -> int:
+        return sum(c["passed"] for c in self.checks)
+
+    @property
+    def points(self) -> float:
+        return sum(c["points"] for c in self.checks if c["passed"])
+
+    @property
+    def max_points(self) -> float:
+        return sum(c["points"] for c in self.checks)
+
+
+def _graded(released: nbformat.NotebookNode) -> list[dict]:
+    out = []
+    for cell in released.cells:
+        m = cell.metadata.get("nbgrader", {})
+        if m.get("grade"):
+            doc = cell.source.split('"""')[1].strip() if cell.source.startswith('"""') else m["grade_id"]
+            out.append({"grade_id": m["grade_id"], "label": doc, "points": float(m.get("points", 1))})
+    return out
+
+
+def _limit_memory(gb: float):
+    def apply():
+        os.setsid()                                        # its own process group: killed as one on timeout
+        if gb:
+            limit = int(gb * 2**30)
+            resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    return apply
+
+
+def grade_one(sub: Submission, released_path: Path, limits: Limits) -> Result:
+    """Restore, run and score one submission."""
+    released = nbformat.read(str(released_path), as_version=4)
+    graded = _graded(released)
+    blank = [{**g, "passed": False, "kind": "missing", "message": "", "traceback": ""} for g in graded]
+    if sub.path is None:
+        return Result(sub.student, sub.exercise, "missing", blank, list(sub.notes))
+    notes = list(sub.notes)
+    try:
+        nb = nbformat.read(str(sub.path), as_version=4)
+    except Exception as e:
+        for c in blank:
+            c.update(kind="crashed", message=f"the notebook file could not be read: {e}")
+        return Result(sub.student, sub.exercise, "crashed", blank, notes + [f"unreadable notebook: {e}"])
+    nb, restored = restore(nb, released)
+    notes += restored
+    work = Path(tempfile.mkdtemp(prefix="parlab-grade-"))
+    t0 = time.monotonic()
+    try:
+        nbformat.write(nb, str(work / "submission.ipynb"))
+        cmd = [sys.executable, "-m", "parlab.course.grader.worker", str(work / "submission.ipynb"), str(work / "result.json"),
+               "--cell-timeout", str(limits.cell_timeout), "--cpu-limit", str(limits.cpu_limit)]
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[3]),
+                                                                        os.environ.get("PYTHONPATH")])))
+        proc = subprocess.Popen(cmd, cwd=work, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                preexec_fn=_limit_memory(limits.memory_gb), env=env)
+        try:
+            log, _ = proc.communicate(timeout=limits.wall)
+            timed_out = False
+        except subprocess.TimeoutExpired:
+            timed_out = True
+        finally:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)            # the worker, its kernel and the kernel's ranks
+            except ProcessLookupError:
+                pass
+            if proc.poll() is None:
+                proc.wait()
+        if timed_out:
+            log = ""
+        try:
+            out = json.loads((work / "result.json").read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            status = "timeout" if timed_out else "crashed"
+            why = (f"the notebook did not finish within {limits.wall:g} s" if timed_out
+                   else "the grading process died" + (f": {log.strip().splitlines()[-1]}" if log.strip() else ""))
+            for c in blank:
+                c.update(kind=status, message=why)
+            return Result(sub.student, sub.exercise, status, blank, notes + [why], time.monotonic() - t0)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    by_id = {c["grade_id"]: c for c in out["cells"]}
+    checks = []
+    for g in graded:
+        c = by_id.get(g["grade_id"])
+        if c is None:
+            c = {"passed": False, "kind": out["status"], "message": out.get("crash") or "this cell did not run",
+                 "traceback": ""}
+        checks.append({**g, **{k: c[k] for k in ("passed", "kind", "message", "traceback")}})
+    status = out["status"]
+    if status == "tampered":
+        notes.append(f"tampered: {', '.join(out['tampered'])} rebound; no check of this notebook counts")
+        for c in checks:
+            c["passed"] = False
+    if out.get("crash"):
+        notes.append(out["crash"])
+    return Result(sub.student, sub.exercise, status, checks, notes, time.monotonic() - t0)
+
+
+def grade(submissions: str | Path, out: str | Path, exercises: str | Path | None = None, jobs: int = 1,
+          limits: Limits | None = None, progress=print) -> list[Result]:
+    """Grade every submission under `submissions` against the released exercises; write the reports to `out`."""
+    from parlab.course.grader import report
+    from parlab.course import ROOT
+
+    limits = limits or Limits()
+    released = released_exercises(exercises or ROOT / "exercises")
+    if not released:
+        raise ValueError(f"no released exercises (*.ipynb) in {exercises or ROOT / 'exercises'}")
+    subs, problems = collect(submissions, released)
+    for p in problems:
+        progress(f"skipped: {p}")
+    results: list[Result] = []
+
+    def one(sub):
+        r = grade_one(sub, released[sub.exercise], limits)
+        progress(f"{r.status:>8}  {r.points:g}/{r.max_points:g}  {r.student} / {r.exercise}  ({r.seconds:.0f} s)")
+        return r
+
+    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+        results = list(pool.map(one, subs))
+    report.write_all(results, Path(out), problems)
+    return results
+
+
+def main(argv=None) -> int:
+    import argparse
+    p = argparse.ArgumentParser(prog="parlab grade", description="grade a folder of exercise submissions")
+    add_arguments(p)
+    return run_from_args(p.parse_args(argv))
+
+
+def add_arguments(p) -> None:
+    d = Limits()
+    p.add_argument("submissions", type=Path, help="folder of submissions (a folder per student, or "
+                                                  "STUDENT_EXERCISE.ipynb files)")
+    p.add_argument("--out", type=Path, default=Path("grades"), help="folder for the reports (default: ./grades)")
+    p.add_argument("--exercises", type=Path, default=None, help="released exercises (default: this course's)")
+    p.add_argument("--jobs", type=int, default=1, help="notebooks graded side by side (default: 1)")
+    p.add_argument("--wall", type=float, default=d.wall, help=f"seconds per notebook (default: {d.wall:g})")
+    p.add_argument("--cell-timeout", type=float, default=d.cell_timeout,
+                   help=f"seconds per cell (default: {d.cell_timeout:g})")
+    p.add_argument("--cpu-limit", type=float, default=d.cpu_limit,
+                   help=f"CPU seconds of student code per check and rank (default: {d.cpu_limit:g})")
+    p.add_argument("--memory-gb", type=float, default=d.memory_gb,
+                   help=f"memory per notebook, GiB (default: {d.memory_gb:g})")
+
+
+def run_from_args(args) -> int:
+    if not args.submissions.is_dir():
+        print(f"parlab grade: {args.submissions} is not a folder of submissions", file=sys.stderr)
+        return 2
+    limits = Limits(wall=args.wall, cell_timeout=args.cell_timeout, cpu_limit=args.cpu_limit,
+                    memory_gb=args.memory_gb)
+    try:
+        results = grade(args.submissions, args.out, args.exercises, args.jobs, limits)
+    except ValueError as e:
+        print(f"parlab grade: {e}", file=sys.stderr)
+        return 2
+    print(f"graded {len(results)} notebooks: {args.out / 'gradebook.csv'}, {args.out / 'summary.html'}, "
+          f"{args.out / 'feedback'}/")
+    return 0

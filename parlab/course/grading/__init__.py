@@ -1,0 +1,375 @@
+"""Checks for the exercises: run the student's code, compare with parlab's reference, explain what is wrong.
+
+Every graded cell of an exercise notebook calls one ``check_*`` function. A
+check passes silently (it prints one line saying what passed) or raises
+``AssertionError`` with a diagnostic a student can act on: which rank, which
+chunk or group, expected vs got, and a hint. nbval turns each graded cell into
+one pytest item, so a lecturer gets one pass/fail line per check (see
+exercises/README.md).
+
+Code that communicates runs on simulated ranks through ``parlab.run`` on gloo,
+under `watchdog` (a deadlock is recognised from the ranks' state within about
+3 s; a correct solution on a busy machine is never stopped) and a CPU-time
+limit (a runaway loop fails its check). Every check is wrapped by
+`guard.graded`: parlab's own implementation of the piece under test is
+unavailable to the student's code while it runs, rebinding grading or parlab
+internals is reported as tampered, inputs are drawn fresh (`guard.fresh_seed`)
+and a failure shows its message only. Inputs are integers stored as float64, so
+sums are exact in any order and a wrong result can be explained exactly
+("chunk 2 holds the sum of ranks [1, 2] only").
+
+Exercise 00 (ring all-reduce from send/recv; Patarasuk & Yuan 2009):
+    check_ring_reduce_scatter, check_ring_all_gather, check_ring_all_reduce, check_ring_all_reduce_traffic
+Exercise 01 (process groups of a tp x dp x pp grid; seed 000, Megatron-LM parallel_state):
+    check_groups, check_dp_all_reduce
+
+Later exercises keep their checks in a module of this package named after the
+technique (``parlab.course.grading.data_parallel``, ``parlab.course.grading.tensor_parallel``,
+...); a notebook imports it as ``grading`` so every graded cell reads
+``grading.check_...(...)``. The helpers here (`run_student`, `call_student`)
+are shared by all of them.
+"""
+from __future__ import annotations
+
+import shutil
+import tempfile
+from itertools import combinations
+
+import torch
+
+from parlab import comm
+from parlab.launch import RankError, RankKilled, RankTimeout, RunResult, run
+from parlab.parallel.topology import ParallelGrid
+from parlab.course.grading import guard, watchdog
+from parlab.course.grading.guard import CheckFailed, graded
+
+__all__ = ["run_student", "call_student", "check_ring_reduce_scatter", "check_ring_all_gather", "check_ring_all_reduce",
+           "check_ring_all_reduce_traffic", "check_groups", "check_dp_all_reduce", "GROUP_LAYOUTS"]
+
+TIMEOUT = 300.0                 # wall-clock backstop per run; deadlocks are found by `watchdog` within ~3 s
+WORLD_SIZES = (2, 3, 4)
+NUMEL = 24                      # divisible by 2, 3 and 4; small enough to print a chunk
+
+DEADLOCK_HINT = ("Usually this is a deadlock: every rank waits in a recv (or a blocking send) that its peer never "
+                 "matches. If all ranks call comm.send before comm.recv, each waits for a receiver forever: start "
+                 "the send with req = comm.isend(...), then comm.recv(...), then req.wait().")
+
+
+# ---------------------------------------------------------------------- running student code
+def run_student(fn, world_size: int, *args, timeout: float = TIMEOUT, what: str = "your function") -> RunResult:
+    """``parlab.run(fn, world_size, *args)`` on gloo with a trace, under the deadlock watchdog and the CPU-time
+    limit, every failure turned into an AssertionError (CheckFailed) that says what happened."""
+    folder = tempfile.mkdtemp(prefix="parlab-watch-")
+    try:
+        return run(watchdog.rank_entry, world_size, folder, guard._STATE["cpu_limit"], fn, *args, backend="gloo",
+                   trace=True, timeout=timeout)
+    except (RankKilled, RankError) as e:
+        found = watchdog.verdict(folder)        # a deadlock first: peers then fail on a closed connection
+        if found is not None:
+            where = "\n".join(f"  rank {r} waits in {site}" for r, site in found["ranks"].items())
+            raise AssertionError(f"{what} deadlocked on {world_size} ranks: every rank still running has waited "
+                                 f"in communication for {found['window']:g} s with no progress:\n{where}\n"
+                                 f"{DEADLOCK_HINT}") from None
+        if isinstance(e, RankKilled):
+            if "SIGXCPU" in str(e):
+                raise CheckFailed(guard.cpu_message(f"{what} on rank {e.rank}"), "cpu") from None
+            raise AssertionError(f"{what}: {e}") from None
+        _explain_rank_error(e, what, world_size)
+    except RankTimeout as e:
+        raise AssertionError(f"{what} did not finish within {timeout:g} s on {world_size} ranks "
+                             f"(ranks {e.unfinished} were still running). {DEADLOCK_HINT}") from None
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _explain_rank_error(e: RankError, what: str, world_size: int):
+    """Raise the AssertionError (or CheckFailed) that explains an exception raised on a rank."""
+    if e.exc_type == "CpuTimeExceeded":
+        raise CheckFailed(guard.cpu_message(f"{what} on rank {e.rank}"), "cpu") from None
+    if e.exc_type == "TraceEdited":
+        raise CheckFailed(f"tampered: {what} on rank {e.rank}: {e.message}; the check reads what parlab.comm "
+                          f"recorded, so the trace must not be touched. Remove the code that edits it.",
+                          "tampered") from None
+    if e.exc_type == "ReferenceUsed":
+        raise AssertionError(f"{what} on rank {e.rank}: {e.message}") from None
+    if e.exc_type == "NotImplementedError":
+        raise AssertionError(f"{what} is not written yet (rank {e.rank} raised NotImplementedError): replace "
+                             f"the `raise NotImplementedError` line with your code.") from None
+    tail = "\n".join(e.traceback.strip().splitlines()[-6:])
+    raise AssertionError(f"{what} raised {e.exc_type} on rank {e.rank} of {world_size}: {e.message}\n"
+                         f"--- end of the traceback from rank {e.rank} ---\n{tail}") from None
+
+
+def call_student(fn, *args, what: str = "your function"):
+    """Call a student's plain (single-process) function; its exceptions become AssertionErrors that say so."""
+    try:
+        with guard.cpu_limit():
+            return fn(*args)
+    except guard.CpuTimeExceeded:
+        raise CheckFailed(guard.cpu_message(what), "cpu") from None
+    except NotImplementedError:
+        raise AssertionError(f"{what} is not written yet: replace the `raise NotImplementedError` line with "
+                             f"your code.") from None
+    except Exception as e:
+        raise AssertionError(f"{what}{args} raised {type(e).__name__}: {e}") from e
+
+
+def rank_input(rank: int, world_size: int, numel: int = NUMEL, seed: int = 0) -> torch.Tensor:
+    """The tensor rank `rank` contributes: integers in float64, so every sum is exact whatever the order.
+    The checks pass a `seed` drawn at grading time (guard.fresh_seed), so the inputs cannot be precomputed."""
+    g = torch.Generator().manual_seed(seed * 7919 + 1000 * world_size + rank)
+    return torch.randint(-50, 50, (numel,), generator=g).to(torch.float64)
+
+
+def _show(t: torch.Tensor, k: int = 6) -> str:
+    vals = ", ".join(f"{v:g}" for v in t[:k].tolist())
+    return f"[{vals}{', ...' if t.numel() > k else ''}]"
+
+
+def _explain_chunk(got: torch.Tensor, inputs: list[torch.Tensor], j: int, own: int) -> str:
+    """Say what a wrong chunk j holds instead: an average, a partial sum, another chunk, stale data."""
+    n = len(inputs)
+    size = inputs[0].numel() // n
+    part = lambda x, k: x[k * size:(k + 1) * size]       # noqa: E731  chunk k of a whole tensor
+    if torch.equal(got, part(sum(inputs), j) / n):
+        return "It is the average over ranks: this all-reduce sums, do not divide by the world size."
+    for k in [j] + [k for k in range(n) if k != j]:      # the right chunk first, then the others
+        for m in range(n, 0, -1):
+            for ranks in combinations(range(n), m):
+                if not torch.equal(got, sum(part(inputs[r], k) for r in ranks)):
+                    continue
+                what = "the complete sum" if m == n else f"the sum of ranks {list(ranks)} only"
+                if k != j:
+                    return (f"It holds {what} of chunk {k}: the chunks arrive in the wrong order (slot {j} got "
+                            f"chunk {k}); check which chunk index you receive into at each step.")
+                if ranks == (own,):
+                    return "It still holds this rank's own input: nothing was received into it."
+                missing = sorted(set(range(n)) - set(ranks))
+                return (f"It holds {what}; the contributions of ranks {missing} are missing (too few steps, "
+                        f"or a chunk index off by one).")
+    return "It is not the sum of any set of ranks' inputs (was a chunk added twice, or overwritten?)."
+
+
+def _compare_chunks(got: torch.Tensor, inputs: list[torch.Tensor], rank: int, chunk_ids, hint: str,
+                    what: str) -> None:
+    """Assert that the listed chunks of `got` equal the full sum; explain the first one that does not."""
+    n = len(inputs)
+    full = sum(inputs)
+    size = full.numel() // n
+    if not isinstance(got, torch.Tensor) or got.shape != full.shape:
+        shape = tuple(got.shape) if isinstance(got, torch.Tensor) else type(got).__name__
+        raise AssertionError(f"{what} on {n} ranks: rank {rank} returned {shape}, expected a tensor of shape "
+                             f"{tuple(full.shape)} (the whole input, with the chunks filled in).")
+    got = got.to(full.dtype)
+    for j in chunk_ids:
+        sl = slice(j * size, (j + 1) * size)
+        if not torch.equal(got[sl], full[sl]):
+            raise AssertionError(f"{what} is wrong on {n} ranks: rank {rank}, chunk {j} (elements "
+                                 f"{sl.start}:{sl.stop}):\n  expected {_show(full[sl])}\n  got      {_show(got[sl])}"
+                                 f"\n{_explain_chunk(got[sl], inputs, j, rank)}\nHint: {hint}")
+
+
+# ---------------------------------------------------------------------- exercise 00: ring all-reduce
+def _rank_reduce_scatter(student_fn, numel, seed):
+    n, r = comm.get_world_size(), comm.get_rank()
+    x = rank_input(r, n, numel, seed)
+    chunks = list(x.chunk(n))                            # n views of x, each (numel/n,)
+    student_fn(chunks)
+    return torch.cat([c.detach().clone() for c in chunks])
+
+
+def _rank_all_gather(student_fn, numel, seed):
+    n, r = comm.get_world_size(), comm.get_rank()
+    x = rank_input(r, n, numel, seed)                    # stale partial data in every chunk ...
+    full = sum(rank_input(k, n, numel, seed) for k in range(n))
+    chunks = list(x.chunk(n))
+    chunks[r].copy_(full.chunk(n)[r])                    # ... except chunk r, fully reduced
+    student_fn(chunks)
+    return torch.cat([c.detach().clone() for c in chunks])
+
+
+def _rank_all_reduce(student_fn, numel, seed):
+    x = rank_input(comm.get_rank(), comm.get_world_size(), numel, seed)
+    out = student_fn(x)
+    if out is None:                                      # summed in place
+        out = x
+    return out.detach().clone() if isinstance(out, torch.Tensor) else out
+
+
+@graded("parlab.course.grading:rank_input")
+def check_ring_reduce_scatter(fn, world_sizes=WORLD_SIZES, timeout: float = TIMEOUT) -> None:
+    """After ``fn(chunks)`` on every rank, chunk r of rank r holds the sum of chunk r over all ranks."""
+    hint = ("at step s (0 <= s < N-1) rank r sends chunk (r-1-s) % N to rank (r+1) % N and adds the chunk it "
+            "receives from rank (r-1) % N into chunk (r-2-s) % N; after the N-1 steps chunk r is complete.")
+    for n in world_sizes:
+        seed = guard.fresh_seed()
+        res = run_student(_rank_reduce_scatter, n, fn, NUMEL, seed, timeout=timeout, what="ring_reduce_scatter")
+        inputs = [rank_input(r, n, NUMEL, seed) for r in range(n)]
+        for r, got in enumerate(res.results):
+            _compare_chunks(got, inputs, r, [r], hint, "ring_reduce_scatter")
+    print(f"ring_reduce_scatter is correct on {', '.join(map(str, world_sizes))} ranks")
+
+
+@graded("parlab.course.grading:rank_input")
+def check_ring_all_gather(fn, world_sizes=WORLD_SIZES, timeout: float = TIMEOUT) -> None:
+    """Starting with the reduced chunk r on rank r, after ``fn(chunks)`` every rank holds every reduced chunk."""
+    hint = ("at step s (0 <= s < N-1) rank r sends chunk (r-s) % N to rank (r+1) % N and stores the chunk it "
+            "receives from rank (r-1) % N as chunk (r-1-s) % N (copy it in, do not add).")
+    for n in world_sizes:
+        seed = guard.fresh_seed()
+        res = run_student(_rank_all_gather, n, fn, NUMEL, seed, timeout=timeout, what="ring_all_gather")
+        inputs = [rank_input(r, n, NUMEL, seed) for r in range(n)]
+        for r, got in enumerate(res.results):
+            _compare_chunks(got, inputs, r, range(n), hint, "ring_all_gather")
+    print(f"ring_all_gather is correct on {', '.join(map(str, world_sizes))} ranks")
+
+
+@graded("parlab.course.grading:rank_input")
+def check_ring_all_reduce(fn, world_sizes=WORLD_SIZES, timeout: float = TIMEOUT) -> None:
+    """``fn(x)`` returns (or leaves in x) the sum of x over all ranks, on every rank."""
+    hint = "ring_all_reduce = ring_reduce_scatter(chunks) then ring_all_gather(chunks) on chunks = list(x.chunk(N))."
+    for n in world_sizes:
+        seed = guard.fresh_seed()
+        res = run_student(_rank_all_reduce, n, fn, NUMEL, seed, timeout=timeout, what="ring_all_reduce")
+        inputs = [rank_input(r, n, NUMEL, seed) for r in range(n)]
+        for r, got in enumerate(res.results):
+            _compare_chunks(got, inputs, r, range(n), hint, "ring_all_reduce")
+    print(f"ring_all_reduce is correct on {', '.join(map(str, world_sizes))} ranks")
+
+
+@graded("parlab.course.grading:rank_input")
+def check_ring_all_reduce_traffic(fn, world_size: int = 4, numel: int = 1200, timeout: float = TIMEOUT) -> None:
+    """From the trace: only send/recv, each rank talks to one ring neighbour and sends exactly
+    2(N-1) messages of size/N, i.e. 2(N-1)/N x size bytes."""
+    n = world_size
+    seed = guard.fresh_seed()
+    res = run_student(_rank_all_reduce, n, fn, numel, seed, timeout=timeout, what="ring_all_reduce")
+    full = sum(rank_input(r, n, numel, seed) for r in range(n))
+    if not all(torch.equal(got, full) for got in res.results):
+        raise AssertionError("ring_all_reduce gives a wrong result; make check_ring_all_reduce pass first.")
+    events = res.trace.comm().events
+    collectives = sorted({e.op for e in events if e.kind == "collective"})
+    if collectives:
+        raise AssertionError(f"ring_all_reduce called comm.{', comm.'.join(collectives)}: this exercise builds "
+                             f"all-reduce from point-to-point messages only. Hint: use comm.isend/comm.recv.")
+    if not events:
+        raise AssertionError("the trace shows no messages at all: send with parlab.comm (comm.send, comm.recv, "
+                             "comm.isend, comm.irecv), not torch.distributed directly, so that they are traced.")
+    size = numel * 8                                     # float64 input
+    want = 2 * (n - 1) / n * size
+    for r in range(n):
+        sends = [e for e in events if e.rank == r and e.op == "send"]
+        peers = sorted({e.peer for e in sends})
+        if len(peers) != 1 or peers[0] not in ((r + 1) % n, (r - 1) % n):
+            raise AssertionError(f"rank {r} sent to ranks {peers}; in a ring each rank sends only to one "
+                                 f"neighbour, (r+1) % N = {(r + 1) % n}.")
+        sent = sum(e.nbytes for e in sends)
+        if sent != want or len(sends) != 2 * (n - 1):
+            raise AssertionError(
+                f"rank {r} sent {sent:.0f} bytes in {len(sends)} messages of {sorted({e.nbytes for e in sends})} "
+                f"bytes; a ring all-reduce of {size} bytes on {n} ranks sends 2(N-1)/N x size = {want:.0f} bytes in "
+                f"2(N-1) = {2 * (n - 1)} messages of size/N = {size // n} bytes. Hint: send one chunk per step, "
+                f"never the whole tensor, and run N-1 steps in each phase.")
+    print(f"ring_all_reduce moves 2(N-1)/N x size = {want:.0f} bytes per rank on {n} ranks, "
+          f"in {2 * (n - 1)} messages to its neighbour")
+
+
+# ---------------------------------------------------------------------- exercise 01: process groups
+GROUP_LAYOUTS = ((16, 2, 4), (8, 2, 2), (24, 4, 2))    # (world_size, tp, pp): seed 000's example first
+GROUP_HINTS = {
+    "tp": "tp is the fastest-varying coordinate: a tp group is tp consecutive ranks.",
+    "dp": "rank = tp_rank + tp * (dp_rank + dp * pp_rank): dp neighbours are tp apart, inside one pipeline stage.",
+    "pp": "pp is the slowest coordinate: pp neighbours are world_size / pp = tp * dp apart.",
+}
+
+
+def _normalise(groups) -> list[list[int]]:
+    try:
+        return sorted(sorted(int(r) for r in g) for g in groups)
+    except TypeError:
+        raise AssertionError(f"expected a list of groups, each a list of ranks, got {groups!r}") from None
+
+
+@graded("parlab.parallel.topology:ParallelGrid")
+def check_groups(fn, dim: str, layouts=GROUP_LAYOUTS) -> None:
+    """``fn(world_size, tp, pp)`` returns the `dim` groups (any order) equal to ParallelGrid(...).groups(dim)."""
+    for world, tp, pp in layouts:
+        grid = ParallelGrid(world, tp=tp, pp=pp)
+        where = f"{dim} groups for world_size={world}, tp={tp}, pp={pp} (dp={grid.dp})"
+        got = _normalise(call_student(fn, world, tp, pp, what=f"{dim}_groups"))
+        want = grid.groups(dim)
+        if got == want:
+            continue
+        for other in ("tp", "dp", "pp"):
+            if other != dim and got == grid.groups(other):
+                raise AssertionError(f"{where}: you returned the {other} groups.\nHint: {GROUP_HINTS[dim]}")
+        seen = [r for g in got for r in g]
+        for r in range(world):
+            if seen.count(r) != 1:
+                raise AssertionError(f"{where}: rank {r} appears in {seen.count(r)} groups; the groups of one "
+                                     f"dimension must contain every rank exactly once.\nHint: {GROUP_HINTS[dim]}")
+        if set(seen) != set(range(world)):
+            raise AssertionError(f"{where}: ranks {sorted(set(seen) - set(range(world)))} do not exist.")
+        for r in range(world):
+            mine = next(g for g in got if r in g)
+            if mine != grid.group_of(r, dim):
+                raise AssertionError(f"{where}: rank {r} should be grouped with {grid.group_of(r, dim)}, your "
+                                     f"groups put it in {mine}.\n  expected {want}\n  got      {got}\n"
+                                     f"Hint: {GROUP_HINTS[dim]}")
+    print(f"{dim} groups match parlab.parallel.topology for {len(layouts)} layouts")
+
+
+def _rank_dp_all_reduce(student_fn, tp, pp):
+    x = torch.tensor([float(2 ** comm.get_rank())])     # a sum of powers of two says which ranks took part
+    out = student_fn(x, tp, pp)
+    return (x if out is None else out).clone()
+
+
+@graded("parlab.parallel.topology:ParallelGrid")
+def check_dp_all_reduce(fn, world_size: int = 8, tp: int = 2, pp: int = 2, timeout: float = TIMEOUT) -> None:
+    """``fn(x, tp, pp)``, run on every rank, sums x over this rank's dp group with comm.all_reduce."""
+    grid = ParallelGrid(world_size, tp=tp, pp=pp)
+    res = run_student(_rank_dp_all_reduce, world_size, fn, tp, pp, timeout=timeout, what="all_reduce_in_dp_group")
+    for r, got in enumerate(res.results):
+        group = grid.group_of(r, "dp")
+        want = float(sum(2 ** k for k in group))
+        value = int(got.item()) if got.numel() == 1 else None
+        if got.numel() != 1 or float(got.item()) != want:
+            who = [k for k in range(world_size) if value is not None and value >> k & 1]
+            raise AssertionError(f"rank {r} of grid {grid}: expected the sum over its dp group {group} "
+                                 f"({want:g}), got {_show(got)}, which is the sum over ranks {who}.\nHint: build "
+                                 f"every dp group with dist.new_group on every rank, in the same order, and pass "
+                                 f"this rank's group to comm.all_reduce(x, group=...).")
+    groups = {e.group for e in res.trace.filter(op="all_reduce").events}
+    for r in range(world_size):
+        mine = {e.group for e in res.trace.filter(op="all_reduce", rank=r).events}
+        if tuple(grid.group_of(r, "dp")) not in mine:
+            raise AssertionError(f"rank {r} made no comm.all_reduce over its dp group {grid.group_of(r, 'dp')} "
+                                 f"(the trace shows {sorted(mine) or 'none'}); the sum must come from an "
+                                 f"all-reduce with the dp group, not be computed locally.")
+    if not groups <= {tuple(g) for g in grid.groups("dp")}:
+        raise AssertionError(f"the trace shows all-reduces over {sorted(groups)}; use comm.all_reduce with the dp "
+                             f"group, so that only dp groups {grid.groups('dp')} communicate.")
+    print(f"all_reduce_in_dp_group sums over the dp groups {grid.groups('dp')}")
+
+
+guard.protect(__name__)
+# the faces students call, and the modules behind them (whose private helpers the public names call)
+for _mod in ("parlab.launch", "parlab.launch.ranks", "parlab.launch.child", "parlab.comm", "parlab.comm.traced",
+             "parlab.comm.direct", "parlab.trace", "parlab.trace.events", "parlab.trace.wire", "parlab.models",
+             "parlab.parallel.pipeline", "parlab.parallel.pipeline.schedules", "parlab.parallel.pipeline.simulate",
+             "parlab.parallel.context.ring", "parlab.parallel.context.ring_plan", "parlab.parallel.topology",
+             "parlab.parallel.zero.memory", "parlab.cluster.planner", "parlab.parallel.data.buckets"):
+    guard.protect(_mod)
+# what the checks compare with: torch's functions and the Tensor methods a comparison goes through
+guard.protect("torch", ["equal", "allclose", "isclose", "softmax", "logsumexp", "logaddexp", "exp", "cat", "stack",
+                        "zeros", "randn", "randint", "count_nonzero", "sort", "as_tensor", "isfinite", "maximum",
+                        "Tensor.__eq__", "Tensor.__ne__", "Tensor.__sub__", "Tensor.__gt__", "Tensor.__lt__",
+                        "Tensor.__le__", "Tensor.__ge__", "Tensor.__bool__", "Tensor.__mul__", "Tensor.__matmul__",
+                        "Tensor.abs", "Tensor.max", "Tensor.min", "Tensor.sum", "Tensor.item", "Tensor.tolist",
+                        "Tensor.equal", "Tensor.allclose", "Tensor.all", "Tensor.any", "Tensor.clone",
+                        "Tensor.detach", "Tensor.reshape", "Tensor.to", "Tensor.double", "Tensor.float",
+                        "Tensor.backward", "Tensor.chunk", "Tensor.numel", "Tensor.argmax"])
+guard.protect("torch.nn.functional", ["linear", "cross_entropy", "pad", "gelu", "scaled_dot_product_attention"])
+guard.protect("math", ["isclose"])
+guard.install_ipython_hooks()

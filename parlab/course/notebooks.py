@@ -1,0 +1,363 @@
+"""The course as files: generate exercises from their solutions, keep notebooks stripped, read scorecards.
+
+The solution notebook is the single source of truth (the approach of the
+scikit-learn MOOC, INRIA/scikit-learn-mooc, and nbgrader's markers). In
+``exercises/solutions/NN_topic.ipynb`` the lines a student must write sit
+between two marker lines::
+
+    def ring_all_gather(chunks):
+        ### BEGIN SOLUTION
+        for step in range(n - 1):
+            ...
+        ### END SOLUTION
+
+`make_exercise` replaces every such region by one line at the indentation of
+its ``BEGIN`` marker::
+
+        raise NotImplementedError  # your code here
+
+and clears all outputs, giving ``exercises/NN_topic.ipynb``. `build` writes
+(or, with ``check=True``, only compares) every generated notebook, so CI can
+fail when a solution changed and its exercise was not regenerated (the
+``git diff --exit-code`` idea of TeachOpenCADD's CI).
+
+Notebooks are committed *stripped*: no outputs, no execution counts, no
+widget state (`strip_notebook`, `stripped_problems`).
+
+A *graded cell* is a code cell that calls ``grading.check_...``; it starts
+with a docstring saying what it checks (nbgrader's style). `graded_cells`
+lists them, and `scorecard` joins them with the JUnit XML that
+``pytest --nbval-lax --junitxml=...`` writes, where nbval names code cell k
+(0-based, code cells only) ``Cell k``.
+
+Every generated cell carries nbgrader-compatible metadata (``cell.metadata.nbgrader``, schema 3, see
+`nbgrader_metadata`): the cells a student answers in (those with a solution region) are *solution* cells;
+graded cells are *grade* cells worth one point each; every other cell is *locked* (read-only). Each has a
+``grade_id`` that stays the same across rebuilds (the check and its argument for a graded cell, the defined
+name for a solution cell), which is how ``parlab grade`` restores edited or deleted cells of a submission,
+and a ``checksum`` computed as nbgrader computes it, so a course on nbgrader can import the exercises.
+
+`execute` runs a notebook in a fresh kernel and `export_html` turns executed
+lessons into HTML handouts (``parlab course html``); `execute` waits on the
+kernel in short slices to avoid nbclient's lost-reply stall on widget cells
+(jupyter/nbclient#312).
+"""
+from __future__ import annotations
+
+import ast
+import copy
+import hashlib
+import re
+import subprocess
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import nbformat
+
+__all__ = ["BEGIN", "END", "PLACEHOLDER", "strip_solution", "make_exercise", "strip_notebook", "stripped_problems",
+           "graded_cells", "read", "dumps", "build", "strip", "course_notebooks", "scorecard", "ROOT",
+           "nbgrader_metadata", "nbgrader_checksum", "is_graded"]
+
+BEGIN, END = "### BEGIN SOLUTION", "### END SOLUTION"
+PLACEHOLDER = "raise NotImplementedError  # your code here"
+ROOT = Path(__file__).resolve().parents[2]            # the repository (lessons/, exercises/ live here)
+GENERATED_NOTE = "generated from exercises/solutions/{name} by `parlab course build`; edit the solution instead"
+
+
+# ---------------------------------------------------------------------- solutions -> exercises
+def strip_solution(source: str, where: str = "cell") -> str:
+    """Replace each BEGIN/END SOLUTION region of `source` (markers included) by the placeholder line."""
+    out: list[str] = []
+    inside = False
+    for n, line in enumerate(source.splitlines(), start=1):
+        marker = line.strip()
+        if marker == BEGIN:
+            if inside:
+                raise ValueError(f"{where}, line {n}: '{BEGIN}' inside another solution region; close the first "
+                                 f"one with '{END}'")
+            inside = True
+            indent = line[: len(line) - len(line.lstrip())]
+            out.append(indent + PLACEHOLDER)
+        elif marker == END:
+            if not inside:
+                raise ValueError(f"{where}, line {n}: '{END}' without a matching '{BEGIN}'")
+            inside = False
+        elif not inside:
+            out.append(line)
+    if inside:
+        raise ValueError(f"{where}: '{BEGIN}' is never closed; add a line '{END}' after the solution")
+    return "\n".join(out)
+
+
+def make_exercise(solution: nbformat.NotebookNode, name: str = "") -> nbformat.NotebookNode:
+    """The student notebook: solution regions replaced, outputs stripped, a note saying where it came from."""
+    nb = strip_notebook(solution)
+    has_solution = [c.cell_type == "code" and any(l.strip() == BEGIN for l in c.source.splitlines())
+                    for c in nb.cells]
+    for i, cell in enumerate(nb.cells):
+        if cell.cell_type == "code":
+            cell.source = strip_solution(cell.source, where=f"{name or 'notebook'}, cell {i}")
+    nbgrader_metadata(nb, has_solution)
+    nb.metadata["parlab"] = {"generated": GENERATED_NOTE.format(name=name)}
+    return nb
+
+
+# ---------------------------------------------------------------------- nbgrader-compatible cell metadata
+GRADED_CALL = re.compile(r"\bgrading\.(check_\w+)\(\s*([A-Za-z_][\w.]*)?")
+
+
+def is_graded(cell) -> bool:
+    """A graded cell: a code cell that calls grading.check_..."""
+    return cell.cell_type == "code" and GRADED_CALL.search(cell.source) is not None
+
+
+def _cell_id(cell, is_solution: bool, k: int) -> str:
+    if is_graded(cell):
+        m = GRADED_CALL.search(cell.source)
+        return m.group(1) + (f"-{m.group(2)}" if m.group(2) else "")
+    if is_solution:
+        m = re.search(r"^(?:def|class)\s+(\w+)", cell.source, flags=re.M)
+        if m:
+            return f"answer-{m.group(1)}"
+    return f"{cell.cell_type}-{k}"
+
+
+def nbgrader_checksum(cell) -> str:
+    """nbgrader's `compute_checksum` (nbgrader/utils.py): md5 over source, type, flags, id and points."""
+    meta = cell.metadata["nbgrader"]
+    m = hashlib.md5()
+    for part in (cell.source, cell.cell_type, str(meta["grade"]), str(meta["solution"]), str(meta["locked"]),
+                 meta["grade_id"]):
+        m.update(part.encode("utf-8"))
+    if meta["grade"]:
+        m.update(str(float(meta["points"])).encode("utf-8"))
+    return m.hexdigest()
+
+
+def nbgrader_metadata(nb: nbformat.NotebookNode, has_solution: list[bool]) -> nbformat.NotebookNode:
+    """Give every cell nbgrader's metadata, in place: solution cells (had a solution region), graded cells
+    (1 point, locked) and read-only cells (everything else, locked). Ids are unique within the notebook."""
+    seen: dict[str, int] = {}
+    for k, (cell, solution) in enumerate(zip(nb.cells, has_solution)):
+        old = cell.metadata.get("nbgrader", {})
+        gid = old.get("grade_id") or _cell_id(cell, solution, k)
+        if gid in seen:
+            seen[gid] += 1
+            gid = f"{gid}-{seen[gid]}"
+        seen.setdefault(gid, 1)
+        graded = is_graded(cell)
+        meta = {"schema_version": 3, "grade_id": gid, "grade": graded, "solution": solution,
+                "locked": not solution}
+        if graded:
+            meta["points"] = old.get("points", 1)
+        cell.metadata["nbgrader"] = meta
+        cell.metadata["nbgrader"]["checksum"] = nbgrader_checksum(cell)
+    return nb
+
+
+# ---------------------------------------------------------------------- stripping
+def strip_notebook(nb: nbformat.NotebookNode) -> nbformat.NotebookNode:
+    """A copy with no outputs, no execution counts, no per-cell run metadata and no saved widget state."""
+    nb = copy.deepcopy(nb)
+    nb.metadata.pop("widgets", None)
+    for cell in nb.cells:
+        if cell.cell_type == "code":
+            cell.outputs = []
+            cell.execution_count = None
+        for key in ("execution", "collapsed", "scrolled", "ExecuteTime"):
+            cell.metadata.pop(key, None)
+    return nb
+
+
+def stripped_problems(nb: nbformat.NotebookNode) -> list[str]:
+    """What keeps `nb` from being committed as is (empty when it is stripped)."""
+    problems = [f"cell {i} has outputs" for i, c in enumerate(nb.cells) if c.cell_type == "code" and c.outputs]
+    problems += [f"cell {i} has execution_count {c.execution_count}" for i, c in enumerate(nb.cells)
+                 if c.cell_type == "code" and c.execution_count is not None]
+    if "widgets" in nb.metadata:
+        problems.append("notebook metadata holds saved widget state")
+    return problems
+
+
+def graded_cells(nb: nbformat.NotebookNode) -> dict[int, str]:
+    """{nbval cell number: what the cell checks} for the code cells that call grading.check_..."""
+    out, k = {}, 0
+    for cell in nb.cells:
+        if cell.cell_type != "code":
+            continue
+        if re.search(r"\bgrading\.check_\w+\(", cell.source):
+            try:
+                doc = ast.get_docstring(ast.parse(cell.source)) or ""
+            except SyntaxError:
+                doc = ""
+            call = re.search(r"grading\.(check_\w+)", cell.source).group(1)
+            out[k] = doc.strip().splitlines()[0] if doc.strip() else call
+        k += 1
+    return out
+
+
+# ---------------------------------------------------------------------- files
+def read(path: str | Path) -> nbformat.NotebookNode:
+    return nbformat.read(str(path), as_version=4)
+
+
+def dumps(nb: nbformat.NotebookNode) -> str:
+    """The text nbformat.write would put in the file (so comparisons are byte-exact)."""
+    text = nbformat.writes(nb)
+    return text if text.endswith("\n") else text + "\n"
+
+
+def _write_if_changed(path: Path, text: str, check: bool) -> bool:
+    """True when `path` does not hold `text`; writes it unless `check`."""
+    if path.exists() and path.read_text(encoding="utf-8") == text:
+        return False
+    if not check:
+        path.write_text(text, encoding="utf-8")
+    return True
+
+
+def build(root: str | Path = ROOT, check: bool = False) -> list[Path]:
+    """Generate exercises/NAME.ipynb from every exercises/solutions/NAME.ipynb.
+
+    Returns the exercise notebooks that were out of date (and, unless `check`, are now rewritten).
+    Generated notebooks whose solution no longer exists are reported as stale too."""
+    root = Path(root)
+    solutions = sorted((root / "exercises" / "solutions").glob("*.ipynb"))
+    stale = [root / "exercises" / s.name for s in solutions
+             if _write_if_changed(root / "exercises" / s.name, dumps(make_exercise(read(s), s.name)), check)]
+    names = {s.name for s in solutions}
+    stale += [p for p in sorted((root / "exercises").glob("*.ipynb")) if p.name not in names]
+    return stale
+
+
+def course_notebooks(root: str | Path = ROOT) -> list[Path]:
+    """Every notebook of the course: lessons/, exercises/ and exercises/solutions/."""
+    root = Path(root)
+    return sorted(p for folder in ("lessons", "exercises", "exercises/solutions")
+                  for p in (root / folder).glob("*.ipynb"))
+
+
+def strip(root: str | Path = ROOT, check: bool = False) -> list[Path]:
+    """Strip outputs from every course notebook; returns the ones that were not stripped."""
+    return [p for p in course_notebooks(root) if _write_if_changed(p, dumps(strip_notebook(read(p))), check)]
+
+
+# ---------------------------------------------------------------------- executing and exporting
+def execute(nb: nbformat.NotebookNode, cwd: str | Path, timeout: float = 300.0,
+            poll: float = 0.5) -> nbformat.NotebookNode:
+    """Run every cell of `nb` in a fresh kernel started in `cwd`, in place (outputs kept); returns `nb`.
+
+    A cell that takes more than `timeout` seconds raises nbclient's CellTimeoutError. Works around
+    nbclient's lost-reply stall (jupyter/nbclient#312): on cells that open widgets, the kernel's reply can
+    sit unnoticed on the client's socket until the wait times out (measured here: lesson 07 under plain
+    nbclient stalled a cell for the full 90 s timeout in 2 of 3 runs, and forever without a timeout).
+    Waiting in slices of `poll` seconds makes every wake-up also look at the socket, so a stall lasts at
+    most `poll` seconds."""
+    from nbclient import NotebookClient
+
+    class _Client(NotebookClient):
+        async def async_start_new_kernel_client(self):
+            kc = await super().async_start_new_kernel_client()
+            for channel in (kc.shell_channel, kc.iopub_channel):
+                channel.get_msg = _sliced(channel.get_msg, poll)
+            return kc
+
+    # the kernel's own stderr only carries jupyter_client's shutdown noise ("KeyboardInterrupt caught in
+    # kernel", sent on purpose before shutdown); errors in cells come back in the notebook and raise here
+    _Client(nb, timeout=timeout, kernel_name="python3", resources={"metadata": {"path": str(cwd)}}).execute(
+        stderr=subprocess.DEVNULL)
+    return nb
+
+
+def _sliced(get_msg, poll: float):
+    """`get_msg(timeout)` that waits in slices of `poll` seconds, each ending with a fresh look at the socket."""
+    from queue import Empty
+    from time import monotonic
+
+    async def get(timeout=None):
+        deadline = None if timeout is None else monotonic() + timeout
+        while True:
+            left = poll if deadline is None else min(poll, max(0.0, deadline - monotonic()))
+            try:
+                return await get_msg(timeout=left)
+            except Empty:
+                if deadline is not None and monotonic() >= deadline:
+                    raise
+    return get
+
+
+def export_html(paths, out: str | Path, timeout: float = 300.0) -> list[Path]:
+    """Execute each notebook (in its own folder) and write NAME.html into `out`; returns the pages written.
+    The pages read fully offline (`parlab.course.handout`): plotly figures carry their own plotly.js, formulas are
+    typeset by the MathJax copied into ``out/mathjax/``, and each widget shows its controls' initial values and
+    the figure it drew for them."""
+    from nbconvert import HTMLExporter
+
+    from parlab.course.handout import drop_remote_scripts, offline_mathjax, static_widgets
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    mathjax = offline_mathjax(out)
+    pages = []
+    for path in map(Path, paths):
+        nb = execute(read(path), path.resolve().parent, timeout=timeout)
+        static_widgets(nb)
+        html, _ = HTMLExporter(mathjax_url=mathjax).from_notebook_node(nb)
+        page = out / (path.stem + ".html")
+        page.write_text(drop_remote_scripts(html), encoding="utf-8")
+        pages.append(page)
+    return pages
+
+
+# ---------------------------------------------------------------------- grading results
+def _error_line(report: str) -> str:
+    """The exception a cell ended with ("AssertionError: rank 2, chunk 1 ..."), colour codes removed."""
+    text = re.sub(r"(\x1b|#x1B)\[[0-9;]*m", "", report)
+    found = list(re.finditer(r"^(\w+(Error|Exception|Timeout)): ", text, flags=re.M))
+    return text[found[-1].start():].strip() if found else text.strip()
+
+
+def scorecard(junit_xml: str | Path, root: str | Path = ".") -> list[dict]:
+    """One row per graded cell in a JUnit XML written by ``pytest --nbval-lax --junitxml=...``:
+    {"file", "cell", "check", "passed", "message"}. Cells that only set up are left out.
+
+    The labels come from the graded notebook itself when it is found under `root` (so a student who added
+    cells is still scored right), else from exercises/NAME.ipynb of the course."""
+    rows, labels, paths = [], {}, {}
+    for case in ET.parse(str(junit_xml)).getroot().iter("testcase"):
+        m = re.fullmatch(r"Cell (\d+)", case.get("name", ""))
+        classname = case.get("classname", "")          # "submissions.alice.00_ring_allreduce.ipynb"
+        if not m or not classname.endswith(".ipynb"):
+            continue
+        if classname not in labels:
+            stem = classname[: -len(".ipynb")]
+            paths[classname] = _junit_path(stem, Path(root))
+            candidates = [paths[classname], ROOT / "exercises" / (stem.rsplit(".", 1)[-1] + ".ipynb")]
+            found = next((p for p in candidates if p is not None and p.exists()), None)
+            labels[classname] = graded_cells(read(found)) if found else {}
+        cell = int(m.group(1))
+        if labels[classname] and cell not in labels[classname]:
+            continue
+        failure = next((f for f in (case.find("failure"), case.find("error")) if f is not None), None)
+        message = "" if failure is None else _error_line(failure.text or failure.get("message") or "")
+        where = paths[classname]
+        file = (str(where.relative_to(root)) if where is not None else
+                classname.replace(".", "/").removesuffix("/ipynb") + ".ipynb")
+        rows.append({"file": file, "cell": cell,
+                     "check": labels[classname].get(cell, f"Cell {cell}"),
+                     "passed": failure is None and case.find("skipped") is None, "message": message})
+    return rows
+
+
+def _junit_path(stem: str, root: Path) -> Path | None:
+    """The notebook a junit classname stem names: pytest joins the path's parts with dots, so
+    'submissions.dave.smith.00_ring_allreduce' is found by comparing with every notebook's dotted path
+    (a folder or file name may itself hold dots)."""
+    direct = root / (stem.replace(".", "/") + ".ipynb")
+    if direct.exists():
+        return direct
+    for path in root.rglob("*.ipynb"):
+        if ".".join(path.relative_to(root).with_suffix("").parts) == stem:
+            return path
+    return None
+

@@ -1,0 +1,131 @@
+"""A student's own copy of the course, so the tracked notebooks stay clean: ``parlab course open``.
+
+Running a lesson in JupyterLab saves its outputs into the notebook (autosave). Opened straight from
+``lessons/``, the student's checkout is dirty after one lesson, and ``git pull`` of next week's material
+conflicts. So the course is opened from a working copy:
+
+    parlab course open            # at the repository root: my-course/ + JupyterLab on my-course/START.ipynb
+
+`working_copy` copies every lesson (``lessons/*.ipynb``) and every exercise (``exercises/*.ipynb``, not
+the solutions) into ``my-course/`` (git-ignored) and writes a landing page, ``my-course/START.ipynb``,
+that links each of them. Run again after ``git pull``: notebooks that are new in the course are copied in;
+a notebook the course changed replaces the student's copy only if the student has not edited it
+(outputs do not count as edits); otherwise the new version is written next to it as
+``NAME.updated.ipynb`` and the student's own stays as it is. What was copied from where is recorded in
+``my-course/.parlab-origin.json``.
+
+The lessons find everything they need through the installed ``parlab`` package, so they run the same from
+``my-course/lessons/`` as from ``lessons/``.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from parlab.course.notebooks import ROOT, dumps, read, strip_notebook
+
+__all__ = ["WORKDIR", "working_copy", "landing_page", "open_course"]
+
+WORKDIR = "my-course"
+ORIGIN = ".parlab-origin.json"
+
+
+def _fingerprint(path: Path) -> str:
+    """Hash of the notebook's inputs: outputs, execution counts and widget state removed."""
+    return hashlib.sha256(dumps(strip_notebook(read(path))).encode()).hexdigest()
+
+
+def _title(path: Path) -> str:
+    """The notebook's first heading, without the '#'s ("Lesson 01: Collectives and process groups")."""
+    for cell in read(path).cells:
+        if cell.cell_type == "markdown":
+            for line in cell.source.splitlines():
+                if line.startswith("#"):
+                    return line.lstrip("#").strip()
+    return path.stem
+
+
+def _sources(root: Path) -> list[Path]:
+    return sorted((root / "lessons").glob("*.ipynb")) + sorted((root / "exercises").glob("*.ipynb"))
+
+
+def landing_page(root: Path) -> str:
+    """START.ipynb's markdown: every lesson and exercise, linked inside the working copy."""
+    lessons = sorted((root / "lessons").glob("*.ipynb"))
+    exercises = sorted((root / "exercises").glob("*.ipynb"))
+    lines = ["# parlab: distributed training, run live", "",
+             "Your own copy of the course: run and edit these notebooks freely, the repository's `lessons/` and",
+             "`exercises/` stay untouched. Work through the lessons in order; each ends by pointing to its exercise.",
+             "", "| # | lesson |", "|---|---|"]
+    lines += [f"| {p.stem[:2]} | [{_title(p)}](lessons/{p.name}) |" for p in lessons]
+    lines += ["", "| # | exercise |", "|---|---|"]
+    lines += [f"| {p.stem[:2]} | [{_title(p)}](exercises/{p.name}) |" for p in exercises]
+    lines += ["", "**Next week's material:** in a terminal at the repository root, `git pull`, then",
+              "`parlab course open` again. New notebooks are copied in; a notebook you edited is never overwritten",
+              "(if the course changed it too, the new version appears next to yours as `NAME.updated.ipynb`).",
+              "", "Lesson figures need nothing but this browser; each lesson runs top to bottom in about a minute."]
+    return "\n".join(lines)
+
+
+def working_copy(root: str | Path = ROOT, dest: str | Path | None = None) -> dict[str, list[str]]:
+    """Create or refresh the student's copy (default ``root/my-course``); returns what happened to each
+    notebook: {"added": [...], "updated": [...], "kept": [...], "conflicts": [...]} (paths relative to dest)."""
+    root = Path(root)
+    dest = Path(dest) if dest is not None else root / WORKDIR
+    if not (root / "lessons").is_dir():
+        raise FileNotFoundError(f"{root} has no lessons/ folder: run `parlab course open` at the repository root "
+                                f"or pass --root PATH_TO_REPOSITORY")
+    dest.mkdir(parents=True, exist_ok=True)
+    origin_file = dest / ORIGIN
+    origin = json.loads(origin_file.read_text()) if origin_file.exists() else {}
+    report: dict[str, list[str]] = {"added": [], "updated": [], "kept": [], "conflicts": []}
+    for src in _sources(root):
+        rel = f"{src.parent.name}/{src.name}"
+        target = dest / rel
+        target.parent.mkdir(parents=True, exist_ok=True)
+        new = _fingerprint(src)
+        if not target.exists():
+            target.write_text(dumps(strip_notebook(read(src))), encoding="utf-8")
+            report["added"].append(rel)
+        elif origin.get(rel) == new:
+            report["kept"].append(rel)
+            continue
+        elif _fingerprint(target) == origin.get(rel):          # the student only ran it: take the new version
+            target.write_text(dumps(strip_notebook(read(src))), encoding="utf-8")
+            report["updated"].append(rel)
+        else:                                                   # the student edited it: keep theirs
+            side = target.with_name(target.stem + ".updated.ipynb")
+            side.write_text(dumps(strip_notebook(read(src))), encoding="utf-8")
+            report["conflicts"].append(rel)
+            continue                                            # still compare against the old origin next time
+        origin[rel] = new
+    start = dest / "START.ipynb"
+    import nbformat
+    page = nbformat.v4.new_notebook(cells=[nbformat.v4.new_markdown_cell(landing_page(root))])
+    page.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    start.write_text(dumps(page), encoding="utf-8")
+    origin_file.write_text(json.dumps(origin, indent=1, sort_keys=True), encoding="utf-8")
+    return report
+
+
+def open_course(root: str | Path = ROOT, browser: bool = True, lab_args: list[str] | None = None) -> int:
+    """Refresh the working copy and start JupyterLab at the repository root on my-course/START.ipynb."""
+    root = Path(root)
+    report = working_copy(root)
+    for what, names in report.items():
+        if names and what != "kept":
+            print(f"{what}: {', '.join(names)}")
+    for rel in report["conflicts"]:
+        print(f"  {rel}: you edited it and the course changed it; the course's version is next to it as "
+              f"{rel.removesuffix('.ipynb')}.updated.ipynb")
+    if shutil.which("jupyter") is None and not (Path(sys.executable).parent / "jupyter").exists():
+        print("JupyterLab is not installed in this environment: pip install jupyterlab", file=sys.stderr)
+        return 2
+    cmd = [sys.executable, "-m", "jupyterlab", f"{WORKDIR}/START.ipynb"] + ([] if browser else ["--no-browser"])
+    print(f"course copy: {root / WORKDIR}; starting: {' '.join(cmd[1:])}")
+    extra = [a for a in (lab_args or []) if a != "--"]
+    return subprocess.call(cmd + extra, cwd=root)

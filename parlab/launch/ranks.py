@@ -1,0 +1,345 @@
+"""Start ranks: `run` for simulated ranks on one machine (each rank's side is parlab.launch.child; `init`, for
+torchrun/srun, is parlab.launch.torchrun).
+
+`run(fn, world_size)` is how lessons, exercises and tests execute parallel
+code: it starts `world_size` processes, gives each an initialised default
+process group, calls ``fn(*args, **kwargs)`` on every rank and returns the
+results in rank order, together with each rank's captured output and, with
+``trace=True``, the merged communication trace.
+
+The backend is gloo on the CPU unless asked: lessons, exercises and tests build
+their models and tensors on the CPU, and a CPU tensor cannot go through NCCL.
+``backend="nccl"`` (one GPU per rank, rank r on ``cuda:r``) or ``backend="auto"``
+(NCCL when there is a GPU per rank) are explicit choices; on NCCL the rank's
+device is set before the function's arguments are unpickled, and every tensor
+in the results comes back on the CPU (so the caller opens no CUDA context).
+
+How it starts ranks (measured on a 2-core CPU machine, torch 2.13, gloo):
+
+* **fork** (the default for CPU/gloo on Linux). Children inherit the parent's
+  memory, so a function defined in a notebook cell runs as is, and start-up is
+  fast (about 0.1-0.2 s for 8 ranks). Rendezvous goes through a
+  `torch.distributed.FileStore` in a fresh temporary folder: no ports, so two
+  notebooks can run at once without colliding. Each child calls
+  ``torch.set_num_threads(1)`` before touching torch, because a forked child
+  can deadlock in its first multi-threaded kernel when the parent already used
+  its OpenMP pool (with 8 ranks on 2 cores one thread each is right anyway).
+  A process group the parent already has (after `parlab.init()`, or a `run`
+  inside a rank) is forgotten in the child, never used or torn down there, so
+  both cases work.
+* **spawn** (used for NCCL, or when asked). Once a process has touched CUDA,
+  forking it is unsafe, so GPU ranks are fresh interpreters. The function and
+  its arguments are shipped by value with cloudpickle, which also handles
+  functions defined in a notebook; globals they use must be picklable. Each
+  rank re-imports torch, so start-up takes seconds.
+
+Faults never hang the caller: an exception on a rank raises `RankError`
+(naming the rank, carrying its traceback) and stops the others; ranks still
+running after `timeout` seconds raise `RankTimeout` naming them; a rank killed
+by a signal, or one that exits without reporting (``os._exit``), raises
+`RankKilled`. Blame goes to the cause, not to the peers that saw the broken
+connection: a rank that died without a report is the culprit (its peers always
+report), else the earliest exception in time. Ctrl-C stops every rank at once
+and still prints what each rank wrote so far. No child process and no
+temporary file survives a call: ranks are killed and the ``parlab-run-*``
+folder removed on every exit path, and ranks die with the parent
+(PR_SET_PDEATHSIG); the folder of a parent that was itself killed (SIGKILL) is
+removed by the next `run` of the same user.
+
+After a failed collective a process group may be broken; parlab never reuses
+one: each `run` builds new processes and a new group.
+"""
+from __future__ import annotations
+
+import os
+import pickle
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from multiprocessing import connection, get_context
+from typing import Any, Callable
+
+import torch
+
+from parlab.launch.child import _child, _spawn_entry
+from parlab.launch.torchrun import check_timeout
+from parlab.trace import Trace
+
+__all__ = ["run", "RunResult", "RankError", "RankTimeout", "RankKilled", "choose_backend"]
+
+
+# ---------------------------------------------------------------------- results and errors
+@dataclass
+class RunResult:
+    """What `run` brings home: one return value per rank (rank order), captured output, the trace."""
+    results: list[Any]
+    outputs: list[str]
+    trace: Trace | None = None
+    seconds: float = 0.0
+    backend: str = "gloo"
+
+    def __getitem__(self, rank: int) -> Any:
+        return self.results[rank]
+
+    def __len__(self) -> int:
+        return len(self.results)
+
+    def __iter__(self):
+        return iter(self.results)
+
+
+class RankError(RuntimeError):
+    """An exception raised inside `fn` on some rank; `.traceback` is the formatted traceback from that rank."""
+
+    def __init__(self, rank: int, exc_type: str, message: str, tb: str):
+        self.rank, self.exc_type, self.message, self.traceback = rank, exc_type, message, tb
+        super().__init__(f"rank {rank} raised {exc_type}: {message}\n\n--- traceback from rank {rank} ---\n{tb}")
+
+
+class RankTimeout(TimeoutError):
+    """Some ranks did not finish within the timeout (often a deadlock: mismatched send/recv or collectives)."""
+
+    def __init__(self, unfinished: list[int], timeout: float, outputs: list[str]):
+        self.unfinished, self.timeout, self.outputs = unfinished, timeout, outputs
+        super().__init__(f"ranks {unfinished} did not finish within {timeout:g} s; a common cause is a deadlock "
+                         f"(a rank waiting in a collective or recv that its peers never enter). "
+                         f"All ranks were stopped.")
+
+
+class RankKilled(RuntimeError):
+    """A rank process died from a signal (e.g. SIGKILL from the out-of-memory killer) or exited without a result."""
+
+    def __init__(self, rank: int, how: str):
+        self.rank, self.how = rank, how
+        super().__init__(f"rank {rank} {how}; all ranks were stopped")
+
+
+# ---------------------------------------------------------------------- backend choice
+def choose_backend(world_size: int, backend: str = "auto") -> str:
+    """'auto' -> NCCL with one GPU per rank when there are enough GPUs, else gloo on the CPU."""
+    if backend != "auto":
+        if backend not in ("gloo", "nccl"):
+            raise ValueError(f"backend must be 'auto', 'gloo' or 'nccl', got {backend!r}")
+        if backend == "nccl" and torch.cuda.device_count() < world_size:
+            raise ValueError(f"backend='nccl' needs one GPU per rank: world_size {world_size} but "
+                             f"{torch.cuda.device_count()} GPUs visible; use backend='gloo' or fewer ranks")
+        return backend
+    return "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= world_size else "gloo"
+
+
+# ---------------------------------------------------------------------- the parent side
+def _check_args(fn, world_size, timeout, threads, seed, start_method) -> None:
+    """Every argument checked before any process starts, with what to pass instead."""
+    if not callable(fn):
+        raise TypeError(f"run() needs a function to call on every rank, got {type(fn).__name__}")
+    if isinstance(world_size, bool) or not isinstance(world_size, int):
+        raise TypeError(f"world_size must be a positive integer (the number of ranks), got {world_size!r}")
+    if world_size < 1:
+        raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
+    check_timeout(timeout)
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+        raise ValueError(f"threads must be a positive integer (torch threads per rank) or None, got {threads!r}")
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise TypeError(f"seed must be an integer, got {seed!r}")
+    if start_method not in (None, "fork", "spawn"):
+        raise ValueError(f"start_method must be 'fork' or 'spawn', got {start_method!r}")
+
+
+def run(fn: Callable, world_size: int, *args, backend: str = "gloo", timeout: float = 60.0, trace: bool = False,
+        seed: int = 0, seed_per_rank: bool = False, threads: int | None = None, start_method: str | None = None,
+        echo: bool = True, **kwargs) -> RunResult:
+    """Run ``fn(*args, **kwargs)`` on `world_size` simulated ranks and return their results in rank order.
+
+    backend       'gloo' (the default: ranks on the CPU, where lessons, exercises and tests put their
+                  tensors), 'nccl' (rank r on cuda:r; tensors in the results come back on the CPU) or
+                  'auto' (NCCL if there is a GPU per rank, else gloo; only for code that puts its tensors
+                  on ``parlab.init().device``)
+    timeout       seconds (positive, finite) before unfinished ranks are stopped and `RankTimeout` is raised
+    trace         record every parlab.comm call and parlab.trace.region; merged into `RunResult.trace`
+    seed          every rank calls torch.manual_seed(seed) (+ rank when `seed_per_rank`)
+    threads       torch threads per rank (default: 1 when forking, see below; CPU cores // world_size
+                  when spawning)
+    start_method  'fork' (default for gloo) or 'spawn' (default for NCCL, or once this process has
+                  initialised CUDA; ships `fn` with cloudpickle)
+    echo          print each rank's captured output, prefixed ``[rank r]``, in rank order
+
+    Keyword arguments not listed above go to `fn` (use functools.partial for one that collides).
+    It may be called after `parlab.init()` in the same process and from inside a rank (a nested run).
+    """
+    _check_args(fn, world_size, timeout, threads, seed, start_method)
+    backend = choose_backend(world_size, backend)
+    cuda_used = torch.cuda.is_initialized()   # e.g. after parlab.init() on NCCL: a forked child cannot use CUDA
+    start_method = start_method or ("spawn" if backend == "nccl" or cuda_used else "fork")
+    if start_method == "fork" and backend == "nccl":
+        raise ValueError("forking after CUDA is initialised is unsafe; use start_method='spawn' with NCCL")
+    if start_method == "fork" and cuda_used:
+        raise ValueError("this process has initialised CUDA, and a forked rank cannot use it; "
+                         "use start_method='spawn' (the default in this case)")
+    if threads is None:
+        # A forked rank can deadlock in its first multi-threaded kernel once the parent has used
+        # torch's OpenMP pool (seen here with 2 threads per rank), so forked ranks run one thread each.
+        threads = 1 if start_method == "fork" else max(1, (os.cpu_count() or 1) // world_size)
+
+    if start_method == "fork":
+        ctx, target, payload = get_context("fork"), _child, (fn, args, kwargs)
+    else:
+        import cloudpickle
+        ctx, target, payload = get_context("spawn"), _spawn_entry, cloudpickle.dumps((fn, args, kwargs))
+    procs = []
+    t_start = time.perf_counter()
+    _sweep_orphans()
+    workdir = tempfile.mkdtemp(prefix=f"parlab-run-{os.getpid()}-")
+    try:
+        try:
+            for rank in range(world_size):
+                p = ctx.Process(target=target, name=f"parlab-rank-{rank}",
+                                args=(rank, world_size, workdir, backend, threads, seed, seed_per_rank, timeout,
+                                      trace, payload))
+                p.start()
+                procs.append(p)
+            failure = _wait(procs, timeout, t_start, workdir)
+        except KeyboardInterrupt:
+            # Ctrl-C: stop every rank now, then show what each had written (the output says where it hung)
+            _stop(procs)
+            outputs = [_read(os.path.join(workdir, f"out.{r}")) for r in range(world_size)]
+            if echo:
+                _echo(outputs)
+            print(f"parlab.run: interrupted; stopped all {world_size} ranks", file=sys.stderr)
+            raise
+        outputs = [_read(os.path.join(workdir, f"out.{r}")) for r in range(world_size)]
+        if failure is None:
+            statuses = [_load(workdir, r) for r in range(world_size)]
+            if echo:
+                _echo(outputs)
+            seconds = time.perf_counter() - t_start
+            events = [s[2] for s in statuses] if trace else None
+            return RunResult(results=[s[1] for s in statuses], outputs=outputs,
+                             trace=Trace.merge(events) if trace else None, seconds=seconds, backend=backend)
+        time.sleep(0.05)   # let ranks that failed at the same moment finish writing their reports
+        codes = [p.exitcode for p in procs]   # before stopping the rest: who exited on its own, and how
+        _stop(procs)
+        outputs = [_read(os.path.join(workdir, f"out.{r}")) for r in range(world_size)]
+        if echo:
+            _echo(outputs)
+        raise _explain(failure, workdir, world_size, timeout, outputs, codes)
+    finally:
+        _stop(procs)
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _sweep_orphans() -> None:
+    """Remove ``parlab-run-<pid>-*`` folders of this user whose process is gone: the one exit path `run`
+    cannot clean up after itself is its own process being killed (a notebook kernel killed with SIGKILL)."""
+    tmp = tempfile.gettempdir()
+    try:
+        names = [n for n in os.listdir(tmp) if n.startswith("parlab-run-")]
+    except OSError:
+        return
+    for name in names:
+        pid = name[len("parlab-run-"):].split("-", 1)[0]
+        path = os.path.join(tmp, name)
+        try:
+            if not pid.isdigit() or os.stat(path).st_uid != os.getuid() or os.path.exists(f"/proc/{pid}"):
+                continue
+        except OSError:
+            continue
+        if os.path.isdir("/proc/self"):   # only where /proc tells whether a process is alive (Linux)
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _stop(procs) -> None:
+    """SIGKILL every rank still running and reap them all (a stopped, SIGSTOPped or hung rank included)."""
+    for p in procs:
+        if p.exitcode is None:
+            try:
+                p.kill()
+            except (OSError, ValueError):
+                pass
+    for p in procs:
+        try:
+            p.join(timeout=5)
+        except (OSError, ValueError, AssertionError):
+            pass
+
+
+def _reported(workdir: str, rank: int) -> bool:
+    return os.path.exists(os.path.join(workdir, f"result.{rank}"))
+
+
+def _wait(procs, timeout: float, t_start: float, workdir: str):
+    """Wait until every rank exited cleanly (-> None) or something went wrong (-> a description)."""
+    pending = {p.sentinel: r for r, p in enumerate(procs)}
+    while pending:
+        left = timeout - (time.perf_counter() - t_start)
+        if left <= 0:
+            return ("timeout", sorted(pending.values()))
+        for s in connection.wait(list(pending), timeout=left):
+            r = pending.pop(s)
+            procs[r].join()
+            if procs[r].exitcode != 0 or not _reported(workdir, r):   # os._exit(0) in fn reports nothing
+                return ("failed", r, procs[r].exitcode)
+    return None
+
+
+def _explain(failure, workdir: str, world_size: int, timeout: float, outputs: list[str],
+             codes: list[int | None]) -> Exception:
+    """Turn a failure into the exception that names the cause (`codes`: each rank's exit status, None if
+    it was still running when the failure was seen).
+
+    A rank that reports always reports: an exception in `fn` (or a peer's broken connection) writes an
+    error report before the rank exits. So a rank that exited *without* a report (killed by a signal,
+    ``os._exit``, a crash in C++) is the cause, and its peers' connection errors are its consequences.
+    SIGABRT is the exception: gloo can abort a healthy rank whose peer vanished, so an abort is blamed
+    only when no rank reported an error. Otherwise the earliest reported exception in time is the cause."""
+    if failure[0] == "timeout":  # name the ranks still inside fn (finished ones wait at the exit barrier)
+        inside = [r for r in failure[1] if not _reported(workdir, r)]
+        return RankTimeout(inside or failure[1], timeout, outputs)
+    silent, errors = [], []
+    for r in range(world_size):
+        if not _reported(workdir, r):
+            if codes[r] is not None:
+                silent.append((codes[r] == -signal.SIGABRT, r, codes[r]))   # exited without a report
+            continue
+        st = _load(workdir, r)
+        if st[0] == "error":
+            errors.append((st[1], r, st))
+    silent.sort()   # non-aborts first, then by rank
+    if silent and (not silent[0][0] or not errors):
+        _, r, code = silent[0]
+        return RankKilled(r, _how(code))
+    if errors:  # the first error in time is the cause; the others are usually peers losing their connection
+        _, r, st = min(errors)
+        return RankError(r, st[2], st[3], st[4])
+    return RankKilled(failure[1], _how(failure[2]))
+
+
+def _how(code: int | None) -> str:
+    if code is not None and code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = str(-code)
+        return f"was killed by signal {name}" + (" (often the out-of-memory killer)" if name == "SIGKILL" else "")
+    return f"exited with code {code} without reporting a result (os._exit in fn, or a crash inside C++?)"
+
+
+def _load(workdir: str, rank: int):
+    with open(os.path.join(workdir, f"result.{rank}"), "rb") as f:
+        return pickle.load(f)
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            return f.read()
+    except FileNotFoundError:
+        return ""
+
+
+def _echo(outputs: list[str]) -> None:
+    for r, text in enumerate(outputs):
+        for line in text.splitlines():
+            print(f"[rank {r}] {line}")
