@@ -3,7 +3,7 @@
 gloo buffers a send and lets a rank's sends and receives to different peers proceed independently; NCCL
 with eager communicators (``device_id=`` at init) does neither for large messages: a send completes only
 when the peer has posted the matching receive, and all of a rank's p2p operations run one at a time, in post
-order, on the group's one stream (see parlab/p2p_plan.py). Inside ``with serialised_p2p():`` on a rank,
+order, on the group's one stream (see parlab/parallel/pipeline/plan.py). Inside ``with serialised_p2p():`` on a rank,
 ``torch.distributed.send / recv / isend / irecv`` (so every ``parlab.comm`` p2p call) go through one worker
 thread per rank that runs them strictly in post order, and each send first waits for a token the receiver
 sends only once its matching receive is at the head of *its* queue. An order that could deadlock on NCCL

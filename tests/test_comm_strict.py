@@ -4,7 +4,7 @@ import torch.distributed as dist
 
 import parlab
 from parlab import comm
-from parlab.comm import strict as comm_strict
+from parlab.comm import strict_mode as comm_strict
 
 
 def _violations():

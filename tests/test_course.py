@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from parlab import cli, comm, course
 from parlab.cluster import formulas
-from parlab.course import grading
+from parlab.course import grading, notebooks
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -142,7 +142,7 @@ def test_sliced_wait_finds_a_message_whose_wake_up_was_lost():
             return {"msg_type": "execute_reply"}
         raise Empty
 
-    get = course._sliced(lossy_get_msg, poll=0.05)
+    get = notebooks._sliced(lossy_get_msg, poll=0.05)
     msg = asyncio.run(asyncio.wait_for(get(timeout=None), 5))
     assert msg["msg_type"] == "execute_reply" and time.monotonic() - t0 < 30   # ~0.1 s, not 3600 s (generous: busy machines)
     t0 = time.monotonic() + 3600                          # a message that never comes: the timeout still holds

@@ -22,7 +22,7 @@ FACTORIES = {"zeros", "ones", "empty", "full", "arange", "range", "linspace", "l
 
 CPU_INPUTS = "grader inputs are built on the CPU from a seeded generator; graders run their ranks on gloo"
 # folders under parlab/ whose code runs only on the CPU by design -> why
-CPU_ONLY_DIRS = {"grading/": CPU_INPUTS + " (parlab.run's default backend): the checks never touch a GPU"}
+CPU_ONLY_DIRS = {"course/grading/": CPU_INPUTS + " (parlab.run's default backend): the checks never touch a GPU"}
 # (file under parlab/, rule, source of the call) -> why it is benign
 ALLOWED: dict[tuple[str, str, str], str] = {
     ("data.py", "factory", "torch.tensor(CharTokenizer().encode(make_text(n_chars, seed)), dtype=torch.long)"):
@@ -31,17 +31,17 @@ ALLOWED: dict[tuple[str, str, str], str] = {
         "a CPU generator draws the starts (same stream on every device); moved with idx.to(tokens.device)",
     ("data.py", "factory", "torch.arange(self.seq_len)"):
         "added to the CPU starts, then the indices move with idx.to(self.tokens.device)",
-    ("data_parallel.py", "factory", "torch.tensor(x.shape)"):
+    ("parallel/data/naive.py", "factory", "torch.tensor(x.shape)"):
         "copied into a slice of `meta` (on the input's device) by assignment, which copies across devices",
-    ("ring_plan.py", "factory", "torch.arange(j * size, (j + 1) * size)"):
+    ("parallel/context/ring_plan.py", "factory", "torch.arange(j * size, (j + 1) * size)"):
         "shard_positions returns index data on the CPU; shard_sequence moves it to x.device before use",
     ("labs/context_parallel.py", "factory", "torch.zeros(1, lab.args.seq_len)"):
         "only checks that the sequence splits (cp.shard raises on a bad length); never computed with",
-    ("calibrate_compute.py", "factory", "torch.tensor([[row[j] / row[ncols] for j in keep] for row in samples], dtype=torch.float64)"):
+    ("cluster/calibrate/fit.py", "factory", "torch.tensor([[row[j] / row[ncols] for j in keep] for row in samples], dtype=torch.float64)"):
         "a least-squares fit of a few timing samples (host numbers, never communicated)",
-    ("calibrate_compute.py", "factory", "torch.ones(len(samples), 1, dtype=torch.float64)"):
+    ("cluster/calibrate/fit.py", "factory", "torch.ones(len(samples), 1, dtype=torch.float64)"):
         "a least-squares fit of a few timing samples (host numbers, never communicated)",
-    ("zero.py", "factory", "torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)"):
+    ("parallel/zero/optimizer_state.py", "factory", "torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)"):
         "the pickled state's bytes; moved to the rank's device by the .to(self._device) that follows",
 }
 

@@ -597,7 +597,7 @@ class CrossEntropyHidesItsGather(CrossEntropyGathersLogits):
 
     @staticmethod
     def forward(ctx, logits, targets, group):
-        from parlab.trace import _ACTIVE
+        from parlab.trace.events import _ACTIVE
         rec = _ACTIVE[-1]
         n = len(rec.events)
         out = CrossEntropyGathersLogits.forward(ctx, logits, targets, group)
@@ -609,7 +609,7 @@ class CrossEntropyHidesItsGather(CrossEntropyGathersLogits):
 
 def ring_step_fake_trace(q, kv, out, lse, step):
     """All-gathers K/V, then writes the sends the check wants straight into the trace."""
-    from parlab.trace import _ACTIVE, Event
+    from parlab.trace.events import _ACTIVE, Event
     P, r = comm.get_world_size(), comm.get_rank()
     rec = _ACTIVE[-1]
     if step < P - 1:

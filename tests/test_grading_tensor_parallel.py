@@ -189,7 +189,7 @@ def test_reference_solutions_pass(capsys):
 def test_the_library_cross_entropy_is_refused_as_parlab_s_own():
     """parlab's private autograd Function would pass (it is correct: tests/test_vocab_parallel_cross_entropy.py),
     but while the check runs it is unavailable to the student's class (issue 14)."""
-    from parlab.parallel.tensor.layers import _VocabParallelCrossEntropy
+    from parlab.parallel.tensor.loss import _VocabParallelCrossEntropy
 
     class Lib(torch.autograd.Function):     # same interface, label added
         @staticmethod

@@ -21,7 +21,7 @@ TECHNIQUES = ("data", "zero", "tensor", "pipeline", "context")
 LAYERS = {"trace": 0, "models": 0, "data": 0, "meta_init": 1, "comm": 1, "launch": 1, "parallel": 2, "cluster": 3,
           "viz": 4, "course": 5, "labs": 6, "cli": 6}
 #: pure planning: no torch.distributed, no parlab module that communicates, in anything they import
-PURE = ["parlab.parallel.topology", "parlab.parallel.pipeline.schedules", "parlab.parallel.pipeline.simulate",
+PURE = ["parlab.parallel.topology", "parlab.parallel.pipeline.schedules", "parlab.parallel.pipeline.simulation",
         "parlab.parallel.pipeline.plan", "parlab.parallel.context.ring_plan", "parlab.cluster.formulas",
         "parlab.cluster.costs", "parlab.cluster.hardware", "parlab.trace.wire", "parlab.trace.histogram"]
 
@@ -238,6 +238,8 @@ def test_python_m_runs_an_old_module_path():
 OLD = re.compile(r"\bparlab\.(" + "|".join(re.escape(o.split(".", 1)[1]) for o in sorted(_moved(), key=len,
                                                                                            reverse=True)) + r")\b")
 OLD_FROM = re.compile(r"from parlab import ([\w ,]+)")
+OLD_FILE = re.compile(r"\bparlab/(" + "|".join(re.escape(o.split(".", 1)[1].replace(".", "/")) for o in _moved())
+                      + r")(\.py|/)")
 
 
 def test_the_repository_uses_the_new_paths():
@@ -258,6 +260,6 @@ def test_the_repository_uses_the_new_paths():
         for i, line in enumerate(text.splitlines(), 1):
             m = OLD.search(line)
             names = {x.strip().split(" ")[0] for m2 in OLD_FROM.finditer(line) for x in m2.group(1).split(",")}
-            if (m and not line.lstrip().startswith("#")) or names & old_modules:
+            if (m and not line.lstrip().startswith("#")) or names & old_modules or OLD_FILE.search(line):
                 bad.append(f"{f}:{i}: {line.strip()[:100]}")
     assert bad == [], "old module paths in the repository's own files:\n" + "\n".join(bad[:30])

@@ -51,7 +51,7 @@ def _handed_over(schedule):
     held = list(pipe.parameters())
     loss = pipe.step(*_batch())
     return {"rank": rank, "module_is_model": pipe.module is model, "same_tensors": all(id(p) in before for p in held),
-            "bytes": sum(tensor_bytes(p) for p in held), "stages": pipe.my_stages, "loss": loss,
+            "bytes": sum(p.nbytes for p in held), "stages": pipe.my_stages, "loss": loss,
             "grads": {k: g.clone() for k, g in pipe.grads().items()}}
 
 
@@ -66,7 +66,7 @@ def test_pipeline_takes_the_model_over_and_keeps_only_its_stages(schedule):
     for r in res:
         assert r["module_is_model"] and r["same_tensors"]                  # no copy: the caller's tensors
         assert r["bytes"] == _stage_bytes(CFG, r["stages"], schedule.stages)  # only its stages' parameters
-        assert r["bytes"] < sum(tensor_bytes(p) for p in dense.parameters())
+        assert r["bytes"] < sum(p.nbytes for p in dense.parameters())
     # float64, the same operations split over ranks: only the summation order differs
     last = next(r for r in res if r["loss"] is not None)
     torch.testing.assert_close(last["loss"], ref_loss.detach(), rtol=1e-12, atol=1e-12)
@@ -92,13 +92,13 @@ def _hybrid_part():
     model = GPT(CFG, seed=0, dtype=torch.float64)
     hyb = build_hybrid(model, build_groups(grid), schedule="1f1b", copy=False, device="cpu", lr=1e-3)
     stages = hyb.pipeline.my_stages
-    return {"bytes": sum(tensor_bytes(p) for p in hyb.parameters()), "stages": stages,
+    return {"bytes": sum(p.nbytes for p in hyb.parameters()), "stages": stages,
             "module_is_model": hyb.module is model}
 
 
 def test_hybrid_rank_holds_its_stage_sharded_over_tp():
     res = parlab.run(_hybrid_part, 4)
-    dense_bytes = sum(tensor_bytes(p) for p in GPT(CFG, seed=0, dtype=torch.float64).parameters())
+    dense_bytes = sum(p.nbytes for p in GPT(CFG, seed=0, dtype=torch.float64).parameters())
     for r in res:
         assert r["module_is_model"]
         # TP splits every weight but the layer norms (and row-parallel biases) over 2 ranks: between a half
@@ -113,13 +113,13 @@ def _fsdp_on_device():
     x, y = _batch()
     loss = f(*[t.chunk(2)[comm.get_rank()] for t in (x, y)])[1]
     return {"devices": {p.device.type for p in f.parameters()}, "loss": loss.detach(),
-            "full": f.full_parameters(), "bytes": sum(tensor_bytes(p) for p in f.parameters())}
+            "full": f.full_parameters(), "bytes": sum(p.nbytes for p in f.parameters())}
 
 
 def test_fsdp_device_option_places_the_shards():
     res = parlab.run(_fsdp_on_device, 2)
     dense = GPT(CFG, seed=0, dtype=torch.float64)
-    total = sum(tensor_bytes(p) for p in dense.parameters())
+    total = sum(p.nbytes for p in dense.parameters())
     for r in res:
         assert r["devices"] == {"cpu"}
         assert r["bytes"] <= total / 2 + 8 * 2 * (CFG.n_layer + 1)       # half, up to padding per unit

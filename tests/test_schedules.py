@@ -4,7 +4,7 @@ import pathlib
 
 import pytest
 
-import parlab.parallel.pipeline.simulate as sch_module
+import parlab.parallel.pipeline.simulation as sch_module
 from parlab.parallel.pipeline import (Action, Schedule, ScheduleError, bubble_formula, gpipe, interleaved_1f1b, naive,
                               one_f_one_b, simulate, validate, zero_bubble_h1)
 
@@ -193,7 +193,7 @@ def test_costs_may_be_a_function_of_the_action():
     assert slow.bubble[3] < slow.bubble[0]
 
 
-@pytest.mark.parametrize("module", ["schedules", "simulate", "plan"])
+@pytest.mark.parametrize("module", ["schedules", "simulation", "plan"])
 def test_schedules_module_is_pure_python(module):
     path = pathlib.Path(sch_module.__file__).with_name(f"{module}.py")
     tree = ast.parse(path.read_text())

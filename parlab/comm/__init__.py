@@ -11,13 +11,13 @@ Read in this order:
                   (`all_gather_dim`, `reduce_scatter_dim`) and `all_gather_uneven`.
 * ``direct.py``  reduce-scatter and all-gather built from messages, for ZeRO on gloo (where the built-in ones
                   are missing or slow), traced as the collective they implement.
-* ``strict.py``  strict mode: NCCL's rules (device, contiguity, dtype, ReduceOp.AVG) checked on gloo, so a
+* ``strict_mode.py``  strict mode: NCCL's rules (device, contiguity, dtype, ReduceOp.AVG) checked on gloo, so a
                   CPU run finds GPU-only failures (the test suite runs in it).
 
 Ranks passed as ``src``/``dst``/peers are global ranks, as in torch.distributed.
 """
 from parlab.comm.direct import all_gather_direct, reduce_scatter_direct, reduce_scatter_pieces
-from parlab.comm.strict import NCCL_DTYPES, Strict, StrictCommError, strict
+from parlab.comm.strict_mode import NCCL_DTYPES, Strict, StrictCommError, strict
 from parlab.comm.traced import (ReduceOp, TracedWork, all_gather, all_gather_dim, all_gather_uneven, all_reduce,
                                 all_to_all, barrier, broadcast, gather, get_rank, get_world_size, group_ranks,
                                 irecv, isend, recv, reduce, reduce_scatter, reduce_scatter_dim, scatter, send)

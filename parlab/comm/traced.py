@@ -25,7 +25,7 @@ Strict mode (``with comm.strict(): ...``; the test suite runs in it) checks ever
 before it reaches torch.distributed: on the rank's device (``cuda:<current>`` under NCCL, the CPU under
 gloo), contiguous, of a dtype NCCL supports, and ReduceOp.AVG only on floating types. gloo accepts much that
 NCCL refuses or gets wrong, so on a CPU machine this is how GPU-only failures show up; a violation raises
-`StrictCommError` saying what to change (`parlab.comm.strict`).
+`StrictCommError` saying what to change (`parlab.comm.strict_mode`).
 
 Names follow torch 2.13's non-deprecated API: all-gather and reduce-scatter of
 whole tensors use ``all_gather_single`` / ``reduce_scatter_single`` where they
@@ -49,7 +49,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from parlab.comm.strict import _strict
+from parlab.comm.strict_mode import _strict
 from parlab.trace import Event, current_recorder, now
 
 __all__ = [

@@ -13,10 +13,11 @@ Read in this order:
                      unavailable to the student and a deadlock is reported, not waited on.
 * ``grader/``       ``parlab grade``: a class's submissions run in isolation, a gradebook and feedback.
 """
-from parlab.course.notebooks import (BEGIN, END, PLACEHOLDER, ROOT, build, course_notebooks, dumps, graded_cells,
-                                     is_graded, make_exercise, nbgrader_checksum, nbgrader_metadata, read,
-                                     scorecard, strip, strip_notebook, strip_solution, stripped_problems)
+from parlab.course.notebooks import (BEGIN, END, PLACEHOLDER, ROOT, build, course_notebooks, dumps, execute,
+                                     export_html, graded_cells, is_graded, make_exercise, nbgrader_checksum,
+                                     nbgrader_metadata, read, scorecard, strip, strip_notebook, strip_solution,
+                                     stripped_problems)
 
 __all__ = ["BEGIN", "END", "PLACEHOLDER", "strip_solution", "make_exercise", "strip_notebook", "stripped_problems",
            "graded_cells", "read", "dumps", "build", "strip", "course_notebooks", "scorecard", "ROOT",
-           "nbgrader_metadata", "nbgrader_checksum", "is_graded"]
+           "nbgrader_metadata", "nbgrader_checksum", "is_graded", "execute", "export_html"]

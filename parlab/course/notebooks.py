@@ -56,7 +56,7 @@ import nbformat
 
 __all__ = ["BEGIN", "END", "PLACEHOLDER", "strip_solution", "make_exercise", "strip_notebook", "stripped_problems",
            "graded_cells", "read", "dumps", "build", "strip", "course_notebooks", "scorecard", "ROOT",
-           "nbgrader_metadata", "nbgrader_checksum", "is_graded"]
+           "nbgrader_metadata", "nbgrader_checksum", "is_graded", "execute", "export_html"]
 
 BEGIN, END = "### BEGIN SOLUTION", "### END SOLUTION"
 PLACEHOLDER = "raise NotImplementedError  # your code here"

@@ -357,7 +357,7 @@ guard.protect(__name__)
 # the faces students call, and the modules behind them (whose private helpers the public names call)
 for _mod in ("parlab.launch", "parlab.launch.ranks", "parlab.launch.child", "parlab.comm", "parlab.comm.traced",
              "parlab.comm.direct", "parlab.trace", "parlab.trace.events", "parlab.trace.wire", "parlab.models",
-             "parlab.parallel.pipeline", "parlab.parallel.pipeline.schedules", "parlab.parallel.pipeline.simulate",
+             "parlab.parallel.pipeline", "parlab.parallel.pipeline.schedules", "parlab.parallel.pipeline.simulation",
              "parlab.parallel.context.ring", "parlab.parallel.context.ring_plan", "parlab.parallel.topology",
              "parlab.parallel.zero.memory", "parlab.cluster.planner", "parlab.parallel.data.buckets"):
     guard.protect(_mod)

@@ -50,7 +50,7 @@ GRADER_REFS = (   # the grader's own answers: unavailable to the student's code 
     "parlab.course.grading.data_parallel:local_grads",
     "parlab.course.grading.data_parallel:bucket_layout",
 )
-HOOK_REFS = ("parlab.parallel.data.ddp:DistributedDataParallel", "parlab.parallel.data.ddp:NaiveDataParallel", *GRADER_REFS)
+HOOK_REFS = ("parlab.parallel.data.ddp:DistributedDataParallel", "parlab.parallel.data.naive:NaiveDataParallel", *GRADER_REFS)
 BUCKET_REFS = ("parlab.parallel.data.buckets:assign_buckets", "parlab.parallel.data.buckets:GradBucket",
                "parlab.parallel.data.ddp:DistributedDataParallel", *GRADER_REFS)
 

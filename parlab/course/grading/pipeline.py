@@ -2,7 +2,7 @@
 
 The student writes ``one_f_one_b_rank(p, m, r)``, the list of actions rank r runs in one training step of 1F1B
 ("0F3": stage 0's forward of micro-batch 3; "0B3" its backward), and two closed forms of the bubble. Each check
-compares with parlab's reference (`parlab.parallel.pipeline.one_f_one_b`, `parlab.parallel.pipeline.simulate`) on several
+compares with parlab's reference (`parlab.parallel.pipeline.one_f_one_b`, `parlab.parallel.pipeline.simulation`) on several
 pipeline sizes and says which case, which rank and which position went wrong, expected vs got, and a hint:
 
     check_1f1b_valid        every rank's list forms a valid schedule (each F and B once, no deadlock, checked by

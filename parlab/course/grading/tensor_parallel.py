@@ -40,7 +40,7 @@ LAYER_REFS = (   # parlab's own answers: unavailable to the student's code while
     "parlab.parallel.tensor.mappings:_GatherFromTP",
     "parlab.parallel.tensor.mappings:_ScatterToTP",
 )
-CE_REFS = ("parlab.parallel.tensor.layers:vocab_parallel_cross_entropy", "parlab.parallel.tensor.mappings:reduce_from_tp",
+CE_REFS = ("parlab.parallel.tensor.loss:vocab_parallel_cross_entropy", "parlab.parallel.tensor.mappings:reduce_from_tp",
            "parlab.parallel.tensor.loss:_VocabParallelCrossEntropy", "parlab.parallel.tensor.mappings:_ReduceFromTP")
 
 __all__ = ["check_column_parallel_linear", "check_row_parallel_linear", "check_vocab_parallel_cross_entropy",

@@ -30,15 +30,15 @@ exchange and the data-parallel average act only on what this step added (adding 
 count the earlier steps twice).
 
 Communication. Sends are non-blocking (`comm.isend`, every work waited at the end of the step) and a
-rank waits only for the data it needs: exactly the model `parlab.parallel.pipeline.simulate` checks for deadlock.
+rank waits only for the data it needs: exactly the model `parlab.parallel.pipeline.simulation` checks for deadlock.
 Messages carry no tag, so two ranks must agree on the order of the messages between them. On NCCL a large
 send also completes only once its receive is posted, and with eager communicators (`device_id=` at init)
 all of a rank's sends and receives run one at a time, whatever the peer. Agreeing per pair is then not
 enough (with interleaving, three ranks' first queued sends can wait on each other in a cycle), so every
-rank posts all its messages in one order merged across peers, `p2p_plan.merged_plan` (the global order
+rank posts all its messages in one order merged across peers, `plan.merged_plan` (the global order
 `schedules.message_sequence`; the schedule is data, known to every rank): a rank about to send first posts
 the receives that come before it in that order (`comm.irecv`, non-blocking), and a rank about to need a
-message posts up to its receive and waits for it. `p2p_plan.serialised_run` checks this against a model
+message posts up to its receive and waits for it. `plan.serialised_run` checks this against a model
 of one serialised queue per rank.
 
 Every action is a traced region ("forward", "backward", "backward_input", "backward_weight", labelled
@@ -68,7 +68,7 @@ from parlab.data import micro_batches
 from parlab.models import GPT, count_targets, weighted_mean_loss
 from parlab.parallel.pipeline.p2p import StageMessages
 from parlab.parallel.pipeline.schedules import KINDS, Action, Schedule
-from parlab.parallel.pipeline.simulate import unit_cost, validate
+from parlab.parallel.pipeline.simulation import unit_cost, validate
 from parlab.parallel.pipeline.stages import PipelineStages
 from parlab.trace import Trace, region
 

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from typing import Iterator
 
 from parlab.parallel.pipeline.schedules import Action, Schedule, ScheduleError
-from parlab.parallel.pipeline.simulate import message_order, message_sequence
+from parlab.parallel.pipeline.simulation import message_order, message_sequence
 
 __all__ = ["Post", "merged_plan", "pair_plans", "serialised_run", "check_serialised", "POSTINGS", "QUEUES"]
 

@@ -1,5 +1,5 @@
 """Pipeline schedules as data: GPipe, 1F1B, interleaved 1F1B, zero-bubble ZB-H1 (their validation and
-simulation: `parlab.parallel.pipeline.simulate`).
+simulation: `parlab.parallel.pipeline.simulation`).
 
 A pipeline cuts the model into `stages` pieces that live on `p` ranks and streams
 `m` micro-batches through them. A *schedule* says, for every rank, in which order

@@ -121,7 +121,7 @@ class ShardedOptimizer(ShardedOptimizerState, torch.optim.Optimizer):
     cast the model *before* building the optimizer, and change weights in place (``p.copy_``), not by
     assigning ``p.data``. `flat_step` (default: on for element-wise optimizers such as SGD and AdamW)
     steps each group's owned parameters as flat tensors, cache-sized chunks of each run of owned
-    parameters (`zero_flat.STEP_CHUNK_BYTES`); `opt.state` then holds one flat state per chunk
+    parameters (`parlab.parallel.zero.flat.STEP_CHUNK_BYTES`); `opt.state` then holds one flat state per chunk
     (per-parameter state: `state_dict()`). `bucket_numel` caps the elements
     of one reduce-scatter / all-gather (and of one flat run).
     """
@@ -149,7 +149,7 @@ class ShardedOptimizer(ShardedOptimizerState, torch.optim.Optimizer):
         self._not_owned = [self.params[i] for i in self.trainable if self.owner[i] != self.rank]
         self._device = self.params[self.trainable[0]].device
         self._index = {id(p): i for i, p in enumerate(self.params)}
-        backward_order = dict(reversed(self.owner.items()))    # segments in reverse order: see zero_comm
+        backward_order = dict(reversed(self.owner.items()))    # segments in reverse order: see zero/comm.py
         self.layouts = make_layouts([p.numel() for p in self.params], [p.dtype for p in self.params],
                                     backward_order, self.world_size)
         self._flats = [self._bind(lay) for lay in self.layouts]            # the parameters' new storage
