@@ -286,7 +286,7 @@ def test_replayed_pipeline_bubbles_equal_the_closed_forms_in_unit_time():
     for i, (name, p, m, v) in enumerate(CASES):
         tr = Trace([Event(**{**d, "group": tuple(d["group"])}) for rank in res.results for d in rank[i]])
 
-        def unit(e, v=v):       # F = 1, B = 2, I = W = 1, divided by the chunks per rank (schedules.unit_cost)
+        def unit(e, v=v):       # F = 1, B = 2, I = W = 1, divided by the chunks per rank (simulation.unit_cost)
             return sch.unit_cost(sch.Action(0, kinds[e.op], 0), v) if e.op in kinds else 0.0
 
         out = replay(tr, UNIT, compute_time=unit)

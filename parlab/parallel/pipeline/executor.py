@@ -36,7 +36,7 @@ send also completes only once its receive is posted, and with eager communicator
 all of a rank's sends and receives run one at a time, whatever the peer. Agreeing per pair is then not
 enough (with interleaving, three ranks' first queued sends can wait on each other in a cycle), so every
 rank posts all its messages in one order merged across peers, `plan.merged_plan` (the global order
-`schedules.message_sequence`; the schedule is data, known to every rank): a rank about to send first posts
+`simulation.message_sequence`; the schedule is data, known to every rank): a rank about to send first posts
 the receives that come before it in that order (`comm.irecv`, non-blocking), and a rank about to need a
 message posts up to its receive and waits for it. `plan.serialised_run` checks this against a model
 of one serialised queue per rank.
@@ -109,7 +109,7 @@ class PipelineParallel(PipelineStages):
     split along the sequence over the tp ranks, so every message is (b, S/tp, H); pass tp.
 
     `device_time` (seconds, default 0) emulates an accelerator: every action also waits device_time x its unit
-    cost (`schedules.unit_cost`: F = 1, B = 2, I = W = 1, divided by v) inside its traced span, as a CPU waits
+    cost (`simulation.unit_cost`: F = 1, B = 2, I = W = 1, divided by v) inside its traced span, as a CPU waits
     for a GPU kernel. When 4 simulated ranks share 2 CPU cores, their real compute slows each other down; a
     device time well above the real compute makes the measured timeline show the schedule itself, in units
     of device_time comparable with `simulate(schedule)`."""

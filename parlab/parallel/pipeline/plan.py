@@ -12,12 +12,12 @@ A pipeline rank exchanges activations and gradients with several peers. The orde
 
 Under these two rules a rank whose first queued operation is "send to rank 1" is stuck until rank 1's first
 queued operation is the matching receive. Posting each pair's messages in one mirrored order (what the
-executor did first, `schedules.message_order`) is not enough: with three or more ranks the heads of the
+executor did first, `simulation.message_order`) is not enough: with three or more ranks the heads of the
 queues can wait on each other in a cycle. At p = 3 with interleaving, rank 0 sends act(stage 1, mb 2) to
 rank 1 while rank 1 sends act(stage 2, mb 1) to rank 2 and rank 2 sends act(stage 3, mb 0) to rank 0.
 
 The fix: every rank posts *all* its messages in one order merged across peers, the global order
-`schedules.message_sequence` (the simulated time each message is produced). Both ends of every message then
+`simulation.message_sequence` (the simulated time each message is produced). Both ends of every message then
 agree on a single total order, and the earliest unfinished message is always at the head of both queues, so
 the queues never wait in a cycle. `merged_plan(schedule, rank)` is that plan, what the executor posts.
 
@@ -65,7 +65,7 @@ class Post:
 
 def merged_plan(schedule: Schedule, rank: int) -> list[Post]:
     """Every point-to-point operation of `rank`, with every peer, in the one global order
-    (`schedules.message_sequence`): the order the pipeline executor posts them."""
+    (`simulation.message_sequence`): the order the pipeline executor posts them."""
     out = []
     for src, dst, kind, stage, mb in message_sequence(schedule):
         if src == rank:
@@ -76,7 +76,7 @@ def merged_plan(schedule: Schedule, rank: int) -> list[Post]:
 
 
 def pair_plans(schedule: Schedule, rank: int) -> dict[int, list[Post]]:
-    """Peer -> `rank`'s operations with that peer in the pair's mirrored order (`schedules.message_order`):
+    """Peer -> `rank`'s operations with that peer in the pair's mirrored order (`simulation.message_order`):
     the executor's first plan, right for one independent FIFO per pair, not for one queue per rank."""
     out: dict[int, list[Post]] = {}
     for (a, b), msgs in message_order(schedule).items():
