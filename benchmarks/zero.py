@@ -48,7 +48,7 @@ import torch.distributed as dist
 import parlab
 from parlab.data import BatchSampler, load_corpus
 from parlab.parallel.zero import FullyShardedDataParallel
-from parlab.parallel.zero.memory import measure, tensor_bytes
+from parlab.parallel.zero.memory import measure
 from parlab.models import GPT, GPTConfig
 from parlab.parallel.zero import ShardedOptimizer
 
@@ -61,10 +61,10 @@ def _local(t):
 
 def _torch_bytes(params, opt) -> dict:
     params = list(params)
-    p = sum(tensor_bytes(_local(x)) for x in params)
-    g = sum(tensor_bytes(_local(x.grad)) for x in params if x.grad is not None)
+    p = sum(_local(x).nbytes for x in params)
+    g = sum(_local(x.grad).nbytes for x in params if x.grad is not None)
     state = opt.optim.state if hasattr(opt, "optim") else opt.state      # ZeroRedundancyOptimizer keeps .optim
-    o = sum(tensor_bytes(_local(v)) for s in state.values() for v in s.values() if torch.is_tensor(v))
+    o = sum(_local(v).nbytes for s in state.values() for v in s.values() if torch.is_tensor(v))
     return {"params": p, "grads": g, "optimizer": o, "total": p + g + o}
 
 

@@ -12,7 +12,9 @@ from parlab import comm
 # tests/gpu/ needs CUDA (NCCL collectives, CUDA events, meta construction on a GPU): it is collected only where
 # there is a device (`python -m parlab.labs.gpu_check` runs it on a GPU node), so a CPU run reports no skips;
 # tests/test_labs.py::test_gpu_tests_import_on_cpu checks on every machine that the file still imports.
-collect_ignore_glob = [] if torch.cuda.is_available() else ["gpu/*"]
+# tests/notebooks/old_layout/ holds students' notebooks saved from the flat layout: tests/test_grade_redteam.py
+# grades them through `parlab grade` (which runs them); nbval need not run them a second time.
+collect_ignore_glob = ["notebooks/old_layout/*"] + ([] if torch.cuda.is_available() else ["gpu/*"])
 
 
 @pytest.fixture(autouse=True)

@@ -5,6 +5,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
@@ -50,3 +52,19 @@ def test_course_maps_list_every_lesson_and_exercise():
     for nb in sorted(ROOT.glob("exercises/*.ipynb")):
         assert f"](../exercises/{nb.name})" in lessons_readme, f"lessons/README.md does not link exercise {nb.name}"
         assert f"]({nb.name})" in exercises_readme, f"exercises/README.md does not list {nb.name}"
+
+
+@pytest.mark.parametrize("script", sorted(p.name for p in (ROOT / "benchmarks").glob("*.py")))
+def test_every_benchmark_script_loads_and_says_how_to_run_it(script, capsys):
+    """The benchmarks are not run by the suite (their figures live in benchmarks/README.md), but each must still
+    import what it uses from parlab: `--help` runs the script's imports and argument parser, in process."""
+    import runpy
+    import sys
+    argv = sys.argv
+    sys.argv = [script, "--help"]
+    try:
+        with pytest.raises(SystemExit) as stop:
+            runpy.run_path(str(ROOT / "benchmarks" / script), run_name="__main__")
+    finally:
+        sys.argv = argv
+    assert stop.value.code == 0 and "usage" in capsys.readouterr().out.lower()
