@@ -263,3 +263,21 @@ def test_the_repository_uses_the_new_paths():
             if (m and not line.lstrip().startswith("#")) or names & old_modules or OLD_FILE.search(line):
                 bad.append(f"{f}:{i}: {line.strip()[:100]}")
     assert bad == [], "old module paths in the repository's own files:\n" + "\n".join(bad[:30])
+
+
+def test_every_data_file_of_the_package_is_installed():
+    """A file of parlab/ that is not Python (figcheck's check.js) ships only if pyproject.toml's package-data names
+    it: an editable install finds it anyway, a wheel would not."""
+    import fnmatch
+    import tomllib
+    data = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    files = subprocess.run(["git", "ls-files", "parlab"], capture_output=True, text=True, cwd=ROOT).stdout.split()
+    missing = []
+    for f in files:
+        p = pathlib.PurePosixPath(f)
+        if p.suffix == ".py" or p.name == "README.md":
+            continue
+        package = ".".join(p.parent.parts)
+        if not any(fnmatch.fnmatch(p.name, g) for g in data.get(package, [])):
+            missing.append(f)
+    assert missing == [], f"add these to [tool.setuptools.package-data] in pyproject.toml: {missing}"
