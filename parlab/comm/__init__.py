@@ -11,8 +11,8 @@ Read in this order:
                   (`all_gather_dim`, `reduce_scatter_dim`) and `all_gather_uneven`.
 * ``direct.py``  reduce-scatter and all-gather built from messages, for ZeRO on gloo (where the built-in ones
                   are missing or slow), traced as the collective they implement.
-* ``strict_mode.py``  strict mode: NCCL's rules (device, contiguity, dtype, ReduceOp.AVG) checked on gloo, so a
-                  CPU run finds GPU-only failures (the test suite runs in it).
+* ``strict_mode.py``  `strict()`: NCCL's rules (device, contiguity, dtype, ReduceOp.AVG) checked on gloo, so
+                  a CPU run finds GPU-only failures (the test suite runs in it).
 
 Ranks passed as ``src``/``dst``/peers are global ranks, as in torch.distributed.
 """

@@ -9,7 +9,7 @@ Read bottom-up, in the order the data flows:
 * ``schedules.py``  the schedules as data: naive, GPipe, 1F1B, interleaved 1F1B, ZB-H1; the closed-form
                      bubbles; `split_layers` (Huang et al. arXiv:1811.06965; Narayanan et al. arXiv:2006.09503
                      and arXiv:2104.04473 section 2.2; Qi et al. arXiv:2401.10241 section 3).
-* ``simulation.py``   validation (every action once, on its rank, no deadlock) and simulation (spans, bubble,
+* ``simulation.py`` validation (every action once, on its rank, no deadlock) and simulation (spans, bubble,
                      activations in flight), and the order messages are produced in.
 * ``plan.py``       the order each rank posts its sends and receives, and a model of NCCL's serialised p2p
                      queue that finds posting orders that would wait forever (pure).
