@@ -86,6 +86,11 @@ def _course_scorecard(args) -> int:
     except ET.ParseError as e:
         print(f"parlab course scorecard: {args.junit_xml} is not JUnit XML ({e})", file=sys.stderr)
         return 2
+    if not rows:
+        print(f"parlab course scorecard: {args.junit_xml} holds no graded check; make it with pytest --nbval-lax "
+              f"--junitxml {args.junit_xml} on exercise notebooks (their graded cells call grading.check_*)",
+              file=sys.stderr)
+        return 2
     for r in rows:
         first = r["message"].splitlines()[0][:100] if r["message"] else ""
         print(f"{'PASS' if r['passed'] else 'FAIL'}  {r['file']}  cell {r['cell']:>2}  {r['check']}"

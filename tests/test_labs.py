@@ -170,3 +170,27 @@ def test_gpu_tests_import_on_cpu():
     names = {n for n in vars(mod) if n.startswith("test_")}
     assert {"test_nccl_all_reduce_through_parlab_comm", "test_cuda_events_clock_times_gpu_work",
             "test_meta_construction_materialises_on_the_gpu_with_the_dense_values"} <= names
+
+
+# ---------------------------------------------------------------------- bad options: one line, exit 2, no ranks
+@pytest.mark.parametrize("lab,argv,message", [
+    ("pipeline", ["--batch", "0"], "argument --batch: must be a positive integer, got 0"),
+    ("pipeline", ["--lr", "-1"], "argument --lr: must be a positive number, got -1"),
+    ("pipeline", ["--lr", "nan"], "argument --lr: must be a positive number, got nan"),
+    ("pipeline", ["--microbatches", "0"], "argument --microbatches: must be a positive integer, got 0"),
+    ("pipeline", ["--layers", "two"], "argument --layers: must be a positive integer, got 'two'"),
+    ("data_parallel", ["--bucket-mb", "0"], "argument --bucket-mb: must be a positive number, got 0"),
+    ("hybrid", ["--tp", "0"], "argument --tp: must be a positive integer, got 0"),
+    ("hybrid", ["--chunks", "-2"], "argument --chunks: must be a positive integer, got -2"),
+    ("zero", ["--trace", "no/such/folder/t.json"], "the folder .*no/such/folder does not exist; create it, or pass "
+                                                   "--no-trace"),
+    ("zero", ["--trace", "."], "--trace .: that is a folder; name a file in it"),
+])
+def test_a_bad_lab_option_is_one_line_and_exit_2(lab, argv, message, capsys):
+    """Found while parsing, before parlab.init starts anything (the test runs in this process, with no group)."""
+    import importlib
+    with pytest.raises(SystemExit) as e:
+        importlib.import_module(f"parlab.labs.{lab}").main(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and re.search(message, err[-1]), err
+    assert not any("Traceback" in line for line in err)

@@ -57,46 +57,15 @@ import torch
 import torch.distributed as dist
 
 from parlab.data import BatchSampler, CharTokenizer, load_corpus
+from parlab.labs.options import DTYPES, MIXED, parser, positive_float, positive_int
 from parlab.launch import Context, init
 from parlab.parallel.zero import measure
 from parlab.models import GPT, GPTConfig
 from parlab.trace import Trace, recording
 
-__all__ = ["Lab", "start", "parser", "peak_memory", "LABS", "Watch"]
+__all__ = ["Lab", "start", "parser", "peak_memory", "LABS", "Watch", "positive_int", "positive_float"]
 
 LABS = ("data_parallel", "zero", "tensor_parallel", "pipeline", "context_parallel", "hybrid")
-DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
-MIXED = {"bfloat16"}    # --dtype values that mean fp32 master weights + autocast compute in that dtype
-
-
-def parser(name: str, description: str) -> argparse.ArgumentParser:
-    """The options every lab shares; a lab adds its own with ``add_args(parser)``."""
-    p = argparse.ArgumentParser(prog=f"torchrun --nproc_per_node=N -m parlab.labs.{name}", description=description,
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    m = p.add_argument_group("model (the tiny GPT of parlab.models; the vocabulary is the shipped alphabet)")
-    m.add_argument("--layers", type=int, default=4, help="transformer blocks")
-    m.add_argument("--hidden", type=int, default=64, help="n_embd")
-    m.add_argument("--heads", type=int, default=4, help="attention heads")
-    m.add_argument("--seq-len", type=int, default=32, help="tokens per sequence")
-    m.add_argument("--vocab", type=int, default=64, help="vocabulary size (>= 43 characters; padded ids unused)")
-    t = p.add_argument_group("training")
-    t.add_argument("--batch", type=int, default=16, help="global batch (sequences per step, all ranks together)")
-    t.add_argument("--steps", type=int, default=20)
-    t.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate")
-    t.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
-                   help="float32/float64: parameters, gradients, optimizer state and compute in that dtype; "
-                        "bfloat16: mixed precision, fp32 parameters, gradients and AdamW state (master "
-                        "weights) with the forward under torch.autocast(bfloat16)")
-    t.add_argument("--seed", type=int, default=0)
-    t.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto")
-    t.add_argument("--timeout", type=float, default=300.0,
-                   help="seconds a collective waits for the other ranks; then the lab stops and names the "
-                        "rank that stopped answering")
-    o = p.add_argument_group("output")
-    o.add_argument("--trace", default=f"trace_{name}.json", help="merged Chrome trace file written by rank 0")
-    o.add_argument("--no-trace", action="store_true", help="record and write no trace")
-    o.add_argument("--quiet", action="store_true", help="no progress bar")
-    return p
 
 
 @dataclass
@@ -354,6 +323,11 @@ def start(name: str, description: str, add_args: Callable[[argparse.ArgumentPars
         p.error(str(e))
     if not (math.isfinite(args.timeout) and args.timeout > 0):
         p.error(f"--timeout must be a positive number of seconds, got {args.timeout}")
+    if not args.no_trace:                    # found now, not after the training (rank 0 writes it at the end)
+        folder = os.path.dirname(os.path.abspath(args.trace))
+        if os.path.isdir(args.trace) or not os.path.isdir(folder):
+            p.error(f"--trace {args.trace}: " + ("that is a folder; name a file in it" if os.path.isdir(args.trace)
+                    else f"the folder {folder} does not exist; create it, or pass --no-trace"))
     ctx = init(args.backend, timeout=args.timeout)
     watch = None
     if ctx.world_size > 1:

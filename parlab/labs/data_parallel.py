@@ -11,11 +11,11 @@ import torch
 from parlab import comm
 from parlab.parallel.data import DistributedDataParallel
 from parlab.parallel.data import global_mean_loss
-from parlab.labs import start
+from parlab.labs import positive_float, start
 
 
 def add_args(p):
-    p.add_argument("--bucket-mb", type=float, default=25.0, help="gradient bucket size in MiB")
+    p.add_argument("--bucket-mb", type=positive_float, default=25.0, help="gradient bucket size in MiB")
 
 
 def main(argv=None):

@@ -12,24 +12,24 @@ import os
 
 from parlab.parallel.groups import build_groups
 from parlab.parallel.hybrid import build_hybrid, check_layout, make_schedule, traffic_by_dim
-from parlab.labs import start
+from parlab.labs import positive_int, start
 from parlab.parallel.pipeline import SCHEDULES
 from parlab.parallel.topology import ParallelGrid
 
 
 def add_args(p):
     g = p.add_argument_group("layout (dp = world / (tp * pp * cp))")
-    g.add_argument("--tp", type=int, default=1)
-    g.add_argument("--pp", type=int, default=1)
-    g.add_argument("--cp", type=int, default=1)
+    g.add_argument("--tp", type=positive_int, default=1)
+    g.add_argument("--pp", type=positive_int, default=1)
+    g.add_argument("--cp", type=positive_int, default=1)
     g.add_argument("--zero", type=int, choices=(0, 1, 2), default=0, help="ZeRO stage over the dp-cp group")
     g.add_argument("--sp", action="store_true", help="Megatron sequence parallelism (seq-len divisible by cp x tp)")
     g.add_argument("--schedule", choices=sorted(SCHEDULES), default="1f1b")
-    g.add_argument("--microbatches", type=int, default=None, help="per step (default: 2 x pp)")
-    g.add_argument("--chunks", type=int, default=1, help="model chunks per rank (interleaved schedule)")
+    g.add_argument("--microbatches", type=positive_int, default=None, help="per step (default: 2 x pp)")
+    g.add_argument("--chunks", type=positive_int, default=1, help="model chunks per rank (interleaved schedule)")
     g.add_argument("--cp-attention", choices=("ring", "ulysses"), default="ring")
     g.add_argument("--cp-layout", choices=("zigzag", "contiguous"), default="zigzag")
-    g.add_argument("--gpus-per-node", type=int, default=None, help="for the layout printout (default: LOCAL_WORLD_SIZE)")
+    g.add_argument("--gpus-per-node", type=positive_int, default=None, help="for the layout printout (default: LOCAL_WORLD_SIZE)")
 
 
 def main(argv=None):

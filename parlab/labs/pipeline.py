@@ -12,15 +12,15 @@ import torch
 
 from parlab import comm
 from parlab.parallel.hybrid import make_schedule
-from parlab.labs import start
+from parlab.labs import positive_int, start
 from parlab.parallel.pipeline import PipelineParallel
 from parlab.parallel.pipeline import SCHEDULES
 
 
 def add_args(p):
     p.add_argument("--schedule", choices=sorted(SCHEDULES), default="1f1b")
-    p.add_argument("--microbatches", type=int, default=None, help="per step (default: 2 x ranks)")
-    p.add_argument("--chunks", type=int, default=1, help="model chunks per rank (interleaved schedule)")
+    p.add_argument("--microbatches", type=positive_int, default=None, help="per step (default: 2 x ranks)")
+    p.add_argument("--chunks", type=positive_int, default=1, help="model chunks per rank (interleaved schedule)")
 
 
 def main(argv=None):
