@@ -345,13 +345,14 @@ from parlab import comm
 ctx = parlab.init()
 t = torch.tensor([float(ctx.rank + 1)])
 comm.all_reduce(t)
-print(f"rank {ctx.rank}/{ctx.world_size} local {ctx.local_rank} sum {t.item()} {ctx.extra}")
+print(f"rank {ctx.rank}/{ctx.world_size} local {ctx.local_rank} sum {t.item()} {ctx.extra} "
+      f"threads {torch.get_num_threads()}")
 """
 
 
 def _slurm_env(**kw):
     env = {k: v for k, v in ENV.items() if not k.startswith(("SLURM_", "MASTER_", "RANK", "WORLD_SIZE",
-                                                              "LOCAL_RANK"))}
+                                                              "LOCAL_RANK", "OMP_NUM_THREADS"))}   # as srun leaves it
     env.update({k: str(v) for k, v in kw.items()})
     return env
 
@@ -383,7 +384,30 @@ def test_srun_tasks_form_one_world(tmp_path):
              for r in range(2)]
     outs = [p.communicate(timeout=180) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], [o[1][-2000:] for o in outs]
-    assert [o[0].strip() for o in outs] == [f"rank {r}/2 local {r} sum 3.0 {{'launcher': 'srun'}}" for r in range(2)]
+    assert [o[0].strip() for o in outs] == [f"rank {r}/2 local {r} sum 3.0 {{'launcher': 'srun'}} threads 1"
+                                            for r in range(2)]
+    assert "each srun task computes with 1 torch thread (as torchrun does)" in outs[0][1]   # said once, by rank 0
+    assert "OMP_NUM_THREADS" not in outs[1][1]
+
+
+@pytest.mark.parametrize("threads_env,expected", [({"OMP_NUM_THREADS": 2}, 2), ({"SLURM_CPUS_PER_TASK": 2}, 2)])
+def test_srun_tasks_keep_the_threads_the_job_chose(tmp_path, threads_env, expected):
+    port = _free_port()
+    procs = [subprocess.Popen(_script(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env=_slurm_env(SLURM_NTASKS=2, SLURM_STEP_NUM_TASKS=2, SLURM_PROCID=r, SLURM_LOCALID=r,
+                                             SLURM_JOB_ID=43, MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
+                                             **threads_env))
+             for r in range(2)]
+    outs = [p.communicate(timeout=180) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [o[1][-2000:] for o in outs]
+    assert all(o[0].strip().endswith(f"threads {expected}") for o in outs), outs
+
+
+def test_srun_with_an_empty_master_addr_stops_with_a_message(tmp_path):
+    out = subprocess.run(_script(tmp_path), capture_output=True, text=True, timeout=120,
+                         env=_slurm_env(SLURM_NTASKS=2, SLURM_STEP_NUM_TASKS=2, SLURM_PROCID=1, SLURM_LOCALID=1,
+                                        MASTER_ADDR=""))
+    assert out.returncode != 0 and "MASTER_ADDR is empty" in out.stderr and "export MASTER_ADDR" in out.stderr
 
 
 def test_a_world_of_one_leaves_no_store_file(tmp_path):
