@@ -1,6 +1,8 @@
 """Sharded checkpoints (parlab.parallel.zero.checkpoint, FSDP and ZeRO save/load): exact resharding across world sizes,
 and one case per fault: each damaged checkpoint raises CheckpointError naming the file and what is wrong."""
+import glob
 import os
+import re
 import shutil
 
 import pytest
@@ -101,6 +103,13 @@ def verify(path, kind="fsdp"):
     return [checkpoint.load_file(path, manifest, r) for r in range(manifest["world_size"])]
 
 
+def shard(d, rank, world=2, kind="fsdp"):
+    """The path of rank `rank`'s shard in folder `d` (its name carries the save's id: fsdp_1_of_2.3f9a61c2.pt)."""
+    found = glob.glob(f"{d}/{kind}_{rank}_of_{world}.*.pt")
+    assert len(found) == 1, found
+    return found[0]
+
+
 def _flip(path, at=0.5):
     with open(path, "r+b") as fh:
         data = bytearray(fh.read())
@@ -123,22 +132,20 @@ def _garbage(path):
 
 # one line per fault: (name, damage(folder, dirs), text the error must contain besides the file name, file)
 FAULTS = [
-    ("missing file", lambda d, _: os.remove(f"{d}/fsdp_1_of_2.pt"), "is missing", "fsdp_1_of_2.pt"),
-    ("truncated file", lambda d, _: _truncate(f"{d}/fsdp_1_of_2.pt"), "is truncated", "fsdp_1_of_2.pt"),
-    ("flipped byte", lambda d, _: _flip(f"{d}/fsdp_0_of_2.pt"), "sha256", "fsdp_0_of_2.pt"),
-    ("flipped last byte", lambda d, _: _flip(f"{d}/fsdp_1_of_2.pt", at=0.9999), "sha256", "fsdp_1_of_2.pt"),
-    ("garbage file", lambda d, _: _garbage(f"{d}/fsdp_0_of_2.pt"), "corrupted", "fsdp_0_of_2.pt"),
-    ("half-finished later save", lambda d, dirs: shutil.copy(f"{dirs['b']}/fsdp_1_of_2.pt", d),
-     "did not finish", "fsdp_1_of_2.pt"),
-    ("file of another world size", lambda d, dirs: shutil.copy(f"{dirs['w4']}/fsdp_1_of_4.pt", f"{d}/fsdp_1_of_2.pt"),
-     "world-size-4", "fsdp_1_of_2.pt"),
+    ("missing file", lambda d, _: os.remove(shard(d, 1, 2, "fsdp")), "is missing", "fsdp_1_of_2."),
+    ("truncated file", lambda d, _: _truncate(shard(d, 1, 2, "fsdp")), "is truncated", "fsdp_1_of_2."),
+    ("flipped byte", lambda d, _: _flip(shard(d, 0, 2, "fsdp")), "sha256", "fsdp_0_of_2."),
+    ("flipped last byte", lambda d, _: _flip(shard(d, 1, 2, "fsdp"), at=0.9999), "sha256", "fsdp_1_of_2."),
+    ("garbage file", lambda d, _: _garbage(shard(d, 0, 2, "fsdp")), "corrupted", "fsdp_0_of_2."),
+    ("file of another world size", lambda d, dirs: shutil.copy(shard(dirs['w4'], 1, 4), shard(d, 1, 2, "fsdp")),
+     "world-size-4", "fsdp_1_of_2."),
     ("no manifest, two world sizes", lambda d, dirs: [os.remove(f"{d}/manifest.json")] + [
-        shutil.copy(f"{dirs['w4']}/fsdp_{r}_of_4.pt", d) for r in range(4)], "mix of world sizes [2, 4]",
+        shutil.copy(shard(dirs['w4'], r, 4), d) for r in range(4)], "mix of world sizes [2, 4]",
      "manifest.json"),
     ("no manifest (unfinished save)", lambda d, _: os.remove(f"{d}/manifest.json"), "did not finish",
      "manifest.json"),
     ("corrupted manifest", lambda d, _: _truncate(f"{d}/manifest.json"), "not valid JSON", "manifest.json"),
-    ("manifest with another shape", lambda d, _: _edit_manifest(d), "shapes", "fsdp_0_of_2.pt"),
+    ("manifest with another shape", lambda d, _: _edit_manifest(d), "shapes", "fsdp_0_of_2."),
 ]
 
 
@@ -173,21 +180,21 @@ def test_fsdp_load_refuses_damaged_checkpoint_before_touching_the_model(saved, t
     dirs, _ = saved
     d = str(tmp_path / "ckpt")
     shutil.copytree(dirs["a"], d)
-    _flip(f"{d}/fsdp_1_of_2.pt")
+    _flip(shard(d, 1, 2, "fsdp"))
     with pytest.raises(parlab.RankError) as e:
         parlab.run(_resume, 2, "fsdp", d, 2, 0)
-    assert e.value.exc_type == "CheckpointError" and "fsdp_1_of_2.pt is corrupted" in e.value.message
+    assert e.value.exc_type == "CheckpointError" and re.search(r"fsdp_1_of_2\.\w+\.pt is corrupted", e.value.message)
 
 
 def test_two_world_sizes_in_one_folder_load_the_newest(saved, tmp_path):
     """Saves at world 2 (2 steps) then world 4 (3 steps) into one folder: the manifest picks the newest,
-    exactly; the stale world-2 shards are ignored."""
+    exactly; the world-2 shards are deleted once the new manifest is in place."""
     dirs, params = saved
     d = str(tmp_path / "ckpt")
     shutil.copytree(dirs["a"], d)
     newest = parlab.run(_save, 4, "fsdp", {3: d})[0][3]
-    assert {f for f in os.listdir(d) if f.endswith(".pt")} == {f"fsdp_{r}_of_2.pt" for r in range(2)} | {
-        f"fsdp_{r}_of_4.pt" for r in range(4)}
+    assert {re.sub(r"\.\w+\.pt$", "", f) for f in os.listdir(d) if f.endswith(".pt")} == {
+        f"fsdp_{r}_of_4" for r in range(4)}
     loaded = parlab.run(_resume, 3, "fsdp", d, 3, 0)[0]["loaded"]
     for n, p in newest.items():
         assert torch.equal(loaded[n], p)                      # bit-identical, resharded 4 -> 3
@@ -200,7 +207,8 @@ def test_zero_sharded_checkpoint_reshards_exactly(tmp_path, new_world):
     bit for bit, and one more step matches uninterrupted single-process training (state came along)."""
     d = str(tmp_path / "zero")
     saved = parlab.run(_save, 2, "zero", {2: d})[0][2]
-    assert sorted(os.listdir(d)) == ["manifest.json", "zero_0_of_2.pt", "zero_1_of_2.pt"]
+    assert sorted(re.sub(r"\.[0-9a-f]{8}\.pt$", "", f) for f in os.listdir(d)) == ["manifest.json", "zero_0_of_2",
+                                                                                "zero_1_of_2"]
     res = parlab.run(_resume, new_world, "zero", d, 2, 1)
     ref = reference(3)
     for out in res:
@@ -208,10 +216,10 @@ def test_zero_sharded_checkpoint_reshards_exactly(tmp_path, new_world):
             assert torch.equal(out["loaded"][n], p)
         for n, p in ref.items():
             torch.testing.assert_close(out["params"][n], p, **TOL)
-    _truncate(f"{d}/zero_1_of_2.pt")                           # and a damaged file stops the load
+    _truncate(shard(d, 1, 2, "zero"))                           # and a damaged file stops the load
     with pytest.raises(parlab.RankError) as e:
         parlab.run(_resume, 2, "zero", d, 2, 0)
-    assert e.value.exc_type == "CheckpointError" and "zero_1_of_2.pt is truncated" in e.value.message
+    assert e.value.exc_type == "CheckpointError" and re.search(r"zero_1_of_2\.\w+\.pt is truncated", e.value.message)
 
 
 def test_atomic_write_keeps_the_old_file_when_interrupted(tmp_path, monkeypatch):
@@ -224,3 +232,41 @@ def test_atomic_write_keeps_the_old_file_when_interrupted(tmp_path, monkeypatch)
     with pytest.raises(OSError, match="disk full"):
         checkpoint.atomic_write(str(target), b"new contents")
     assert target.read_bytes() == b"old" and os.listdir(tmp_path) == ["f.bin"]   # no temporary file left
+
+
+# ---------------------------------------------------------------------- a save killed mid-way loses nothing
+def _save_killed_at_the_switch(kind, path: str):
+    """Save after step 2 into `path`, then train a step and save there again, with rank 0 killed (os._exit, as
+    by SIGKILL) just before its manifest would replace the old one: every rank's new shard is on disk by then."""
+    import parlab.parallel.zero.checkpoint as ck
+    _save(kind, {2: path})
+    write = ck.atomic_write
+
+    def die_at_the_manifest(target, data):
+        if target.endswith(ck.MANIFEST) and comm.get_rank() == 0:
+            os._exit(9)
+        write(target, data)
+    ck.atomic_write = die_at_the_manifest
+    rank, world = comm.get_rank(), comm.get_world_size()
+    model, opt = _build(kind)
+    model.load_sharded(path, opt) if kind == "fsdp" else opt.load_sharded(path)
+    x, y = sampler().shard(2, rank, world)
+    model(x, y)[1].backward()
+    opt.step()
+    model.save_sharded(path, opt) if kind == "fsdp" else opt.save_sharded(path)
+
+
+@pytest.mark.parametrize("kind", ["fsdp", "zero"])
+def test_a_save_killed_at_the_switch_leaves_the_previous_checkpoint_loadable(tmp_path, kind):
+    """The data-loss case of a killed save: the folder still loads the previous checkpoint, exactly (its files
+    were never touched), and the next save there deletes the orphaned shards."""
+    d = str(tmp_path / "ckpt")
+    with pytest.raises((parlab.RankKilled, parlab.RankError)):
+        parlab.run(_save_killed_at_the_switch, 2, kind, d)
+    assert len(glob.glob(f"{d}/{kind}_*_of_2.*.pt")) == 4                      # two saves' shards, one manifest
+    expected = parlab.run(_save, 2, kind, {2: str(tmp_path / "again")})[0][2]   # the step-2 parameters
+    loaded = parlab.run(_resume, 2, kind, d, 2, 0)[0]["loaded"]
+    for n, p in expected.items():
+        assert torch.equal(loaded[n], p), n
+    parlab.run(_save, 2, kind, {1: d})
+    assert len(glob.glob(f"{d}/{kind}_*_of_2.*.pt")) == 2                      # the orphans are gone

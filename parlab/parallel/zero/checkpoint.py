@@ -3,22 +3,26 @@
 A sharded checkpoint is a folder with one file per rank and one ``manifest.json``:
 
     ckpt/
-        fsdp_0_of_2.pt     rank 0's shard: {"format", "kind", "rank", "world_size", "payload"}
-        fsdp_1_of_2.pt     rank 1's shard
-        manifest.json      {"format", "kind", "world_size", "layout", "files": [per rank: file, bytes,
-                            sha256, {tensor path: shape, dtype}]}
+        fsdp_0_of_2.3f9a61c2.pt   rank 0's shard of save 3f9a61c2: {"format", "kind", "rank", "world_size", "payload"}
+        fsdp_1_of_2.3f9a61c2.pt   rank 1's shard
+        manifest.json             {"format", "kind", "world_size", "save", "layout", "files": [per rank: file,
+                                   bytes, sha256, {tensor path: shape, dtype}]}
 
-Saving (collective, `save`):
+Saving (collective, `save`): write the new checkpoint beside the old one, then switch in one atomic step.
 
-    every rank   torch.save its payload to a temporary file in the folder, fsync, os.replace -> <kind>_<r>_of_<N>.pt
+    rank 0       draw the save's name (8 hex digits) and broadcast it
+    every rank   torch.save its payload to a temporary file in the folder, fsync, os.replace ->
+                 <kind>_<r>_of_<N>.<save>.pt (a new name: the previous checkpoint's files are not touched)
                  all-gather (file, bytes, sha256, tensor shapes and dtypes) of every rank
-    rank 0       write manifest.json the same way (temporary file + os.replace): it appears last, whole or not at all
+    rank 0       write manifest.json the same way (temporary file + os.replace): the switch. Then delete the
+                 shard files the new manifest does not name (the previous save's, or an unfinished one's)
     every rank   barrier: nobody returns before the checkpoint is complete
 
-A reader sees either the previous checkpoint or the new one, never a half-written file: os.replace is atomic
-on POSIX file systems, and a save that stops early leaves the old manifest naming the old files. Files of
-different world sizes have different names, so they can share a folder; the manifest says which one is the
-checkpoint. On load (`read_manifest`, `load_file`; pure functions, no torch.distributed) every file is checked
+A reader sees either the previous checkpoint or the new one, never a mix: os.replace is atomic on POSIX file
+systems, and a save killed at any point before the switch leaves the old manifest naming the old files, still
+there and unchanged (tests/test_checkpoint.py kills one at the switch; torch.distributed.checkpoint and every
+trusted store work the same way). A save killed after the switch leaves only stale files behind, which the next
+save deletes. On load (`read_manifest`, `load_file`; pure functions, no torch.distributed) every file is checked
 against the manifest before anything is copied into a model: present, of the recorded size (else truncated),
 of the recorded SHA-256 (else corrupted or changed since), of the recorded rank and world size (else a mix of
 checkpoints), holding the recorded tensor names, shapes and dtypes. Any failure raises `CheckpointError`
@@ -36,18 +40,20 @@ References
 """
 from __future__ import annotations
 
+import contextlib
 import glob
 import hashlib
 import io
 import json
 import os
 import re
+import secrets
 import tempfile
 from typing import Any
 
 import torch
 
-__all__ = ["CheckpointError", "MANIFEST", "FORMAT", "shard_name", "atomic_write", "describe", "save",
+__all__ = ["CheckpointError", "MANIFEST", "FORMAT", "SHARD", "shard_name", "atomic_write", "describe", "save",
            "read_manifest", "load_file"]
 
 FORMAT = "parlab-sharded-checkpoint/1"
@@ -58,9 +64,13 @@ class CheckpointError(ValueError):
     """A checkpoint that cannot be loaded safely (missing, truncated, corrupted, mixed or mismatched)."""
 
 
-def shard_name(kind: str, rank: int, world_size: int) -> str:
-    """File name of rank `rank`'s shard: ``<kind>_<rank>_of_<world_size>.pt`` (world sizes never collide)."""
-    return f"{kind}_{rank}_of_{world_size}.pt"
+SHARD = re.compile(r"_(\d+)_of_(\d+)(?:\.([0-9a-f]+))?\.pt$")     # rank, world size, save
+
+
+def shard_name(kind: str, rank: int, world_size: int, save: str | None = None) -> str:
+    """File name of rank `rank`'s shard of save `save`: ``<kind>_<rank>_of_<world_size>.<save>.pt`` (no two saves
+    share a name; manifests written before saves had names say ``<kind>_<rank>_of_<world_size>.pt``)."""
+    return f"{kind}_{rank}_of_{world_size}{'.' + save if save else ''}.pt"
 
 
 def atomic_write(path: str, data: bytes) -> None:
@@ -115,10 +125,13 @@ def save(path: str, kind: str, payload: dict, layout: dict, *, group=None, devic
     from parlab import comm                                   # only saving talks to other ranks
     rank, world = comm.get_rank(group), comm.get_world_size(group)
     os.makedirs(path, exist_ok=True)
+    token = torch.tensor(list(secrets.token_hex(4).encode()), dtype=torch.uint8, device=device)   # (8,) ascii
+    comm.broadcast(token, src=comm.group_ranks(group)[0], group=group, label=f"{kind} checkpoint name")
+    save_id = bytes(token.cpu().tolist()).decode()
     buf = io.BytesIO()
     torch.save({"format": FORMAT, "kind": kind, "rank": rank, "world_size": world, "payload": payload}, buf)
     data = buf.getvalue()
-    name = shard_name(kind, rank, world)
+    name = shard_name(kind, rank, world, save_id)
     atomic_write(os.path.join(path, name), data)
     entry = {"file": name, "rank": rank, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest(),
              "tensors": describe(payload)}
@@ -126,8 +139,14 @@ def save(path: str, kind: str, payload: dict, layout: dict, *, group=None, devic
     parts = comm.all_gather_uneven(blob, group=group, label=f"{kind} checkpoint manifest")
     if rank == 0:
         files = [json.loads(bytes(p.cpu().tolist()).decode()) for p in parts]
-        manifest = {"format": FORMAT, "kind": kind, "world_size": world, "layout": layout, "files": files}
-        atomic_write(os.path.join(path, MANIFEST), json.dumps(manifest, indent=1, default=str).encode())
+        manifest = {"format": FORMAT, "kind": kind, "world_size": world, "save": save_id, "layout": layout,
+                    "files": files}
+        atomic_write(os.path.join(path, MANIFEST), json.dumps(manifest, indent=1, default=str).encode())  # switch
+        keep = {f["file"] for f in files}
+        for old in glob.glob(os.path.join(path, f"{kind}_*_of_*.pt")):
+            if os.path.basename(old) not in keep and SHARD.search(old):
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(old)
     comm.barrier(group=group, label=f"{kind} checkpoint saved")
 
 
@@ -139,7 +158,7 @@ def read_manifest(path: str, kind: str) -> dict:
         raise CheckpointError(f"checkpoint folder {path!r} does not exist")
     if not os.path.exists(mpath):
         found = sorted(glob.glob(os.path.join(path, f"{kind}_*_of_*.pt")))
-        worlds = sorted({int(m.group(1)) for f in found if (m := re.search(r"_of_(\d+)\.pt$", f))})
+        worlds = sorted({int(m.group(2)) for f in found if (m := SHARD.search(f))})
         if len(worlds) > 1:
             raise CheckpointError(f"{mpath} is missing and {path!r} holds shards of a mix of world sizes {worlds}: "
                                   f"without the manifest no one knows which is the checkpoint; save again")
@@ -158,14 +177,14 @@ def read_manifest(path: str, kind: str) -> dict:
     if manifest.get("kind") != kind:
         raise CheckpointError(f"{mpath} describes a {manifest.get('kind')!r} checkpoint, not a {kind!r} one; "
                               f"load it with the class that saved it")
-    world, files = manifest.get("world_size"), manifest.get("files")
+    world, files, save = manifest.get("world_size"), manifest.get("files"), manifest.get("save")
     if not isinstance(world, int) or world < 1 or not isinstance(files, list) or len(files) != world:
         raise CheckpointError(f"{mpath} is inconsistent: world_size {world!r} but "
                               f"{len(files) if isinstance(files, list) else 'no'} file entries")
     for r, e in enumerate(files):
-        if not isinstance(e, dict) or e.get("rank") != r or e.get("file") != shard_name(kind, r, world):
+        if not isinstance(e, dict) or e.get("rank") != r or e.get("file") != shard_name(kind, r, world, save):
             raise CheckpointError(f"{mpath}: entry {r} is {e.get('file') if isinstance(e, dict) else e!r}, "
-                                  f"expected {shard_name(kind, r, world)} (a mix of world sizes in one manifest)")
+                                  f"expected {shard_name(kind, r, world, save)} (a mix of saves in one manifest)")
     return manifest
 
 
@@ -190,8 +209,7 @@ def load_file(path: str, manifest: dict, rank: int) -> dict:
             raise CheckpointError(f"{fpath} is truncated: {len(data)} bytes, the manifest says {entry['bytes']}")
         what = (f"{len(data)} bytes, the manifest says {entry['bytes']}" if len(data) != entry["bytes"] else
                 f"sha256 {digest[:12]}... but the manifest says {entry['sha256'][:12]}... (flipped bytes?)")
-        raise CheckpointError(f"{fpath} is corrupted: {what}; it changed after the save, or a later save of the "
-                              f"same world size did not finish")
+        raise CheckpointError(f"{fpath} is corrupted: {what}; it changed after the save")
     doc = _try_load(data)
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise CheckpointError(f"{fpath} cannot be read as a {FORMAT} shard ({doc if isinstance(doc, str) else ''})")

@@ -36,7 +36,7 @@ class FSDPState:
         return out
 
     def save_sharded(self, path: str, optimizer: torch.optim.Optimizer | None = None) -> None:
-        """Each rank writes its shards (and its optimizer state) to ``path/fsdp_<r>_of_<Nd>.pt``; rank 0 then
+        """Each rank writes its shards (and its optimizer state) to ``path/fsdp_<r>_of_<Nd>.<save>.pt``; rank 0 then
         writes ``path/manifest.json`` (collective; see `parlab.parallel.zero.checkpoint`). Every file appears atomically.
         With several nodes, `path` must be on a file system that every node shares."""
         payload = {"flats": {}, "param_groups": None}

@@ -101,7 +101,7 @@ class ShardedOptimizerState:
 
     @torch.no_grad()
     def save_sharded(self, path: str) -> None:
-        """Each rank writes the parameters it owns and their optimizer state to ``path/zero_<r>_of_<Nd>.pt``;
+        """Each rank writes the parameters it owns and their optimizer state to ``path/zero_<r>_of_<Nd>.<save>.pt``;
         rank 0 then writes ``path/manifest.json`` (collective; see `parlab.parallel.zero.checkpoint`). Frozen parameters
         are not saved (they never change). With several nodes, `path` must be on a shared file system."""
         payload = {"params": {gi: self.params[gi].detach().clone() for gi in self.owned},
