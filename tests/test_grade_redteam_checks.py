@@ -31,6 +31,7 @@ from parlab.parallel.context import ulysses as sp
 from parlab.parallel.data import assign_buckets
 from parlab.course.grading import (context_parallel as g06, data_parallel as g02, fsdp as g09, hybrid as g07,
                             pipeline as g05, sequence_parallel as g08, tensor_parallel as g04, zero as g03)
+from parlab.course import grading as g00
 from parlab.course.grading import guard
 
 
@@ -624,8 +625,33 @@ CALLED = "you called parlab's {}; write your own"
 UNTRACED = r"you called torch\.distributed\.{} directly; communicate through parlab\.comm"
 TAMPERED = "tampered: .*{}"
 
+def reduce_scatter_builtin(chunks):            # exercise 00 with the library's collectives, not messages
+    n, r = comm.get_world_size(), comm.get_rank()
+    comm.reduce_scatter(chunks[r], torch.cat(chunks))
+
+
+def all_gather_builtin(chunks):
+    n, r = comm.get_world_size(), comm.get_rank()
+    out = torch.empty(n * chunks[0].numel(), dtype=chunks[0].dtype)
+    comm.all_gather(out, chunks[r].clone())
+    for c, piece in zip(chunks, out.chunk(n)):
+        c.copy_(piece)
+
+
+def all_reduce_builtin(x):
+    comm.all_reduce(x)
+    return x
+
+
 CHEATS = [
     # (exercise, what the student does, how to run it against the check, what the failure must say)
+    ("00", "reduce-scatter: comm.reduce_scatter instead of messages",
+     lambda: g00.check_ring_reduce_scatter(reduce_scatter_builtin, world_sizes=(2,)),
+     r"called comm\.reduce_scatter: this exercise builds it from point-to-point messages only"),
+    ("00", "all-gather: comm.all_gather instead of messages",
+     lambda: g00.check_ring_all_gather(all_gather_builtin, world_sizes=(2,)), r"called comm\.all_gather"),
+    ("00", "all-reduce: comm.all_reduce instead of messages",
+     lambda: g00.check_ring_all_reduce(all_reduce_builtin, world_sizes=(2,)), r"called comm\.all_reduce"),
     ("02", "buckets: the greedy layouts seen in a run, hard-coded",
      lambda: g02.check_make_buckets(buckets_hard_coded), r"make_buckets\(.*\n  expected"),
     ("02", "buckets: parlab's assign_buckets as a default argument",

@@ -40,6 +40,7 @@ import torch
 from parlab import comm
 from parlab.launch import RankError, RankKilled, RankTimeout, RunResult, run
 from parlab.parallel.topology import ParallelGrid
+from parlab.trace.wire import wire_bytes
 from parlab.course.grading import guard, watchdog
 from parlab.course.grading.guard import CheckFailed, graded
 
@@ -170,6 +171,14 @@ def _compare_chunks(got: torch.Tensor, inputs: list[torch.Tensor], rank: int, ch
 
 
 # ---------------------------------------------------------------------- exercise 00: ring all-reduce
+def _messages_only(res, what: str) -> None:
+    """Exercise 00 builds the collectives from messages: a built-in collective in the trace earns nothing."""
+    used = sorted({e.op for e in res.trace.comm().events if e.kind == "collective"})
+    if used:
+        raise AssertionError(f"{what} called comm.{', comm.'.join(used)}: this exercise builds it from "
+                             f"point-to-point messages only (comm.send / comm.recv / comm.isend / comm.irecv).")
+
+
 def _rank_reduce_scatter(student_fn, numel, seed):
     n, r = comm.get_world_size(), comm.get_rank()
     x = rank_input(r, n, numel, seed)
@@ -204,6 +213,7 @@ def check_ring_reduce_scatter(fn, world_sizes=WORLD_SIZES, timeout: float = TIME
     for n in world_sizes:
         seed = guard.fresh_seed()
         res = run_student(_rank_reduce_scatter, n, fn, NUMEL, seed, timeout=timeout, what="ring_reduce_scatter")
+        _messages_only(res, "ring_reduce_scatter")
         inputs = [rank_input(r, n, NUMEL, seed) for r in range(n)]
         for r, got in enumerate(res.results):
             _compare_chunks(got, inputs, r, [r], hint, "ring_reduce_scatter")
@@ -218,6 +228,7 @@ def check_ring_all_gather(fn, world_sizes=WORLD_SIZES, timeout: float = TIMEOUT)
     for n in world_sizes:
         seed = guard.fresh_seed()
         res = run_student(_rank_all_gather, n, fn, NUMEL, seed, timeout=timeout, what="ring_all_gather")
+        _messages_only(res, "ring_all_gather")
         inputs = [rank_input(r, n, NUMEL, seed) for r in range(n)]
         for r, got in enumerate(res.results):
             _compare_chunks(got, inputs, r, range(n), hint, "ring_all_gather")
@@ -231,6 +242,7 @@ def check_ring_all_reduce(fn, world_sizes=WORLD_SIZES, timeout: float = TIMEOUT)
     for n in world_sizes:
         seed = guard.fresh_seed()
         res = run_student(_rank_all_reduce, n, fn, NUMEL, seed, timeout=timeout, what="ring_all_reduce")
+        _messages_only(res, "ring_all_reduce")
         inputs = [rank_input(r, n, NUMEL, seed) for r in range(n)]
         for r, got in enumerate(res.results):
             _compare_chunks(got, inputs, r, range(n), hint, "ring_all_reduce")
@@ -256,7 +268,7 @@ def check_ring_all_reduce_traffic(fn, world_size: int = 4, numel: int = 1200, ti
         raise AssertionError("the trace shows no messages at all: send with parlab.comm (comm.send, comm.recv, "
                              "comm.isend, comm.irecv), not torch.distributed directly, so that they are traced.")
     size = numel * 8                                     # float64 input
-    want = 2 * (n - 1) / n * size
+    want = wire_bytes("all_reduce", size, n)             # 2(N-1)/N x size
     for r in range(n):
         sends = [e for e in events if e.rank == r and e.op == "send"]
         peers = sorted({e.peer for e in sends})
