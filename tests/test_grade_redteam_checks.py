@@ -357,6 +357,10 @@ SEEN_1F1B = {(p, m, r): [str(a) for a in schedules.one_f_one_b(p, m).actions[r]]
              for p, m in g05.CASES for r in range(p)}                        # "copied from a run"
 
 
+def one_f_one_b_looked_up(p, m, r):                  # only what a run of the public cases showed
+    return SEEN_1F1B[p, m, r]
+
+
 def one_f_one_b_hard_coded(p, m, r):
     return SEEN_1F1B.get((p, m, r), [f"{r}F{i}" for i in range(m)] + [f"{r}B{i}" for i in range(m)])
 
@@ -445,6 +449,13 @@ def groups_4d_subclass(world, tp, cp, pp):
 
 
 _GRIDS = {(w, tp, cp, pp): topology.ParallelGrid(w, tp=tp, cp=cp, pp=pp) for w, tp, cp, pp in g07.LAYOUTS_4D}
+
+
+SEEN_GROUPS = {k: {d: g.groups(d) for d in ("tp", "cp", "dp", "pp")} for k, g in _GRIDS.items()}   # "from a run"
+
+
+def groups_4d_looked_up(world, tp, cp, pp):
+    return SEEN_GROUPS[world, tp, cp, pp]
 
 
 def groups_4d_prebuilt(world, tp, cp, pp):
@@ -722,6 +733,8 @@ CHEATS = [
      TAMPERED.format("cross_entropy")),
     ("05", "1F1B: the public cases' schedules hard-coded",
      lambda: g05.check_1f1b_reference(one_f_one_b_hard_coded), r"1F1B for p=\d+, m=\d+, rank \d+"),
+    ("05", "1F1B valid: the public cases' schedules looked up",
+     lambda: g05.check_1f1b_valid(one_f_one_b_looked_up, run_case=None), r"raised KeyError"),
     ("05", "1F1B: parlab's one_f_one_b from a dict of schedules",
      lambda: g05.check_1f1b_reference(one_f_one_b_from_dict), CALLED.format("one_f_one_b")),
     ("05", "1F1B: a freshly imported copy of parlab.parallel.pipeline",
@@ -747,6 +760,8 @@ CHEATS = [
      lambda: g07.check_groups_4d(groups_4d_subclass), CALLED.format("ParallelGrid")),
     ("07", "groups: ParallelGrid objects built before the check",
      lambda: g07.check_groups_4d(groups_4d_prebuilt), CALLED.format("ParallelGrid")),
+    ("07", "groups: the public layouts' groups looked up",
+     lambda: g07.check_groups_4d(groups_4d_looked_up), r"raised KeyError"),
     ("07", "layout: parlab.cluster.planner.plan's best layout",
      lambda: g07.check_layout(choose_layout_by_planner), CALLED.format("(plan|enumerate_layouts)")),
     ("07", "search: parlab.cluster.planner.plan as a default argument",

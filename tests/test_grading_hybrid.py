@@ -46,7 +46,7 @@ def search_layout(model, cluster, global_batch):
 
 def test_reference_groups_pass(capsys):
     grading.check_groups_4d(groups_4d)
-    assert "on 4 layouts" in capsys.readouterr().out
+    assert "on 5 layouts, the last drawn at random" in capsys.readouterr().out     # the 4 public + 1 drawn
 
 
 def _from_grid(**grid_kw):

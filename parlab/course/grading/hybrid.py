@@ -107,10 +107,20 @@ def _diagnose(dim: str, got: list[list[int]], grid: ParallelGrid, where: str) ->
     return f"{where}: expected {want}, got {got}."                   # not reached: the loop finds a rank
 
 
+def _random_layout(public) -> tuple[int, int, int, int]:
+    """A (world, tp, cp, pp) drawn at grading time, every dimension > 1 but one at most, dp >= 2."""
+    rng = random.Random(fresh_seed())
+    choices = [(tp * cp * dp * pp, tp, cp, pp) for tp in (1, 2, 3, 4) for cp in (1, 2, 3) for pp in (1, 2, 3, 4)
+               for dp in (2, 3) if sum(x > 1 for x in (tp, cp, pp)) >= 2 and tp * cp * dp * pp <= 48]
+    return rng.choice([c for c in choices if c not in public])
+
+
 @graded("parlab.parallel.topology:ParallelGrid")
 def check_groups_4d(fn, layouts=LAYOUTS_4D) -> None:
     """``fn(world_size, tp, cp, pp)`` returns {"tp": groups, "cp": ..., "dp": ..., "pp": ...} equal to
-    ``ParallelGrid(world_size, tp=tp, cp=cp, pp=pp).groups(dim)`` (any order of groups and of ranks)."""
+    ``ParallelGrid(world_size, tp=tp, cp=cp, pp=pp).groups(dim)`` (any order of groups and of ranks), on the
+    public layouts and on one drawn at grading time (so that answers copied from a run of them do not pass)."""
+    layouts = list(layouts) + [_random_layout(layouts)]
     for world, tp, cp, pp in layouts:
         grid = ParallelGrid(world, tp=tp, pp=pp, cp=cp)
         got = call_student(fn, world, tp, cp, pp, what="groups_4d")
@@ -127,7 +137,8 @@ def check_groups_4d(fn, layouts=LAYOUTS_4D) -> None:
                                                   for d in wrong) + f"Hint: {ORDER_HINT}")
         for dim in wrong:
             raise AssertionError(_diagnose(dim, mine[dim], grid, where))
-    print(f"tp, cp, dp and pp groups match parlab.parallel.topology (order tp-cp-dp-pp) on {len(layouts)} layouts")
+    print(f"tp, cp, dp and pp groups match parlab.parallel.topology (order tp-cp-dp-pp) on {len(layouts)} layouts, "
+          f"the last drawn at random")
 
 
 # ---------------------------------------------------------------------- part 2: choosing a layout

@@ -134,15 +134,16 @@ def _check_run(schedule: sch.Schedule) -> None:
 # ---------------------------------------------------------------------- checks: the 1F1B order
 @graded("parlab.parallel.pipeline:one_f_one_b", "parlab.parallel.pipeline:interleaved_1f1b")
 def check_1f1b_valid(fn, cases=CASES, run_case=RUN_CASE) -> None:
-    """Every rank's list forms a valid schedule on every case; the real executor runs one case on 4 ranks and
-    gets the unsplit model's loss and gradients."""
-    for p, m in cases:
+    """Every rank's list forms a valid schedule on every case and on one drawn at grading time; the real executor
+    runs one case on 4 ranks and gets the unsplit model's loss and gradients."""
+    drawn = _random_case()
+    for p, m in list(cases) + [drawn]:
         _simulate(fn, p, m)
     if run_case:
         _check_run(_schedule(fn, *run_case))
     ran = f"; it runs on {run_case[0]} ranks with {run_case[1]} micro-batches and matches the unsplit model" \
         if run_case else ""
-    print(f"your schedule is valid for (p, m) in {list(cases)}{ran}")
+    print(f"your schedule is valid for (p, m) in {list(cases)} and {drawn}, drawn at random{ran}")
 
 
 @graded("parlab.parallel.pipeline:one_f_one_b", "parlab.parallel.pipeline:interleaved_1f1b")
