@@ -410,3 +410,13 @@ def test_dp_all_reduce_check():
         grading.check_dp_all_reduce(world_sum)
     with pytest.raises(AssertionError, match=r"expected the sum over its dp group \[0, 2\]"):
         grading.check_dp_all_reduce(tp_sum)
+
+
+def test_locked_cells_are_locked_in_jupyterlab_as_nbgrader_leaves_them():
+    """generate_assignment's LockCells marks every locked cell editable and deletable false; the released
+    exercises do the same, so a student cannot change a graded cell or the task text by accident."""
+    for path in sorted((ROOT / "exercises").glob("*.ipynb")):
+        for cell in course.read(path).cells:
+            locked = cell.metadata["nbgrader"]["locked"]
+            assert cell.metadata.get("editable", True) is (not locked), (path.name, cell.metadata)
+            assert cell.metadata.get("deletable", True) is (not locked), (path.name, cell.metadata)

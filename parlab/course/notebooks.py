@@ -136,7 +136,8 @@ def nbgrader_checksum(cell) -> str:
 
 def nbgrader_metadata(nb: nbformat.NotebookNode, has_solution: list[bool]) -> nbformat.NotebookNode:
     """Give every cell nbgrader's metadata, in place: solution cells (had a solution region), graded cells
-    (1 point, locked) and read-only cells (everything else, locked). Ids are unique within the notebook."""
+    (1 point, locked) and read-only cells (everything else, locked; ``editable`` and ``deletable`` false, as
+    nbgrader's generate_assignment leaves them). Ids are unique within the notebook."""
     seen: dict[str, int] = {}
     for k, (cell, solution) in enumerate(zip(nb.cells, has_solution)):
         old = cell.metadata.get("nbgrader", {})
@@ -152,6 +153,11 @@ def nbgrader_metadata(nb: nbformat.NotebookNode, has_solution: list[bool]) -> nb
             meta["points"] = old.get("points", 1)
         cell.metadata["nbgrader"] = meta
         cell.metadata["nbgrader"]["checksum"] = nbgrader_checksum(cell)
+        if meta["locked"]:                   # what nbgrader's LockCells writes: JupyterLab then refuses edits
+            cell.metadata["editable"] = cell.metadata["deletable"] = False
+        else:
+            cell.metadata.pop("editable", None)
+            cell.metadata.pop("deletable", None)
     return nb
 
 

@@ -68,7 +68,7 @@ class CheckFailed(AssertionError):
     def _render_traceback_(self) -> list[str]:        # IPython's hook: these lines replace the traceback
         lines = str(self).splitlines() or [""]
         return [f"\x1b[0;31mAssertionError\x1b[0m: {lines[0]}", *lines[1:],
-                "(the grader's own traceback is hidden; `parlab grade` keeps it in the gradebook)"]
+                "(the grader's own frames are hidden here; the message above is what went wrong)"]
 
 
 class CpuTimeExceeded(BaseException):
