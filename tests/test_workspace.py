@@ -5,6 +5,7 @@ import subprocess
 from pathlib import Path
 
 import nbformat
+import pytest
 
 from parlab import cli
 from parlab.course import workspace
@@ -84,3 +85,17 @@ def test_the_copy_is_git_ignored_and_the_readme_opens_it():
 def test_open_outside_a_checkout_says_where_to_run_it(tmp_path, capsys):
     assert cli.main(["course", "open", "--root", str(tmp_path), "--no-browser"]) == 2
     assert "repository root" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("euid,added", [(0, True), (1000, False)])
+def test_open_as_root_adds_allow_root_and_says_so(tmp_path, monkeypatch, capsys, euid, added):
+    """JupyterLab exits at once as root ("Running as root is not recommended") unless --allow-root: in a container
+    the student would see only that. As root, parlab adds the flag and says why."""
+    root = _course(tmp_path)
+    calls = []
+    monkeypatch.setattr(workspace.os, "geteuid", lambda: euid)
+    monkeypatch.setattr(workspace.subprocess, "call", lambda cmd, cwd=None: calls.append(cmd) or 0)
+    monkeypatch.setattr(workspace.shutil, "which", lambda name: "/usr/bin/" + name)
+    assert workspace.open_course(root, browser=False) == 0
+    assert ("--allow-root" in calls[0]) is added
+    assert ("JupyterLab starts only with --allow-root" in capsys.readouterr().out) is added

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -65,7 +66,8 @@ def landing_page(root: Path) -> str:
     lines += ["", "| # | exercise |", "|---|---|"]
     lines += [f"| {p.stem[:2]} | [{_title(p)}](exercises/{p.name}) |" for p in exercises]
     lines += ["", "**Next week's material:** in a terminal at the repository root, `git pull`, then",
-              "`parlab course open` again. New notebooks are copied in; a notebook you edited is never overwritten",
+              "`.venv/bin/parlab course open` again (`parlab course open` once the venv is activated: "
+              "`source .venv/bin/activate`). New notebooks are copied in; a notebook you edited is never overwritten",
               "(if the course changed it too, the new version appears next to yours as `NAME.updated.ipynb`).",
               "", "Lesson figures need nothing but this browser; each lesson runs top to bottom in about a minute."]
     return "\n".join(lines)
@@ -128,4 +130,8 @@ def open_course(root: str | Path = ROOT, browser: bool = True, lab_args: list[st
     cmd = [sys.executable, "-m", "jupyterlab", f"{WORKDIR}/START.ipynb"] + ([] if browser else ["--no-browser"])
     print(f"course copy: {root / WORKDIR}; starting: {' '.join(cmd[1:])}")
     extra = [a for a in (lab_args or []) if a != "--"]
+    if hasattr(os, "geteuid") and os.geteuid() == 0 and "--allow-root" not in extra:
+        extra.append("--allow-root")          # JupyterLab refuses root without it (Docker, WSL); say so
+        print("running as root (a container?): JupyterLab starts only with --allow-root, added; run as an "
+              "ordinary user where you can")
     return subprocess.call(cmd + extra, cwd=root)
