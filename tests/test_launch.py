@@ -251,3 +251,16 @@ def test_a_crashing_torchrun_rank_ends_the_job_promptly(tmp_path):
     assert "rank 1 gives up" in out.stderr
     took = ended - float(re.search(r"crash at ([\d.]+)", out.stderr)[1])   # from the crash, not from start-up
     assert took < 25, f"a crashed job took {took:.1f} s to end after the crash (the exit rendezvous waits 30 s)"
+
+
+@pytest.mark.parametrize("env,expected", [
+    ({"LOCAL_WORLD_SIZE": "8"}, 8),                               # torchrun
+    ({"SLURM_STEP_TASKS_PER_NODE": "4(x2)"}, 4),                   # srun -N 2 --ntasks-per-node 4
+    ({"SLURM_STEP_TASKS_PER_NODE": "4,3"}, 4),                     # uneven: the first node's
+    ({"SLURM_NTASKS_PER_NODE": "2"}, 2),
+    ({"SLURM_STEP_TASKS_PER_NODE": "garbage"}, 16),                # unreadable: the default
+    ({}, 16),
+])
+def test_local_world_size_under_torchrun_and_srun(env, expected):
+    from parlab.launch import local_world_size
+    assert local_world_size(env, default=16) == expected

@@ -13,6 +13,7 @@ import os
 from parlab.parallel.groups import build_groups
 from parlab.parallel.hybrid import build_hybrid, check_layout, make_schedule, traffic_by_dim
 from parlab.labs import positive_int, start
+from parlab.launch import local_world_size
 from parlab.parallel.pipeline import SCHEDULES
 from parlab.parallel.topology import ParallelGrid
 
@@ -29,7 +30,7 @@ def add_args(p):
     g.add_argument("--chunks", type=positive_int, default=1, help="model chunks per rank (interleaved schedule)")
     g.add_argument("--cp-attention", choices=("ring", "ulysses"), default="ring")
     g.add_argument("--cp-layout", choices=("zigzag", "contiguous"), default="zigzag")
-    g.add_argument("--gpus-per-node", type=positive_int, default=None, help="for the layout printout (default: LOCAL_WORLD_SIZE)")
+    g.add_argument("--gpus-per-node", type=positive_int, default=None, help="for the layout printout (default: torchrun's LOCAL_WORLD_SIZE or srun's tasks per node)")
 
 
 def main(argv=None):
@@ -37,7 +38,7 @@ def main(argv=None):
     a = lab.args
     m = a.microbatches or 2 * a.pp
     try:
-        gpn = a.gpus_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", lab.world_size))
+        gpn = a.gpus_per_node or local_world_size(default=lab.world_size)      # torchrun's, or srun's
         grid = ParallelGrid(lab.world_size, tp=a.tp, pp=a.pp, cp=a.cp, gpus_per_node=gpn)
         schedule = make_schedule(a.schedule, a.pp, m, a.chunks)
         check_layout(lab.config, grid, schedule, batch_size=a.batch, seq_len=a.seq_len, sequence_parallel=a.sp,

@@ -14,7 +14,7 @@ Read in this order:
 """
 from parlab.launch.child import to_cpu
 from parlab.launch.ranks import RankError, RankKilled, RankTimeout, RunResult, choose_backend, run
-from parlab.launch.torchrun import Context, check_timeout, init
+from parlab.launch.torchrun import Context, check_timeout, init, local_world_size
 
 __all__ = ["run", "RunResult", "RankError", "RankTimeout", "RankKilled", "choose_backend", "to_cpu", "init",
-           "Context", "check_timeout"]
+           "Context", "check_timeout", "local_world_size"]

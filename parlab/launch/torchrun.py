@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-__all__ = ["Context", "init", "check_timeout"]
+__all__ = ["Context", "init", "check_timeout", "local_world_size"]
 
 
 @dataclass
@@ -99,6 +99,20 @@ def _one_thread_per_task(env, rank: int) -> None:
         print(f"parlab.init(): OMP_NUM_THREADS is not set; each srun task computes with {threads} torch "
               f"thread{'s' if threads > 1 else ''} ({'SLURM_CPUS_PER_TASK' if cpus.isdigit() else 'as torchrun does'}"
               f"); export OMP_NUM_THREADS to choose", file=sys.stderr, flush=True)
+
+
+def local_world_size(env=None, default: int = 1) -> int:
+    """Ranks on this node: torchrun's LOCAL_WORLD_SIZE, else srun's SLURM_STEP_TASKS_PER_NODE ("4(x2)": 4 tasks on
+    each of 2 nodes; "4,3": 4 on the first node; this node's count is not given, the first is taken), else
+    SLURM_NTASKS_PER_NODE, else `default`. srun sets no LOCAL_WORLD_SIZE: a layout printout that read only that
+    would put every task of a multi-node step on one node."""
+    env = os.environ if env is None else env
+    for name in ("LOCAL_WORLD_SIZE", "SLURM_STEP_TASKS_PER_NODE", "SLURM_NTASKS_PER_NODE"):
+        text = env.get(name, "")
+        first = text.split(",")[0].split("(")[0].strip()
+        if first.isdigit() and int(first) > 0:
+            return int(first)
+    return default
 
 
 def init(backend: str = "auto", timeout: float = 600.0) -> Context:
