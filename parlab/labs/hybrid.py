@@ -8,7 +8,6 @@ dp-cp. The report shows the bytes each dimension moved: TP > DP > PP in volume.
 """
 from __future__ import annotations
 
-import os
 
 from parlab.parallel.groups import build_groups
 from parlab.parallel.hybrid import build_hybrid, check_layout, make_schedule, traffic_by_dim
