@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-__all__ = ["Context", "init", "check_timeout", "local_world_size"]
+__all__ = ["Context", "init", "check_timeout", "local_world_size", "slurm_ranks"]
 
 
 @dataclass
@@ -70,7 +70,7 @@ def _int_env(env, name: str) -> int:
         raise RuntimeError(f"parlab.init(): environment variable {name}={env[name]!r} is not an integer") from None
 
 
-def _slurm_ranks(env) -> tuple[int, int, int] | None:
+def slurm_ranks(env) -> tuple[int, int, int] | None:
     """(rank, world, local rank) of an ``srun`` task of a job step with several tasks; None outside SLURM
     or for a single task. Raises a clear error for a multi-task job whose script was not started by srun."""
     ntasks = env.get("SLURM_STEP_NUM_TASKS") or env.get("SLURM_NTASKS")
@@ -140,7 +140,7 @@ def init(backend: str = "auto", timeout: float = 600.0) -> Context:
                                "start the script with torchrun (it sets all four)")
         rank, world = _int_env(env, "RANK"), _int_env(env, "WORLD_SIZE")
         local = _int_env(env, "LOCAL_RANK") if "LOCAL_RANK" in env else 0
-    elif (slurm := _slurm_ranks(env)) is not None:
+    elif (slurm := slurm_ranks(env)) is not None:
         rank, world, local = slurm
         if not env.get("MASTER_ADDR", "").strip():
             raise RuntimeError(

@@ -54,6 +54,7 @@ from parlab import comm
 from parlab.cluster.calibrate.compute import _compute_samples, _sync, _timeit, fit_compute, fit_roofline
 from parlab.cluster.calibrate.fit import fit_alpha_beta
 from parlab.cluster.hardware import Hardware
+from parlab.launch.torchrun import slurm_ranks, init
 from parlab.trace.wire import ring_steps
 
 __all__ = ["measure_rank", "calibrate", "describe", "main", "SIZES", "default_world"]
@@ -261,11 +262,11 @@ def main(argv=None) -> int:
         print(f"error: {problem}")
         return 2
     try:
-        if "LOCAL_RANK" in os.environ:                    # under torchrun: NCCL and the GPUs
-            dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-            device = f"cuda:{int(os.environ['LOCAL_RANK'])}" if torch.cuda.is_available() else "cpu"
-            if device != "cpu":
-                torch.cuda.set_device(device)
+        if "LOCAL_RANK" in os.environ or slurm_ranks(os.environ) is not None:
+            # under torchrun or srun: this process is one rank (NCCL and its GPU where there are GPUs); the ranks
+            # measure together and rank 0 alone writes (srun -n 2 once ran two calibrations into one file)
+            ctx = init()
+            device = str(ctx.device)
             mine = measure_rank(device, sizes=sizes, reps=a.reps)
             every = [None] * dist.get_world_size()
             dist.all_gather_object(every, mine)
