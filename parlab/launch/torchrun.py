@@ -198,13 +198,14 @@ def _destroy_at_exit(timeout_s: float = 30.0) -> None:
     finishing its last send can make that peer's process abort in C++ ("terminate called without
     an active exception", about 1 exit in 30 on a loaded machine). So every rank first waits on
     the rendezvous store until all ranks are done, then destroys the group, then waits once more
-    until all have destroyed it. The waits go through the store (torchrun's agent hosts it), not
+    until all have destroyed it; rank 0, whose process hosts the store under srun, leaves last. The waits
+    go through the store (torchrun's agent hosts it, srun's rank 0), not
     through the process group, and are bounded: a rank that crashed or hangs costs at most
     `timeout_s` seconds of exit time, never a hang, and a failure here never masks the exit code.
     """
     if not (dist.is_available() and dist.is_initialized()):
         return
-    world = dist.get_world_size()
+    world, rank = dist.get_world_size(), dist.get_rank()
     store = None
     crashed = getattr(sys, "last_value", None) is not None  # set by Python when an uncaught exception ends the script
     if world > 1 and not crashed:  # a crashed rank leaves at once: its peers may never reach the rendezvous
@@ -218,5 +219,13 @@ def _destroy_at_exit(timeout_s: float = 30.0) -> None:
         dist.destroy_process_group()
         if store is not None:
             _store_barrier(store, "parlab/exit/destroyed", world, timeout_s)
+            # Under srun rank 0's process hosts the store: it leaves last, after every other rank's final request
+            # (else a peer still polling it prints a C++ "recvValue failed" stack trace: 2 runs in 8 here).
+            if rank != 0:
+                store.add("parlab/exit/left", 1)
+            else:
+                deadline = time.monotonic() + min(timeout_s, 5.0)
+                while store.add("parlab/exit/left", 0) < world - 1 and time.monotonic() < deadline:
+                    time.sleep(0.001)
     except Exception:
         pass  # exiting anyway: the rank's own exit status is what matters
