@@ -197,15 +197,24 @@ class Watch:
     """Who stopped answering: every rank bumps a heartbeat counter in the rendezvous store from a daemon
     thread and records the step it is in; when a collective fails (typically after --timeout), `report`
     reads the counters twice, a few beats apart: a rank whose counter did not move is stopped (SIGSTOP,
-    a node that froze) or dead. The store is torchrun's (its agent hosts it), not the process group, so it
-    still answers when a rank does not. The counters, not clocks, are compared: nodes' clocks may differ."""
+    a node that froze) or dead. The counters, not clocks, are compared: nodes' clocks may differ.
 
-    def __init__(self, store, rank: int, world: int, interval: float = 0.5):
-        self.store, self.rank, self.world, self.interval = store, rank, world, interval
+    The store belongs to torchrun's agent, which still answers when a rank does not; under srun it lives in rank
+    0's process, so a stopped rank 0 takes it along, and a store request to a stopped (not dead) host waits
+    forever, whatever its timeout (measured: torch 2.13's TCPStore client). So no store request runs on the
+    training thread (`at_step` only records the step; the heartbeat thread publishes it), and a third thread,
+    which never touches the store, watches the heartbeat: when the store has not answered for `timeout` seconds
+    it says so and ends this rank (exit status 1), so the job ends instead of hanging."""
+
+    def __init__(self, store, rank: int, world: int, interval: float = 0.5, timeout: float = 300.0):
+        self.store, self.rank, self.world, self.interval, self.timeout = store, rank, world, interval, timeout
         self._stop = threading.Event()
+        self._step, self._published, self._answered = -1, None, time.monotonic()
         self.store.set(self._key("step", rank), "-1")
         self._thread = threading.Thread(target=self._beat, name="parlab-lab-heartbeat", daemon=True)
         self._thread.start()
+        self._monitor = threading.Thread(target=self._watch_store, name="parlab-lab-store-watch", daemon=True)
+        self._monitor.start()
         atexit.register(self.stop)   # runs before init's exit rendezvous (atexit is last-in, first-out)
 
     def stop(self) -> None:
@@ -220,12 +229,26 @@ class Watch:
         while not self._stop.is_set():
             try:
                 self.store.add(self._key("alive", self.rank), 1)
+                if self._step != self._published:
+                    step = self._step
+                    self.store.set(self._key("step", self.rank), str(step))
+                    self._published = step
+                self._answered = time.monotonic()
             except Exception:   # the store is gone (the job is ending): stop beating
                 return
             self._stop.wait(self.interval)
 
+    def _watch_store(self) -> None:
+        while not self._stop.wait(self.interval):
+            silent = time.monotonic() - self._answered
+            if silent > self.timeout:
+                print(f"[rank {self.rank}] the rendezvous store has not answered for {silent:.0f} s: the process "
+                      f"hosting it stopped, froze or died (under srun: rank 0's; under torchrun: the node's agent); "
+                      f"rank {self.rank} stops now", file=sys.stderr, flush=True)
+                os._exit(1)
+
     def at_step(self, step: int) -> None:
-        self.store.set(self._key("step", self.rank), str(step))
+        self._step = step                                  # published by the heartbeat thread
 
     def _read(self, what: str) -> dict[int, int | None]:
         out = {}
@@ -259,7 +282,8 @@ class Watch:
         else:
             lines.append(f"[rank {self.rank}] every rank still answers: a rank is stuck in the program (waiting "
                          f"in a collective that its peers never enter?)")
-        lines.append(f"[rank {self.rank}] where each rank was: {where}")
+        lines.append(f"[rank {self.rank}] where each rank was: {where} (at its last heartbeat, every "
+                     f"{self.interval:g} s)")
         return "\n".join(lines)
 
 
@@ -336,7 +360,7 @@ def start(name: str, description: str, add_args: Callable[[argparse.ArgumentPars
         except Exception:
             store = None
         if store is not None:
-            watch = Watch(store, ctx.rank, ctx.world_size)
+            watch = Watch(store, ctx.rank, ctx.world_size, timeout=args.timeout)
             _report_failures(watch)
     torch.manual_seed(args.seed)
     tokens = load_corpus(n_chars=max(20_000, 4 * args.batch * args.seq_len), seed=args.seed)
