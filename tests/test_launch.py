@@ -264,3 +264,19 @@ def test_a_crashing_torchrun_rank_ends_the_job_promptly(tmp_path):
 def test_local_world_size_under_torchrun_and_srun(env, expected):
     from parlab.launch import local_world_size
     assert local_world_size(env, default=16) == expected
+
+
+def _not_written(n):
+    raise NotImplementedError
+
+
+def test_a_rank_error_shows_a_notebook_the_raising_line_not_25_lines_of_frames():
+    """IPython renders `_render_traceback_`: a student whose ring is not written yet sees what and where in a few
+    lines (issue 32: 25 lines of parlab's and torch's frames); `.traceback` keeps everything."""
+    with pytest.raises(parlab.RankError) as e:
+        parlab.run(_not_written, 2, 3)
+    lines = e.value._render_traceback_()
+    text = "\n".join(lines)
+    assert lines[0].endswith("raised NotImplementedError") and "raise NotImplementedError" in text
+    assert "test_launch.py" in text and "parlab/launch" not in text and len(text.splitlines()) <= 6, text
+    assert "parlab/launch/child.py" in e.value.traceback                      # the whole story is still there

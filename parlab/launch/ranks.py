@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import re
 import shutil
 import signal
 import sys
@@ -97,6 +98,19 @@ class RankError(RuntimeError):
     def __init__(self, rank: int, exc_type: str, message: str, tb: str):
         self.rank, self.exc_type, self.message, self.traceback = rank, exc_type, message, tb
         super().__init__(f"rank {rank} raised {exc_type}: {message}\n\n--- traceback from rank {rank} ---\n{tb}")
+
+    def _render_traceback_(self) -> list[str]:
+        """IPython's hook (a notebook shows these lines instead of ~25 of parlab's and torch's frames): the
+        rank's error, and the frames of the code that raised it outside parlab, torch and Python's library."""
+        frames = re.findall(r'  File "([^"]+)", line (\d+), in (\S+)\n((?:    .*\n?)*)', self.traceback)
+        library = (os.path.dirname(os.path.dirname(os.path.abspath(__file__))), os.path.dirname(os.__file__),
+                   os.path.dirname(torch.__file__))
+        cell = lambda path: path.startswith("<") or "ipykernel_" in path       # noqa: E731  a notebook cell
+        mine = [f"  {'your cell' if cell(path) else path}, line {line}, in {fn}\n{code.rstrip()}"
+                for path, line, fn, code in frames if not path.startswith(library)]
+        said = f": {self.message}" if self.message else ""
+        return [f"\x1b[0;31mRankError\x1b[0m: rank {self.rank} raised {self.exc_type}{said}",
+                *mine[-3:], "(parlab's and torch's frames are hidden; the exception's .traceback has them all)"]
 
 
 class RankTimeout(TimeoutError):
