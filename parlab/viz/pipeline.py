@@ -111,7 +111,7 @@ def schedules_figure(panels: Mapping[str, object], title: str | None = None, sca
         lanes = _lanes(sp)
         fig.update_yaxes(categoryorder="array", categoryarray=lanes[::-1], row=i, col=1)
     lanes_total = sum(len(_rows(panels[n])) for n in names)
-    height = 140 + 45 * lanes_total + 30 * len(names)
+    height = 140 + 32 * lanes_total + 30 * len(names)   # 4 panels of 4 ranks + the replay toggle fit 900 px
     fig.update_layout(title=title, barmode="overlay", height=height, template="plotly_white", bargap=0.1,
                       uniformtext=dict(minsize=10, mode="show"),   # micro-batch numbers never under 10 px
                       legend=dict(orientation="h", y=-75 / (height - 160)))   # below the x-axis title
