@@ -127,10 +127,10 @@ def open_course(root: str | Path = ROOT, browser: bool = True, lab_args: list[st
     if shutil.which("jupyter") is None and not (Path(sys.executable).parent / "jupyter").exists():
         print("JupyterLab is not installed in this environment: pip install jupyterlab", file=sys.stderr)
         return 2
-    # default_url: the URL JupyterLab prints (and `/`) opens START too, not the Launcher (with --no-browser, the
-    # printed URL is all a student has)
+    # JupyterLab serves the folder of the file it is given (my-course/). default_url: the URL it prints (and `/`)
+    # opens START too, not the Launcher (with --no-browser, the printed URL is all a student has)
     cmd = [sys.executable, "-m", "jupyterlab", f"{WORKDIR}/START.ipynb",
-           f"--LabApp.default_url=/lab/tree/{WORKDIR}/START.ipynb"] + ([] if browser else ["--no-browser"])
+           "--LabApp.default_url=/lab/tree/START.ipynb"] + ([] if browser else ["--no-browser"])
     print(f"course copy: {root / WORKDIR}; starting: {' '.join(cmd[1:])}")
     extra = [a for a in (lab_args or []) if a != "--"]
     if hasattr(os, "geteuid") and os.geteuid() == 0 and "--allow-root" not in extra:
