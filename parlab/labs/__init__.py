@@ -45,7 +45,6 @@ import argparse
 import atexit
 import contextlib
 import datetime
-import math
 import os
 import sys
 import threading
@@ -335,8 +334,6 @@ def start(name: str, description: str, add_args: Callable[[argparse.ArgumentPars
     if add_args is not None:
         add_args(p)
     args = p.parse_args(argv)
-    if args.steps < 1:
-        p.error(f"--steps must be at least 1, got {args.steps}")
     tok = CharTokenizer()
     if args.vocab < tok.vocab_size:
         p.error(f"--vocab {args.vocab} is smaller than the corpus alphabet ({tok.vocab_size} characters)")
@@ -345,8 +342,6 @@ def start(name: str, description: str, add_args: Callable[[argparse.ArgumentPars
                            n_embd=args.hidden)
     except ValueError as e:
         p.error(str(e))
-    if not (math.isfinite(args.timeout) and args.timeout > 0):
-        p.error(f"--timeout must be a positive number of seconds, got {args.timeout}")
     if not args.no_trace:                    # found now, not after the training (rank 0 writes it at the end)
         folder = os.path.dirname(os.path.abspath(args.trace))
         if os.path.isdir(args.trace) or not os.path.isdir(folder):

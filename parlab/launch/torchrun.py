@@ -222,10 +222,8 @@ def _destroy_at_exit(timeout_s: float = 30.0) -> None:
             # Under srun rank 0's process hosts the store: it leaves last, after every other rank's final request
             # (else a peer still polling it prints a C++ "recvValue failed" stack trace: 2 runs in 8 here).
             if rank != 0:
-                store.add("parlab/exit/left", 1)
+                store.add("parlab/exit/left", 1)                # its last request
             else:
-                deadline = time.monotonic() + min(timeout_s, 5.0)
-                while store.add("parlab/exit/left", 0) < world - 1 and time.monotonic() < deadline:
-                    time.sleep(0.001)
+                _store_barrier(store, "parlab/exit/left", world, min(timeout_s, 5.0))   # every other rank's too
     except Exception:
         pass  # exiting anyway: the rank's own exit status is what matters

@@ -260,10 +260,7 @@ def check_ring_all_reduce_traffic(fn, world_size: int = 4, numel: int = 1200, ti
     if not all(torch.equal(got, full) for got in res.results):
         raise AssertionError("ring_all_reduce gives a wrong result; make check_ring_all_reduce pass first.")
     events = res.trace.comm().events
-    collectives = sorted({e.op for e in events if e.kind == "collective"})
-    if collectives:
-        raise AssertionError(f"ring_all_reduce called comm.{', comm.'.join(collectives)}: this exercise builds "
-                             f"all-reduce from point-to-point messages only. Hint: use comm.isend/comm.recv.")
+    _messages_only(res, "ring_all_reduce")
     if not events:
         raise AssertionError("the trace shows no messages at all: send with parlab.comm (comm.send, comm.recv, "
                              "comm.isend, comm.irecv), not torch.distributed directly, so that they are traced.")
