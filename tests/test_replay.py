@@ -341,6 +341,11 @@ def test_alpha_beta_and_roofline_fits_recover_the_parameters_of_exact_data():
         fit_alpha_beta(rows, 1)
     with pytest.raises(ValueError, match="does not grow with message size"):
         fit_alpha_beta([(4, 2.0), (1 << 20, 1.0)], 2)
+    # constant times with a per-byte term of rounding size (1e-18 s/byte; one CI machine's solver returned 2e-24
+    # for constant rows, a bandwidth of 4e23 B/s): no bandwidth in these, refused the same way
+    flat = [(x, 5e-3 + x * 1e-18) for x in (1 << 12, 1 << 16, 1 << 18, 1 << 20)]
+    with pytest.raises(ValueError, match="does not grow with message size"):
+        fit_alpha_beta(flat, 2, factor=1.0)
 
 
 def test_calibrate_refuses_a_single_rank():
