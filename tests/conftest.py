@@ -21,3 +21,15 @@ collect_ignore_glob = ["notebooks/old_layout/*"] + ([] if torch.cuda.is_availabl
 def _strict_comm():
     with comm.strict():
         yield
+
+
+# The README's command runs the suite on two pytest-xdist workers, a file at a time (`-n 2 --dist loadfile`, so a
+# module's fixtures run once). Files are handed out in collection order, so the longest ones go first: started
+# last, one of them would leave the other worker idle at the end. Measured with --durations (benchmarks/README.md).
+LONGEST_FIRST = ["test_viz_browser.py", "test_notebooks.py", "test_grade_redteam.py", "test_faults.py",
+                 "test_labs.py"]
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))      # stable: the rest keep their order

@@ -2,7 +2,7 @@
 (`parlab.course.figcheck`). First the checker itself, on figures made to fail each rule; then real lessons.
 
 Needs Debian's `chromium` package (.ci/run installs it) and the playwright Python package (a dependency).
-Every lesson is checked here (about 4 minutes on a quiet 2-core machine); `python -m parlab.course.figcheck` does the
+Every lesson is executed and checked here, the suite's only run of the lessons; `python -m parlab.course.figcheck` does the
 same by hand and writes a screenshot of each figure for a person to look at.
 """
 import json
@@ -15,7 +15,7 @@ from plotly.subplots import make_subplots
 
 from parlab import viz
 from parlab.trace import Event
-from parlab.viz import check
+from parlab.course import figcheck as check
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.skipif(check.chromium_path() is None,
@@ -109,29 +109,73 @@ def test_animations_have_a_frame_per_algorithm_step_and_stay_legible(tmp_path):
 LESSONS = sorted(p.stem for p in (ROOT / "lessons").glob("[0-9][0-9]_*.ipynb"))   # every lesson, every figure
 
 
-def test_lessons_figures_pass_in_chromium(tmp_path):
+@pytest.fixture(scope="module")
+def lessons_checked(tmp_path_factory):
+    """Every lesson executed top to bottom (two at a time) and each figure and widget label checked in Chromium:
+    (folder with figures.json and the PNGs, problems). The lessons' only execution in the suite: a cell that
+    raises is a problem ("the notebook stopped with an error: ...") and fails its lesson below."""
+    out = tmp_path_factory.mktemp("figcheck")
+    return out, check.run([ROOT / "lessons" / f"{name}.ipynb" for name in LESSONS], out, jobs=2)
+
+
+@pytest.mark.parametrize("name", LESSONS)
+def test_lesson_runs_and_its_figures_pass_in_chromium(lessons_checked, name):
     """Execute the lessons, draw every figure (and each widget's initial figure) and check it from the page."""
-    paths = [ROOT / "lessons" / f"{name}.ipynb" for name in LESSONS]
-    problems = check.run(paths, tmp_path, jobs=2)
+    out, problems = lessons_checked
+    assert [p for p in problems if p.split("/")[0].split(":")[0] == name] == [], "\n".join(problems)
+    shown = json.loads((out / "figures.json").read_text())
+    assert sum(f["name"].startswith(name) for f in shown) >= 3, name          # the lesson's figures were seen
+    path = ROOT / "lessons" / f"{name}.ipynb"                                  # the tracked notebook stays clean
+    assert not any(c.get("outputs") for c in nbformat.read(path, 4).cells if c.cell_type == "code")
+
+
+def test_every_lesson_figure_and_widget_was_drawn(lessons_checked):
+    out, problems = lessons_checked
     assert problems == [], "\n".join(problems)
-    shown = json.loads((tmp_path / "figures.json").read_text())
-    for name in LESSONS:
-        assert sum(f["name"].startswith(name) for f in shown) >= 3, name      # the lesson's figures were seen
-    assert any(f["in_widget"] for f in shown)                                 # ... including the widgets'
-    assert len(list(tmp_path.rglob("*.png"))) == len(shown)
-    for path in paths:                                                        # the tracked notebooks stay clean
-        assert not any(c.get("outputs") for c in nbformat.read(path, 4).cells if c.cell_type == "code")
+    shown = json.loads((out / "figures.json").read_text())
+    assert any(f["in_widget"] for f in shown)                                 # widgets' figures included
+    assert len(list(out.rglob("*.png"))) == len(shown)
 
 
-def test_handout_reads_offline_math_figures_and_widgets(tmp_path):
+@pytest.fixture(scope="module")
+def handout(tmp_path_factory):
+    """Lesson 00 exported the way the README tells lecturers (`parlab course html`): the page, read by both tests
+    below."""
+    from parlab import cli
+    out = tmp_path_factory.mktemp("handout")
+    lesson = ROOT / "lessons" / "00_why_parallel.ipynb"
+    assert cli.main(["course", "html", str(lesson), "--out", str(out), "--timeout", "300"]) == 0
+    return out / "00_why_parallel.html"
+
+
+def test_exported_lesson_draws_its_plotly_figures_in_chromium(handout, tmp_path):
+    """The page opened by Chromium itself (no playwright): every exported figure drawn, and a screenshot."""
+    import subprocess
+    figures = handout.read_text(encoding="utf-8").count('class="plotly-graph-div"')  # one div per exported figure
+    assert figures >= 3, "lesson 00 should show its figures outside widgets, so that they export"
+
+    def chromium(*args):
+        profile = tmp_path / f"profile-{len(list(tmp_path.glob('profile-*')))}"   # a fresh profile per run
+        return subprocess.run([check.chromium_path(), *check.CHROMIUM_ARGS, f"--user-data-dir={profile}",
+                               "--window-size=1280,4000", "--virtual-time-budget=20000", *args, handout.as_uri()],
+                              capture_output=True, text=True, timeout=180)
+
+    dom = chromium("--dump-dom")
+    assert dom.returncode == 0, dom.stderr[-2000:]
+    drawn = dom.stdout.count('class="main-svg"')          # plotly draws each figure into <svg class="main-svg">
+    assert dom.stdout.count("plot-container plotly") == figures, "a plotly figure was not drawn"
+    assert drawn >= figures
+    shot = tmp_path / "00_why_parallel.png"
+    chromium(f"--screenshot={shot}")
+    assert shot.exists() and shot.stat().st_size > 20_000, "the screenshot is missing or blank"
+
+
+def test_handout_reads_offline_math_figures_and_widgets(handout, tmp_path):
     """`parlab course html` pages with the network cut off: formulas typeset (not raw TeX), every figure drawn,
     and each "Try it" widget shown at its initial setting with the figure it drew."""
     from playwright.sync_api import sync_playwright
 
-    from parlab import cli
-    lesson = ROOT / "lessons" / "00_why_parallel.ipynb"
-    assert cli.main(["course", "html", str(lesson), "--out", str(tmp_path), "--timeout", "300"]) == 0
-    page = tmp_path / "00_why_parallel.html"
+    page = handout
     text = page.read_text(encoding="utf-8")
     assert "https://cdn" not in "".join(l for l in text.splitlines() if "<script src=" in l)
     remote = []

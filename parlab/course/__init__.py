@@ -13,11 +13,24 @@ Read in this order:
                      unavailable to the student and a deadlock is reported, not waited on.
 * ``grader/``       ``parlab grade``: a class's submissions run in isolation, a gradebook and feedback.
 """
-from parlab.course.notebooks import (BEGIN, END, PLACEHOLDER, ROOT, build, course_notebooks, dumps, execute,
-                                     export_html, graded_cells, is_graded, make_exercise, nbgrader_checksum,
-                                     nbgrader_metadata, read, scorecard, strip, strip_notebook, strip_solution,
-                                     stripped_problems)
+from __future__ import annotations
+
+import importlib
 
 __all__ = ["BEGIN", "END", "PLACEHOLDER", "strip_solution", "make_exercise", "strip_notebook", "stripped_problems",
            "graded_cells", "read", "dumps", "build", "strip", "course_notebooks", "scorecard", "ROOT",
            "nbgrader_metadata", "nbgrader_checksum", "is_graded", "execute", "export_html"]
+
+
+def __getattr__(name: str):
+    """PEP 562: the names above load ``notebooks.py`` (and nbformat, whose schema validator costs most of a second
+    to import) on first use, so an exercise's kernel that imports only ``parlab.course.grading`` skips it."""
+    if name not in __all__:
+        raise AttributeError(f"module 'parlab.course' has no attribute {name!r}")
+    value = getattr(importlib.import_module("parlab.course.notebooks"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))
