@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Line coverage of parlab/ under the README's test command, ranks and subprocesses included.
 #
-#   bash benchmarks/coverage.sh              # from the repository root, with .venv set up: the README's test paths
+#   bash benchmarks/coverage.sh              # from the repository root, with .venv set up: the README's command
 #   bash benchmarks/coverage.sh tests/x.py   # or only the paths given
 #
 # coverage.py (>= 7.10) follows every process the suite starts: `patch = fork` gives ranks forked by parlab.run a
@@ -11,7 +11,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 .venv/bin/pip install -q "coverage>=7.10"
-paths=("$@"); [ $# -gt 0 ] || paths=(tests lessons exercises/solutions)
+# the README's test command's options and paths (its xdist workers are subprocesses: `patch = subprocess` covers them)
+PYTEST_ARGS=(-n 3 --dist loadfile --no-loadscope-reorder --nbval-lax --nbval-current-env --nbval-cell-timeout=300)
+paths=("$@"); [ $# -gt 0 ] || paths=(tests)
 data="$(pwd)/.coverage-data"
 rm -rf "$data" && mkdir -p "$data"
 cat > "$data/rc" <<RC
@@ -23,8 +25,8 @@ data_file = $data/.coverage
 [report]
 precision = 1
 RC
-.venv/bin/python -m coverage run --rcfile="$data/rc" -m pytest -q -p no:cacheprovider --nbval-lax \
-    --nbval-current-env --nbval-cell-timeout=300 "${paths[@]}" || echo "pytest exit $?"
+.venv/bin/python -m coverage run --rcfile="$data/rc" -m pytest -q -p no:cacheprovider "${PYTEST_ARGS[@]}" \
+    "${paths[@]}" || echo "pytest exit $?"
 .venv/bin/python -m coverage combine -q --rcfile="$data/rc" "$data"
 .venv/bin/python -m coverage report --rcfile="$data/rc" > "$data/report.txt"
 tail -1 "$data/report.txt"

@@ -23,11 +23,13 @@ def _strict_comm():
         yield
 
 
-# The README's command runs the suite on two pytest-xdist workers, a file at a time (`-n 2 --dist loadfile`, so a
-# module's fixtures run once). Files are handed out in collection order, so the longest ones go first: started
-# last, one of them would leave the other worker idle at the end. Measured with --durations (benchmarks/README.md).
-LONGEST_FIRST = ["test_viz_browser.py", "test_notebooks.py", "test_grade_redteam.py", "test_faults.py",
-                 "test_labs.py"]
+# The README's command runs the suite on three pytest-xdist workers, a file at a time (`-n 3 --dist loadfile`, so a
+# module's fixtures run once; three, not two, on 2 cores because many tests mostly wait: on subprocesses,
+# timeouts, browsers). Files are handed out in collection order (`--no-loadscope-reorder`: xdist would otherwise
+# sort them by their number of tests), so the longest go first: started last, one of them would leave the other
+# workers idle at the end. Seconds per file measured with --durations=0 (benchmarks/README.md).
+LONGEST_FIRST = ["test_viz_browser.py", "test_faults.py", "test_labs.py", "test_grade_redteam.py",
+                 "test_notebooks.py", "test_zero.py", "test_launch.py", "test_hybrid.py"]
 
 
 def pytest_collection_modifyitems(config, items):
