@@ -199,6 +199,19 @@ def test_the_formulas_import_without_torch():
     assert out.stdout.split() == ["150.0", "1.5"]
 
 
+def test_an_exercise_kernel_imports_the_graders_without_nbformat():
+    """`parlab.course`'s face loads notebooks.py (and nbformat, 0.85 s for its schema validator) on first use of
+    one of its names, not when a kernel imports parlab.course.grading."""
+    code = ("import sys; import parlab.course.grading, parlab.course as c\n"
+            "print('nbformat' in sys.modules, 'read' in dir(c), c.read.__module__, 'nbformat' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["False", "True", "parlab.course.notebooks", "True"]
+    import parlab.course
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        parlab.course.nope
+
+
 # ---------------------------------------------------------------------- old module paths
 def _moved():
     from parlab import _moved
