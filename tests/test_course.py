@@ -35,7 +35,7 @@ def f(x):
 
 def test_strip_solution_replaces_each_region_at_its_indentation():
     assert course.strip_solution(SOLUTION) == (
-        "def f(x):\n    y = x + 1\n    raise NotImplementedError  # your code here\n    return y")
+        "def f(x):\n    y = x + 1\n    # YOUR CODE HERE\n    raise NotImplementedError()\n    return y")
     assert course.strip_solution("a = 1") == "a = 1"
 
 
@@ -62,7 +62,8 @@ def _notebook(source=SOLUTION):
 def test_make_exercise_strips_solutions_and_outputs_and_keeps_the_solution_untouched():
     sol = _notebook()
     ex = course.make_exercise(sol, "demo.ipynb")
-    assert course.PLACEHOLDER in ex.cells[1].source and "range(3)" not in ex.cells[1].source
+    assert "    # YOUR CODE HERE\n    raise NotImplementedError()" in ex.cells[1].source
+    assert "range(3)" not in ex.cells[1].source
     assert course.stripped_problems(ex) == []
     assert "demo.ipynb" in ex.metadata["parlab"]["generated"]
     assert "range(3)" in sol.cells[1].source and sol.cells[1].outputs  # the input is not modified
@@ -413,10 +414,16 @@ def test_dp_all_reduce_check():
 
 
 def test_locked_cells_are_locked_in_jupyterlab_as_nbgrader_leaves_them():
-    """generate_assignment's LockCells marks every locked cell editable and deletable false; the released
-    exercises do the same, so a student cannot change a graded cell or the task text by accident."""
+    """generate_assignment's LockCells (default settings) marks every locked cell editable and deletable false
+    and an answer cell deletable false; the released exercises do the same, so a student cannot change a
+    graded cell or the task text, nor delete the cell to answer in, by accident. The solutions (nbgrader's
+    source notebooks) stay editable."""
     for path in sorted((ROOT / "exercises").glob("*.ipynb")):
         for cell in course.read(path).cells:
             locked = cell.metadata["nbgrader"]["locked"]
             assert cell.metadata.get("editable", True) is (not locked), (path.name, cell.metadata)
-            assert cell.metadata.get("deletable", True) is (not locked), (path.name, cell.metadata)
+            assert cell.metadata.get("deletable", True) is False, (path.name, cell.metadata)
+    for path in sorted((ROOT / "exercises" / "solutions").glob("*.ipynb")):
+        for cell in course.read(path).cells:
+            assert "editable" not in cell.metadata and "deletable" not in cell.metadata, (path.name, cell.metadata)
+            assert "checksum" not in cell.metadata["nbgrader"], path.name

@@ -3,7 +3,8 @@
 Read in this order:
 
 * ``notebooks.py``  exercises generated from their solution notebooks (solution regions cut, nbgrader metadata
-                     and checksums added), notebooks kept stripped, scorecards read (``parlab course build``).
+                     and checksums added; each solution is itself an nbgrader source notebook), notebooks kept
+                     stripped, scorecards read (``parlab course build``).
 * ``workspace.py``  a student's own copy of the course in ``my-course/``, opened in JupyterLab
                      (``parlab course open``); edited notebooks are never overwritten.
 * ``handout.py``    offline HTML handouts of executed lessons: math typeset, widgets shown, no network.
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 import importlib
 
-__all__ = ["BEGIN", "END", "PLACEHOLDER", "strip_solution", "make_exercise", "strip_notebook", "stripped_problems",
+__all__ = ["BEGIN", "END", "PLACEHOLDER", "strip_solution", "make_exercise", "make_source", "strip_notebook", "stripped_problems",
            "graded_cells", "read", "dumps", "build", "strip", "course_notebooks", "scorecard", "ROOT",
            "nbgrader_metadata", "nbgrader_checksum", "is_graded", "execute", "export_html"]
 

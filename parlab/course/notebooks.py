@@ -11,10 +11,11 @@ between two marker lines::
             ...
         ### END SOLUTION
 
-`make_exercise` replaces every such region by one line at the indentation of
+`make_exercise` replaces every such region by nbgrader's code stub, at the indentation of
 its ``BEGIN`` marker::
 
-        raise NotImplementedError  # your code here
+        # YOUR CODE HERE
+        raise NotImplementedError()
 
 and clears all outputs, giving ``exercises/NN_topic.ipynb``. `build` writes
 (or, with ``check=True``, only compares) every generated notebook, so CI can
@@ -30,12 +31,14 @@ lists them, and `scorecard` joins them with the JUnit XML that
 ``pytest --nbval-lax --junitxml=...`` writes, where nbval names code cell k
 (0-based, code cells only) ``Cell k``.
 
-Every generated cell carries nbgrader-compatible metadata (``cell.metadata.nbgrader``, schema 3, see
-`nbgrader_metadata`): the cells a student answers in (those with a solution region) are *solution* cells;
-graded cells are *grade* cells worth one point each; every other cell is *locked* (read-only). Each has a
-``grade_id`` that stays the same across rebuilds (the check and its argument for a graded cell, the defined
-name for a solution cell), which is how ``parlab grade`` restores edited or deleted cells of a submission,
-and a ``checksum`` computed as nbgrader computes it, so a course on nbgrader can import the exercises.
+Every cell carries nbgrader's metadata (``cell.metadata.nbgrader``, schema 3, see `nbgrader_metadata`):
+the cells a student answers in (those with a solution region) are *solution* cells; graded cells are
+*grade* cells worth one point each; every other cell is *locked* (read-only). Each has a ``grade_id`` that
+stays the same across rebuilds (the check and its argument for a graded cell, the defined name for a
+solution cell), which is how ``parlab grade`` restores edited or deleted cells of a submission. `build`
+writes that metadata into the solution notebooks too, so each is an nbgrader *source* notebook as it is:
+``nbgrader generate_assignment`` with nbgrader's default configuration makes from it the very exercise
+`make_exercise` makes (same cells, stub, grade ids, points, locks and checksums; tests/test_nbgrader.py).
 
 `execute` runs a notebook in a fresh kernel and `export_html` turns executed
 lessons into HTML handouts (``parlab course html``); `execute` waits on the
@@ -56,17 +59,17 @@ import nbformat
 
 __all__ = ["BEGIN", "END", "PLACEHOLDER", "strip_solution", "make_exercise", "strip_notebook", "stripped_problems",
            "graded_cells", "read", "dumps", "build", "strip", "course_notebooks", "scorecard", "ROOT",
-           "nbgrader_metadata", "nbgrader_checksum", "is_graded", "execute", "export_html"]
+           "make_source", "nbgrader_metadata", "nbgrader_checksum", "is_graded", "execute", "export_html"]
 
 BEGIN, END = "### BEGIN SOLUTION", "### END SOLUTION"
-PLACEHOLDER = "raise NotImplementedError  # your code here"
+PLACEHOLDER = "# YOUR CODE HERE\nraise NotImplementedError()"   # nbgrader's ClearSolutions.code_stub["python"]
 ROOT = Path(__file__).resolve().parents[2]            # the repository (lessons/, exercises/ live here)
 GENERATED_NOTE = "generated from exercises/solutions/{name} by `parlab course build`; edit the solution instead"
 
 
 # ---------------------------------------------------------------------- solutions -> exercises
 def strip_solution(source: str, where: str = "cell") -> str:
-    """Replace each BEGIN/END SOLUTION region of `source` (markers included) by the placeholder line."""
+    """Replace each BEGIN/END SOLUTION region of `source` (markers included) by the placeholder lines."""
     out: list[str] = []
     inside = False
     for n, line in enumerate(source.splitlines(), start=1):
@@ -77,7 +80,7 @@ def strip_solution(source: str, where: str = "cell") -> str:
                                  f"one with '{END}'")
             inside = True
             indent = line[: len(line) - len(line.lstrip())]
-            out.append(indent + PLACEHOLDER)
+            out.extend(indent + stub for stub in PLACEHOLDER.splitlines())
         elif marker == END:
             if not inside:
                 raise ValueError(f"{where}, line {n}: '{END}' without a matching '{BEGIN}'")
@@ -89,17 +92,31 @@ def strip_solution(source: str, where: str = "cell") -> str:
     return "\n".join(out)
 
 
+def _has_solution(nb: nbformat.NotebookNode) -> list[bool]:
+    return [c.cell_type == "code" and any(l.strip() == BEGIN for l in c.source.splitlines()) for c in nb.cells]
+
+
 def make_exercise(solution: nbformat.NotebookNode, name: str = "") -> nbformat.NotebookNode:
     """The student notebook: solution regions replaced, outputs stripped, a note saying where it came from."""
     nb = strip_notebook(solution)
-    has_solution = [c.cell_type == "code" and any(l.strip() == BEGIN for l in c.source.splitlines())
-                    for c in nb.cells]
+    has_solution = _has_solution(nb)
     for i, cell in enumerate(nb.cells):
         if cell.cell_type == "code":
             cell.source = strip_solution(cell.source, where=f"{name or 'notebook'}, cell {i}")
     nbgrader_metadata(nb, has_solution)
     nb.metadata["parlab"] = {"generated": GENERATED_NOTE.format(name=name)}
     return nb
+
+
+def make_source(solution: nbformat.NotebookNode, name: str = "") -> nbformat.NotebookNode:
+    """The solution notebook as an nbgrader source notebook: every cell given nbgrader's metadata as its
+    "Create Assignment" toolbar would (solution / grade with points / read-only), without the checksums and
+    locks that nbgrader itself adds when it generates the student version. Raises on unbalanced markers."""
+    nb = copy.deepcopy(solution)
+    for i, cell in enumerate(nb.cells):
+        if cell.cell_type == "code":
+            strip_solution(cell.source, where=f"{name or 'notebook'}, cell {i}")      # only to check the markers
+    return nbgrader_metadata(nb, _has_solution(nb), release=False)
 
 
 # ---------------------------------------------------------------------- nbgrader-compatible cell metadata
@@ -134,10 +151,14 @@ def nbgrader_checksum(cell) -> str:
     return m.hexdigest()
 
 
-def nbgrader_metadata(nb: nbformat.NotebookNode, has_solution: list[bool]) -> nbformat.NotebookNode:
+def nbgrader_metadata(nb: nbformat.NotebookNode, has_solution: list[bool],
+                      release: bool = True) -> nbformat.NotebookNode:
     """Give every cell nbgrader's metadata, in place: solution cells (had a solution region), graded cells
-    (1 point, locked) and read-only cells (everything else, locked; ``editable`` and ``deletable`` false, as
-    nbgrader's generate_assignment leaves them). Ids are unique within the notebook."""
+    (1 point) and read-only cells (everything else). Ids are unique within the notebook.
+
+    With `release` (the student's notebook) each cell also gets nbgrader's checksum and the locks its
+    LockCells preprocessor writes with its defaults: graded and read-only cells neither editable nor
+    deletable, solution cells not deletable. Without it (the source notebook), neither."""
     seen: dict[str, int] = {}
     for k, (cell, solution) in enumerate(zip(nb.cells, has_solution)):
         old = cell.metadata.get("nbgrader", {})
@@ -152,12 +173,15 @@ def nbgrader_metadata(nb: nbformat.NotebookNode, has_solution: list[bool]) -> nb
         if graded:
             meta["points"] = old.get("points", 1)
         cell.metadata["nbgrader"] = meta
+        cell.metadata.pop("editable", None)
+        cell.metadata.pop("deletable", None)
+        if not release:
+            continue
+        cell.metadata["nbgrader"]["cell_type"] = cell.cell_type   # what nbgrader's ComputeChecksums records
         cell.metadata["nbgrader"]["checksum"] = nbgrader_checksum(cell)
-        if meta["locked"]:                   # what nbgrader's LockCells writes: JupyterLab then refuses edits
-            cell.metadata["editable"] = cell.metadata["deletable"] = False
-        else:
-            cell.metadata.pop("editable", None)
-            cell.metadata.pop("deletable", None)
+        cell.metadata["deletable"] = False          # what nbgrader's LockCells writes: JupyterLab then refuses
+        if meta["locked"]:                          # to delete, and (but for answers) to edit
+            cell.metadata["editable"] = False
     return nb
 
 
@@ -223,14 +247,17 @@ def _write_if_changed(path: Path, text: str, check: bool) -> bool:
 
 
 def build(root: str | Path = ROOT, check: bool = False) -> list[Path]:
-    """Generate exercises/NAME.ipynb from every exercises/solutions/NAME.ipynb.
+    """Generate exercises/NAME.ipynb from every exercises/solutions/NAME.ipynb, after giving the solution
+    its nbgrader source metadata (`make_source`).
 
-    Returns the exercise notebooks that were out of date (and, unless `check`, are now rewritten).
+    Returns the notebooks (solutions or exercises) that were out of date (and, unless `check`, are now rewritten).
     Generated notebooks whose solution no longer exists are reported as stale too."""
     root = Path(root)
     solutions = sorted((root / "exercises" / "solutions").glob("*.ipynb"))
-    stale = [root / "exercises" / s.name for s in solutions
-             if _write_if_changed(root / "exercises" / s.name, dumps(make_exercise(read(s), s.name)), check)]
+    stale = [s for s in solutions if _write_if_changed(s, dumps(make_source(read(s), s.name)), check)]
+    stale += [root / "exercises" / s.name for s in solutions
+              if _write_if_changed(root / "exercises" / s.name,
+                                   dumps(make_exercise(make_source(read(s), s.name), s.name)), check)]
     names = {s.name for s in solutions}
     stale += [p for p in sorted((root / "exercises").glob("*.ipynb")) if p.name not in names]
     return stale
