@@ -1,0 +1,143 @@
+"""The labs, calibration and the hang watchdog under a real SLURM (srun and sbatch), not an imitation of its
+environment: a one-node cluster (munged + slurmctld + slurmd, `slurm_cluster.local_slurm`) is started for this
+file. tests/test_faults.py covers the same code paths with SLURM's variables set by hand, in every environment.
+
+What a cluster user does, and what must hold:
+* ``sbatch --wait`` a job script written as parlab/labs/README.md says (``export MASTER_ADDR=$(scontrol show
+  hostnames ...)``, one ``srun -K python -m parlab.labs.NAME`` per lab): each lab trains, each task with one torch
+  thread (said once), the hybrid's loss equals torchrun's, and nothing is printed at exit but the labs' own lines
+  (no C++ stack traces from the rendezvous store);
+* ``srun -n 2 parlab calibrate --quick``: the two tasks measure together and one description is written, once;
+* a task stopped with ``kill -STOP`` (rank 0, whose process holds the rendezvous store, and rank 1): the other task
+  says which rank stopped answering within the lab's ``--timeout``, and ``srun -K`` ends the step.
+"""
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from slurm_cluster import local_slurm, unavailable
+
+pytestmark = pytest.mark.skipif(unavailable() is not None, reason=str(unavailable()))
+
+PY = sys.executable
+TINY = ["--layers", "2", "--hidden", "32", "--heads", "2", "--seq-len", "16", "--batch", "8", "--steps", "3",
+        "--quiet", "--no-trace"]
+# three labs, three ways of talking: DP's collectives, the pipeline's point-to-point, and the hybrid's groups of a
+# grid (every lab under srun, against torchrun's throughput: benchmarks/README.md, "Labs under a real SLURM")
+LABS = {"data_parallel": [], "pipeline": [], "hybrid": ["--tp", "2"]}
+NOISE = ("recvValue", "terminate called", "TCPStore.cpp", "Traceback")
+
+
+@pytest.fixture(scope="module")
+def slurm(tmp_path_factory):
+    with local_slurm(tmp_path_factory.mktemp("slurm")) as env:
+        yield env
+
+
+def _loss(text: str, lab: str) -> str:
+    m = re.search(rf"summary: lab={lab} world=2 .*?loss=(\S+)", text)
+    assert m, f"no summary line of lab {lab} in:\n{text[-3000:]}"
+    return m.group(1)
+
+
+def _documented_master_addr() -> str:
+    """The line parlab/labs/README.md gives, where this machine resolves its own host name (a container may not:
+    that is the machine's DNS, not parlab, and the address is then the loopback one)."""
+    try:
+        socket.gethostbyname(socket.gethostname().split(".")[0])
+    except OSError:
+        return "export MASTER_ADDR=127.0.0.1"
+    return 'export MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)'
+
+
+def test_labs_run_in_an_sbatch_job_as_under_torchrun(slurm, tmp_path):
+    lines = [f"srun -K {PY} -m parlab.labs.{lab} {' '.join(TINY + extra)}" for lab, extra in LABS.items()]
+    script = tmp_path / "labs.sbatch"
+    script.write_text("#!/bin/bash\n#SBATCH --ntasks=2\n#SBATCH --time=00:10:00\n"
+                      + _documented_master_addr() + "\n" + "\n".join(lines) + "\n")
+    out = subprocess.run(["sbatch", "--wait", "--output", str(tmp_path / "job.out"), str(script)], env=slurm,
+                         cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    text = (tmp_path / "job.out").read_text()
+    assert out.returncode == 0, f"sbatch: {out.stdout}{out.stderr}\n{text[-4000:]}"
+    for lab in LABS:
+        assert _loss(text, lab)
+    assert text.count("each srun task computes with 1 torch thread") == len(LABS)     # rank 0 says it, once a lab
+    assert not [n for n in NOISE if n in text], text[-4000:]
+    # the hybrid under torchrun ends at the same loss: srun's ranks form the same grid
+    ref = subprocess.run([PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
+                          "parlab.labs.hybrid", *TINY, *LABS["hybrid"]], cwd=tmp_path, capture_output=True, text=True,
+                         timeout=300, env={k: v for k, v in os.environ.items() if not k.startswith("SLURM_")})
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    assert _loss(ref.stdout, "hybrid") == _loss(text, "hybrid")
+
+
+def test_calibrate_under_srun_measures_once_and_writes_one_description(slurm, tmp_path):
+    out = subprocess.run(["srun", "-K", "-n", "2", "--export", "ALL,MASTER_ADDR=127.0.0.1", PY, "-m", "parlab.cli",
+                          "calibrate", "--out", str(tmp_path / "here.json"), "--quick"],
+                         env=slurm, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.stdout.count("here.json") == 1, out.stdout          # rank 0 alone writes and says so
+    assert "2 x cpu (measured)" in json.loads((tmp_path / "here.json").read_text())["name"]   # both tasks measured
+    assert not [n for n in NOISE if n in out.stdout + out.stderr], out.stderr[-3000:]
+
+
+def _task_pid(job_marker: str, rank: int) -> int | None:
+    """The pid of the lab's task `rank` whose environment holds `job_marker` (read from /proc)."""
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"parlab.labs.data_parallel" in cmd and job_marker.encode() in environ \
+                and f"SLURM_PROCID={rank}".encode() in environ:
+            return int(pid)
+    return None
+
+
+@pytest.mark.parametrize("stopped", [0, 1])
+def test_a_stopped_task_is_reported_by_the_other_within_the_timeout(slurm, tmp_path, stopped):
+    marker = f"PARLAB_TEST_STOP={os.getpid()}-{stopped}"
+    log = tmp_path / "step.log"
+    cmd = ["srun", "-K", "-n", "2", "--export", f"ALL,MASTER_ADDR=127.0.0.1,{marker}", PY, "-m",
+           "parlab.labs.data_parallel", "--steps", "1000000", "--layers", "1", "--hidden", "16", "--heads", "2",
+           "--seq-len", "8", "--batch", "4", "--quiet", "--no-trace", "--timeout", "5"]
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, env=slurm, cwd=tmp_path, stdout=f, stderr=subprocess.STDOUT)
+    victim = None
+    try:
+        for _ in range(1200):                                       # until the ranks train (2 min at most)
+            if "rows per rank" in log.read_text() or proc.poll() is not None:
+                break
+            time.sleep(0.1)
+        time.sleep(1)
+        victim = _task_pid(marker, stopped)
+        assert victim is not None, log.read_text()[-3000:]
+        os.kill(victim, signal.SIGSTOP)
+        t0 = time.monotonic()
+        proc.wait(timeout=120)                                      # srun -K ends the step once the other fails
+        took = time.monotonic() - t0
+        text = log.read_text()
+        other = 1 - stopped
+        said = (f"[rank {other}] the rendezvous store has not answered" if stopped == 0
+                else f"[rank {other}] rank {stopped} stopped answering")
+        assert said in text, text[-3000:]
+        assert proc.returncode != 0
+        assert took < 90, f"the step took {took:.0f} s to end after the stop"   # --timeout 5 + SLURM's KillWait 5
+    finally:
+        if victim is not None:
+            try:
+                os.kill(victim, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
