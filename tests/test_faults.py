@@ -1,7 +1,6 @@
 """The fault matrix: each way a user can break a run, misuse an argument or the command line, one case per
 line, with the clear error (or the correct behaviour) each one must give. No case asserts a duration: where
 the point is "stops instead of hanging", the bounds are generous subprocess timeouts."""
-import contextlib
 import math
 import os
 import pickle
@@ -415,10 +414,10 @@ def test_srun_tasks_keep_the_threads_the_job_chose(tmp_path, threads_env, expect
 
 
 def test_srun_tasks_leave_without_cpp_noise(tmp_path):
-    """Three tasks, twice (with the three runs above: five srun steps checked for noise at exit)."""
-    for _ in range(2):
-        outs = _srun_tasks(tmp_path, 3, 44)
-        assert [o[0].split(" sum ")[1].split()[0] for o in outs] == ["6.0"] * 3
+    """Three tasks (with the three runs above: four srun steps checked for noise at exit here, and every step of
+    tests/test_slurm.py under a real srun)."""
+    outs = _srun_tasks(tmp_path, 3, 44)
+    assert [o[0].split(" sum ")[1].split()[0] for o in outs] == ["6.0"] * 3
 
 
 def test_srun_with_an_empty_master_addr_stops_with_a_message(tmp_path):
@@ -529,36 +528,8 @@ def test_a_stopped_lab_worker_is_named_by_the_survivors(stopped, tmp_path):
     assert proc.returncode != 0
 
 
-def test_a_stopped_rank_0_under_srun_is_reported_by_the_others(tmp_path):
-    """Under srun rank 0's process hosts the rendezvous store, so SIGSTOP of rank 0 froze the store too and the
-    other rank waited forever, silently (136 s until killed from outside). Now its store watch says what
-    happened within --timeout and ends the rank."""
-    port = _free_port()
-    cmd = [sys.executable, "-m", "parlab.labs.data_parallel", "--steps", "1000000", "--layers", "1", "--hidden", "16",
-           "--heads", "2", "--seq-len", "8", "--batch", "4", "--quiet", "--no-trace", "--timeout", "5"]
-    logs = [tmp_path / f"task{r}.log" for r in range(2)]
-    procs = []
-    for r in range(2):
-        with open(logs[r], "w") as out:
-            procs.append(subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=tmp_path, env=_slurm_env(
-                SLURM_NTASKS=2, SLURM_STEP_NUM_TASKS=2, SLURM_PROCID=r, SLURM_LOCALID=r, SLURM_JOB_ID=45,
-                MASTER_ADDR="127.0.0.1", MASTER_PORT=port)))
-    try:
-        for _ in range(1800):                  # until rank 0 is training (3 min at most)
-            if "rows per rank" in logs[0].read_text() or procs[0].poll() is not None:
-                break
-            time.sleep(0.1)
-        time.sleep(1)
-        os.kill(procs[0].pid, signal.SIGSTOP)
-        procs[1].wait(timeout=120)             # --timeout 5: the report comes seconds later, not never
-        text = logs[1].read_text()
-        assert "[rank 1] the rendezvous store has not answered for" in text and "rank 0's" in text, text[-3000:]
-        assert procs[1].returncode != 0
-    finally:
-        for p in procs:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(p.pid, signal.SIGKILL)
-            p.wait(timeout=60)
+# A stopped rank 0 under srun (its process holds the rendezvous store; the other rank once waited forever, 136 s
+# of silence until killed): tests/test_slurm.py stops rank 0 and rank 1 of a step under a real srun.
 
 
 def test_a_process_that_initialised_cuda_does_not_fork(monkeypatch):

@@ -5,9 +5,9 @@ The lecturer's steps (nbgrader 0.9's documented layout, ``source/<assignment>/``
 
 1. ``nbgrader generate_assignment`` on all ten solutions: every released notebook has the very cells of
    parlab's ``exercises/NN.ipynb`` (sources with nbgrader's stub, grade ids, points, locks and checksums);
-2. ``nbgrader autograde`` on exercise 05 handed in three ways (the solution, the blank, and a blank with two
-   answers written and one graded cell edited to pass): nbgrader's score for every graded cell equals the
-   one ``parlab grade`` gives the same three notebooks.
+2. ``nbgrader autograde`` on exercise 05 handed in two ways (the solution, and the blank with two answers
+   written and one graded cell edited to pass): nbgrader's score for every graded cell equals the one
+   ``parlab grade`` gives the same two notebooks. (A blank scores 0 under nbval: tests/test_notebooks.py.)
 
 Exercise 05 is the one autograded because its checks are pure (no ranks), so its kernels start and finish in
 seconds; the restoring of edited cells it exercises is the same for every exercise.
@@ -44,14 +44,14 @@ def _by_id(nb) -> dict:
 
 
 def _submissions() -> dict[str, nbformat.NotebookNode]:
-    """The three hand-ins: the solution notebook itself, the released blank, and an edited partial answer (two of three functions written, a graded cell edited)."""
+    """The two hand-ins: the solution notebook itself, and an edited partial answer (two of three functions
+    written, a graded cell edited)."""
     solution = course.read(ROOT / "exercises" / "solutions" / f"{EX}.ipynb")
-    blank = course.read(ROOT / "exercises" / f"{EX}.ipynb")
     edited = course.read(ROOT / "exercises" / f"{EX}.ipynb")
     done, cells = _by_id(solution), _by_id(edited)
     cells["answer-bubble_of_step"].source = done["answer-bubble_of_step"].source   # two answers written
     cells["check_1f1b_valid-one_f_one_b_rank"].source = "print('all good')"   # a graded cell edited to pass
-    return {"solution": solution, "blank": blank, "edited": edited}
+    return {"solution": solution, "edited": edited}
 
 
 @pytest.fixture(scope="module")
@@ -75,11 +75,11 @@ def nbgrader_course(tmp_path_factory):
     _nbgrader(root, "autograde", "ex05", "--create")
     theirs = {}
     with nbgrader_api.Gradebook(f"sqlite:///{root / 'gradebook.db'}") as gb:
-        for student in ("solution", "blank", "edited"):
+        for student in ("solution", "edited"):
             nb = gb.find_submission_notebook(EX, "ex05", student)
             theirs[student] = {g.name: g.score for g in nb.grades}
     ours = {r.student: {c["grade_id"]: c["points"] * c["passed"] for c in r.checks}
-            for r in grader.grade(plain, root / "parlab-gradebook", jobs=3, progress=lambda line: None)}
+            for r in grader.grade(plain, root / "parlab-gradebook", jobs=2, progress=lambda line: None)}
     return root, theirs, ours
 
 
@@ -101,4 +101,4 @@ def test_nbgrader_autograde_scores_every_check_as_parlab_grade_does(nbgrader_cou
     total = {student: sum(scores.values()) for student, scores in ours.items()}
     # the edited graded cell was restored by both (it checks the unwritten one_f_one_b_rank, so it fails),
     # and the cell holding the two bubble functions passes their two checks only
-    assert total == {"solution": 5, "blank": 0, "edited": 2}, total
+    assert total == {"solution": 5, "edited": 2}, total

@@ -5,7 +5,7 @@ file. tests/test_faults.py covers the same code paths with SLURM's variables set
 What a cluster user does, and what must hold:
 * ``sbatch --wait`` a job script written as parlab/labs/README.md says (``export MASTER_ADDR=$(scontrol show
   hostnames ...)``, one ``srun -K python -m parlab.labs.NAME`` per lab): each lab trains, each task with one torch
-  thread (said once), the hybrid's loss equals torchrun's, and nothing is printed at exit but the labs' own lines
+  thread (said once), data parallel's loss equals torchrun's, and nothing is printed at exit but the labs' own lines
   (no C++ stack traces from the rendezvous store);
 * ``srun -n 2 parlab calibrate --quick``: the two tasks measure together and one description is written, once;
 * a task stopped with ``kill -STOP`` (rank 0, whose process holds the rendezvous store, and rank 1): the other task
@@ -30,9 +30,8 @@ pytestmark = pytest.mark.skipif(unavailable() is not None, reason=str(unavailabl
 PY = sys.executable
 TINY = ["--layers", "2", "--hidden", "32", "--heads", "2", "--seq-len", "16", "--batch", "8", "--steps", "3",
         "--quiet", "--no-trace"]
-# three labs, three ways of talking: DP's collectives, the pipeline's point-to-point, and the hybrid's groups of a
-# grid (every lab under srun, against torchrun's throughput: benchmarks/README.md, "Labs under a real SLURM")
-LABS = {"data_parallel": [], "pipeline": [], "hybrid": ["--tp", "2"]}
+# two labs: the DP world and the hybrid's groups of a grid (every lab under srun, against torchrun's throughput: benchmarks/README.md, "Labs under a real SLURM")
+LABS = {"data_parallel": [], "hybrid": ["--tp", "2"]}
 NOISE = ("recvValue", "terminate called", "TCPStore.cpp", "Traceback")
 
 
@@ -71,12 +70,12 @@ def test_labs_run_in_an_sbatch_job_as_under_torchrun(slurm, tmp_path):
         assert _loss(text, lab)
     assert text.count("each srun task computes with 1 torch thread") == len(LABS)     # rank 0 says it, once a lab
     assert not [n for n in NOISE if n in text], text[-4000:]
-    # the hybrid under torchrun ends at the same loss: srun's ranks form the same grid
+    # under torchrun the same lab ends at the same loss: srun's tasks took the same ranks and the same data
     ref = subprocess.run([PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
-                          "parlab.labs.hybrid", *TINY, *LABS["hybrid"]], cwd=tmp_path, capture_output=True, text=True,
+                          "parlab.labs.data_parallel", *TINY], cwd=tmp_path, capture_output=True, text=True,
                          timeout=300, env={k: v for k, v in os.environ.items() if not k.startswith("SLURM_")})
     assert ref.returncode == 0, ref.stderr[-3000:]
-    assert _loss(ref.stdout, "hybrid") == _loss(text, "hybrid")
+    assert _loss(ref.stdout, "data_parallel") == _loss(text, "data_parallel")
 
 
 def test_calibrate_under_srun_measures_once_and_writes_one_description(slurm, tmp_path):
