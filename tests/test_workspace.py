@@ -1,5 +1,6 @@
 """parlab course open: the student works in a git-ignored copy; tracked notebooks stay clean; git pull merges in."""
 import json
+import platform
 import shutil
 import subprocess
 from pathlib import Path
@@ -72,6 +73,52 @@ def test_running_in_the_copy_leaves_the_checkout_clean_and_pull_merges(tmp_path)
     assert nbformat.read(edited.with_name("01_collectives.updated.ipynb"), 4).cells[-1].source == "new this week"
     assert workspace.working_copy(root)["added"] == []                 # idempotent
     assert json.loads((dest / ".parlab-origin.json").read_text())
+
+
+def _as_jupyterlab_saves_after_a_run(path: Path, version: str):
+    """A run in JupyterLab: an output, and the kernel's language_info (here another Python) in the metadata."""
+    _run_cell(path)
+    nb = nbformat.read(path, 4)
+    nb.metadata["language_info"] = dict(nb.metadata.get("language_info", {}), version=version)
+    nbformat.write(nb, path)
+
+
+def test_copies_carry_the_kernel_metadata_jupyterlab_would_write_and_running_is_not_editing(tmp_path):
+    root = _course(tmp_path)
+    dest = root / workspace.WORKDIR
+    workspace.working_copy(root)
+    kernel = workspace.kernel_metadata()
+    assert kernel["language_info"]["version"] == platform.python_version()      # what ipykernel will report
+    for rel in ("START.ipynb", "lessons/00_why_parallel.ipynb", "exercises/00_ring_allreduce.ipynb"):
+        meta = nbformat.read(dest / rel, 4).metadata
+        assert {k: meta[k] for k in kernel} == kernel, rel
+    assert nbformat.read(root / "lessons" / "00_why_parallel.ipynb", 4).metadata["language_info"] == {"name": "python"}
+    start = (dest / "START.ipynb").stat().st_mtime_ns
+    _as_jupyterlab_saves_after_a_run(dest / "lessons" / "00_why_parallel.ipynb", "3.99.0")
+    nb = nbformat.read(root / "lessons" / "00_why_parallel.ipynb", 4)            # the course changes it
+    nb.cells.append(nbformat.v4.new_markdown_cell("new this week"))
+    nbformat.write(nb, root / "lessons" / "00_why_parallel.ipynb")
+    report = workspace.working_copy(root)
+    assert report["updated"] == ["lessons/00_why_parallel.ipynb"] and report["conflicts"] == []
+    assert (dest / "START.ipynb").stat().st_mtime_ns == start           # unchanged: not rewritten under an open tab
+
+
+def test_a_copy_made_by_an_earlier_version_is_not_taken_for_an_edited_one(tmp_path):
+    """.parlab-origin.json files written before the fingerprint ignored kernel metadata hold the older hash."""
+    root = _course(tmp_path)
+    dest = root / workspace.WORKDIR
+    workspace.working_copy(root)
+    origin = dest / ".parlab-origin.json"
+    old = {rel: workspace._fingerprint(root / rel, kernel_keys=True)
+           for rel in ("lessons/00_why_parallel.ipynb", "lessons/01_collectives.ipynb",
+                       "exercises/00_ring_allreduce.ipynb")}
+    origin.write_text(json.dumps(old))
+    for rel in old:                                          # as the earlier version copied them
+        shutil.copy(root / rel, dest / rel)
+    report = workspace.working_copy(root)
+    assert report["conflicts"] == [] and sorted(report["kept"]) == sorted(old)
+    assert json.loads(origin.read_text())["fingerprint"] == 2
+    assert workspace.working_copy(root)["kept"] == report["kept"]
 
 
 def test_the_copy_is_git_ignored_and_the_readme_opens_it():

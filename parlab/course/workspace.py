@@ -16,6 +16,13 @@ a notebook the course changed replaces the student's copy only if the student ha
 
 The lessons find everything they need through the installed ``parlab`` package, so they run the same from
 ``my-course/lessons/`` as from ``lessons/``.
+
+Each copy carries the notebook metadata this environment's kernel reports (`kernel_metadata`: the kernelspec's
+display name, ipykernel's ``language_info`` with this Python's version). JupyterLab writes that metadata into a
+notebook when its kernel starts; had the copy held anything else (the tracked notebooks hold only
+``language_info.name``, being shared by every Python), every notebook would be marked modified the moment it
+opened. For the same reason the edit check (`_fingerprint`) ignores those two entries: a student who only ran a
+notebook has not edited it.
 """
 from __future__ import annotations
 
@@ -29,15 +36,52 @@ from pathlib import Path
 
 from parlab.course.notebooks import ROOT, dumps, read, strip_notebook
 
-__all__ = ["WORKDIR", "working_copy", "landing_page", "open_course"]
+__all__ = ["WORKDIR", "working_copy", "landing_page", "open_course", "kernel_metadata"]
 
 WORKDIR = "my-course"
 ORIGIN = ".parlab-origin.json"
 
 
-def _fingerprint(path: Path) -> str:
-    """Hash of the notebook's inputs: outputs, execution counts and widget state removed."""
-    return hashlib.sha256(dumps(strip_notebook(read(path))).encode()).hexdigest()
+KERNEL_KEYS = ("kernelspec", "language_info")     # notebook metadata JupyterLab rewrites when a kernel starts
+FINGERPRINT_KEY, FINGERPRINT_VERSION = "fingerprint", 2      # 2: kernel metadata ignored (1, unrecorded: kept)
+
+
+def _fingerprint(path: Path, kernel_keys: bool = False) -> str:
+    """Hash of the notebook's inputs: outputs, execution counts, widget state and (unless `kernel_keys`, the
+    hash of origin files written before version 2) kernel metadata removed."""
+    nb = strip_notebook(read(path))
+    if not kernel_keys:
+        for key in KERNEL_KEYS:
+            nb.metadata.pop(key, None)
+    return hashlib.sha256(dumps(nb).encode()).hexdigest()
+
+
+def kernel_metadata(kernel: str = "python3") -> dict:
+    """{"kernelspec": ..., "language_info": ...} as JupyterLab will write them once `kernel` of this environment
+    starts: the kernelspec from jupyter_client, language_info from ipykernel (what its kernel_info reply sends).
+    Empty if either cannot be read (the copies then keep the course's metadata)."""
+    try:
+        from ipykernel.ipkernel import IPythonKernel
+        from jupyter_client.kernelspec import KernelSpecManager
+        spec = KernelSpecManager().get_kernel_spec(kernel)
+    except Exception:           # no ipykernel, no such kernel: JupyterLab then marks the notebook modified, no worse
+        return {}
+    return {"kernelspec": {"display_name": spec.display_name, "language": spec.language, "name": kernel},
+            "language_info": dict(IPythonKernel.language_info)}
+
+
+def _copy(src: Path, target: Path, kernel: dict) -> None:
+    nb = strip_notebook(read(src))
+    nb.metadata.update(kernel)
+    target.write_text(dumps(nb), encoding="utf-8")
+
+
+def _settle_kernel(path: Path, kernel: dict) -> None:
+    """Give an unchanged copy this environment's kernel metadata (what JupyterLab would write on opening it)."""
+    nb = read(path)
+    if kernel and any(nb.metadata.get(k) != v for k, v in kernel.items()):
+        nb.metadata.update(kernel)
+        path.write_text(dumps(nb), encoding="utf-8")
 
 
 def _title(path: Path) -> str:
@@ -84,32 +128,37 @@ def working_copy(root: str | Path = ROOT, dest: str | Path | None = None) -> dic
     dest.mkdir(parents=True, exist_ok=True)
     origin_file = dest / ORIGIN
     origin = json.loads(origin_file.read_text()) if origin_file.exists() else {}
+    # copies recorded before the fingerprint ignored kernel metadata are compared the way they were recorded
+    legacy = bool(origin) and origin.get(FINGERPRINT_KEY) != FINGERPRINT_VERSION
+    recorded = (lambda p: _fingerprint(p, kernel_keys=True)) if legacy else _fingerprint
+    origin[FINGERPRINT_KEY] = FINGERPRINT_VERSION
     report: dict[str, list[str]] = {"added": [], "updated": [], "kept": [], "conflicts": []}
+    kernel = kernel_metadata()
     for src in _sources(root):
         rel = f"{src.parent.name}/{src.name}"
         target = dest / rel
         target.parent.mkdir(parents=True, exist_ok=True)
         new = _fingerprint(src)
         if not target.exists():
-            target.write_text(dumps(strip_notebook(read(src))), encoding="utf-8")
+            _copy(src, target, kernel)
             report["added"].append(rel)
-        elif origin.get(rel) == new:
+        elif origin.get(rel) in (new, recorded(src)):
             report["kept"].append(rel)
-            continue
-        elif _fingerprint(target) == origin.get(rel):          # the student only ran it: take the new version
-            target.write_text(dumps(strip_notebook(read(src))), encoding="utf-8")
+            _settle_kernel(target, kernel)
+        elif recorded(target) == origin.get(rel):            # the student only ran it: take the new version
+            _copy(src, target, kernel)
             report["updated"].append(rel)
         else:                                                   # the student edited it: keep theirs
-            side = target.with_name(target.stem + ".updated.ipynb")
-            side.write_text(dumps(strip_notebook(read(src))), encoding="utf-8")
+            _copy(src, target.with_name(target.stem + ".updated.ipynb"), kernel)
             report["conflicts"].append(rel)
             continue                                            # still compare against the old origin next time
         origin[rel] = new
     start = dest / "START.ipynb"
     import nbformat
-    page = nbformat.v4.new_notebook(cells=[nbformat.v4.new_markdown_cell(landing_page(root))])
-    page.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
-    start.write_text(dumps(page), encoding="utf-8")
+    page = nbformat.v4.new_notebook(cells=[nbformat.v4.new_markdown_cell(landing_page(root), id="start")])
+    page.metadata.update(kernel or {"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}})
+    if not (start.exists() and start.read_text(encoding="utf-8") == dumps(page)):
+        start.write_text(dumps(page), encoding="utf-8")         # rewritten only when it changed (an open tab stays clean)
     origin_file.write_text(json.dumps(origin, indent=1, sort_keys=True), encoding="utf-8")
     return report
 
