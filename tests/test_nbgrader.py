@@ -61,22 +61,19 @@ def nbgrader_course(tmp_path_factory):
     (root / "source" / "all").mkdir(parents=True)
     for sol in sorted((ROOT / "exercises" / "solutions").glob("*.ipynb")):
         shutil.copy(sol, root / "source" / "all" / sol.name)
-    (root / "source" / "ex05").mkdir()
-    shutil.copy(ROOT / "exercises" / "solutions" / f"{EX}.ipynb", root / "source" / "ex05")
     _nbgrader(root, "generate_assignment", "all", "--create")
-    _nbgrader(root, "generate_assignment", "ex05", "--create")
 
     plain = root.parent / (root.name + "-parlab")                     # parlab grade's folder: <student>/NN.ipynb
     for student, nb in _submissions().items():
-        (root / "submitted" / student / "ex05").mkdir(parents=True)
-        nbformat.write(nb, str(root / "submitted" / student / "ex05" / f"{EX}.ipynb"))
+        (root / "submitted" / student / "all").mkdir(parents=True)     # the one notebook handed in
+        nbformat.write(nb, str(root / "submitted" / student / "all" / f"{EX}.ipynb"))
         (plain / student).mkdir(parents=True)
         nbformat.write(nb, str(plain / student / f"{EX}.ipynb"))
-    _nbgrader(root, "autograde", "ex05", "--create")
+    _nbgrader(root, "autograde", "all", "--create")
     theirs = {}
     with nbgrader_api.Gradebook(f"sqlite:///{root / 'gradebook.db'}") as gb:
         for student in ("solution", "edited"):
-            nb = gb.find_submission_notebook(EX, "ex05", student)
+            nb = gb.find_submission_notebook(EX, "all", student)
             theirs[student] = {g.name: g.score for g in nb.grades}
     ours = {r.student: {c["grade_id"]: c["points"] * c["passed"] for c in r.checks}
             for r in grader.grade(plain, root / "parlab-gradebook", jobs=2, progress=lambda line: None)}

@@ -1,0 +1,117 @@
+"""A student's first minutes in JupyterLab, in headless Chromium (Debian's chromium, driven by playwright).
+
+``parlab course open --no-browser`` is run on a small course checkout as a student runs it, and the URL it prints
+(all a student on a remote machine or in a container has) is opened:
+
+* START.ipynb is the page that opens, not JupyterLab's Launcher;
+* no notebook is marked modified by opening it (the tab's dot): not START, not a lesson, not an exercise, once
+  each has its kernel running (JupyterLab writes the kernel's metadata into a notebook when the kernel starts;
+  the copies carry it already, `parlab.course.workspace.kernel_metadata`);
+* nothing is written into the tracked notebooks.
+
+Screenshots are left in the test's temporary folder (``start.png``, ``lesson.png``, ``exercise.png``).
+"""
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from parlab.course.figcheck import CHROMIUM_ARGS, chromium_path
+
+ROOT = Path(__file__).resolve().parents[1]
+LESSON, EXERCISE = "lessons/01_collectives.ipynb", "exercises/05_pipeline_schedules.ipynb"
+
+pytestmark = pytest.mark.skipif(chromium_path() is None, reason="needs Debian's chromium: apt-get install chromium")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory):
+    """`parlab course open --no-browser` on a checkout of one lesson and one exercise: (printed URL, checkout)."""
+    tmp = tmp_path_factory.mktemp("student")
+    root = tmp / "repo"
+    for rel in (LESSON, EXERCISE):
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(ROOT / rel, root / rel)
+    env = dict(os.environ, JUPYTERLAB_SETTINGS_DIR=str(tmp / "settings"), JUPYTER_RUNTIME_DIR=str(tmp / "runtime"),
+               JUPYTERLAB_WORKSPACES_DIR=str(tmp / "workspaces"))       # none of this user's JupyterLab state
+    cmd = [sys.executable, "-m", "parlab.cli", "course", "open", "--root", str(root), "--no-browser", "--",
+           f"--port={_free_port()}", "--ServerApp.port_retries=0"]
+    proc = subprocess.Popen(cmd, cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url, seen = None, []
+    deadline = time.monotonic() + 120
+    while url is None and time.monotonic() < deadline and proc.poll() is None:
+        line = proc.stdout.readline()
+        seen.append(line)
+        m = re.search(r"(http://(?:localhost|127\.0\.0\.1):\d+/\S*token=\S+)", line)
+        url = m.group(1) if m else None
+    try:
+        assert url, "".join(seen)[-3000:]
+        yield url, root, tmp
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _tabs(page) -> dict[str, str]:
+    """{title: class list} of the main area's document tabs."""
+    return {t: c for t, c in page.eval_on_selector_all(
+        "#jp-main-dock-panel .lm-TabBar-tab",
+        "els => els.map(e => [e.innerText.trim(), e.className])") if t}
+
+
+def _kernel_idle(page, seconds: float = 90) -> None:
+    """Wait until the current notebook's kernel has started and is idle (the status bar says so)."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if re.search(r"\|\s*Idle", page.inner_text("#jp-main-statusbar")):
+            time.sleep(1)                  # JupyterLab writes the kernel's metadata right after kernel_info
+            return
+        time.sleep(0.3)
+    raise AssertionError(f"the kernel was not idle within {seconds} s: {page.inner_text('#jp-main-statusbar')!r}")
+
+
+def test_start_opens_first_and_no_notebook_is_marked_modified_on_open(lab):
+    from playwright.sync_api import sync_playwright
+
+    url, root, tmp = lab
+    tracked = {rel: (root / rel).read_bytes() for rel in (LESSON, EXERCISE)}
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=chromium_path(), args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page(viewport={"width": 1280, "height": 900})
+            page.goto(url)                                          # the URL parlab course open printed
+            page.wait_for_selector(".jp-NotebookPanel", state="attached", timeout=90_000)
+            _kernel_idle(page)
+            page.screenshot(path=str(tmp / "start.png"))
+            tabs = _tabs(page)
+            assert list(tabs) == ["START.ipynb"], tabs                # START, not the Launcher
+            assert "jp-mod-current" in tabs["START.ipynb"] and "jp-mod-dirty" not in tabs["START.ipynb"], tabs
+            base = url.split("/lab")[0].split("?")[0]
+            token = url.split("token=")[1]
+            for rel, shot in ((LESSON, "lesson.png"), (EXERCISE, "exercise.png")):
+                page.goto(f"{base}/lab/tree/{rel}?token={token}")
+                page.wait_for_function(f"() => [...document.querySelectorAll('.lm-TabBar-tab')].some("
+                                       f"e => e.innerText.trim() === '{Path(rel).name}')", timeout=90_000)
+                _kernel_idle(page)
+                page.screenshot(path=str(tmp / shot))
+                dirty = [t for t, c in _tabs(page).items() if "jp-mod-dirty" in c]
+                assert dirty == [], f"marked modified on open: {dirty}"
+        finally:
+            browser.close()
+    assert {rel: (root / rel).read_bytes() for rel in tracked} == tracked
