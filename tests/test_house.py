@@ -23,7 +23,8 @@ LAYERS = {"trace": 0, "models": 0, "data": 0, "meta_init": 1, "comm": 1, "launch
 #: pure planning: no torch.distributed, no parlab module that communicates, in anything they import
 PURE = ["parlab.parallel.topology", "parlab.parallel.pipeline.schedules", "parlab.parallel.pipeline.simulation",
         "parlab.parallel.pipeline.plan", "parlab.parallel.context.ring_plan", "parlab.cluster.formulas",
-        "parlab.cluster.costs", "parlab.cluster.hardware", "parlab.trace.wire", "parlab.trace.histogram"]
+        "parlab.cluster.costs", "parlab.cluster.hardware", "parlab.cluster.transformer", "parlab.cluster.published",
+        "parlab.trace.wire", "parlab.trace.histogram"]
 
 
 def _name(p: pathlib.Path) -> str:
@@ -192,11 +193,11 @@ def test_pure_modules_never_reach_torch_distributed(module):
 
 def test_the_formulas_import_without_torch():
     code = ("import sys; sys.modules['torch'] = None\n"          # any `import torch` now fails
-            "import parlab.cluster.formulas as f, parlab.trace.wire as w\n"
-            "print(f.ring_all_reduce_bytes(100, 4), w.ring_factor('all_reduce', 4))")
+            "import parlab.cluster.formulas as f, parlab.trace.wire as w, parlab.cluster.transformer as t\n"
+            "print(f.ring_all_reduce_bytes(100, 4), w.ring_factor('all_reduce', 4), t.BYTES_16BIT)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == ["150.0", "1.5"]
+    assert out.stdout.split() == ["150.0", "1.5", "2"]
 
 
 def test_an_exercise_kernel_imports_the_graders_without_nbformat():

@@ -12,7 +12,10 @@ Read in this order:
 * ``replay.py``     `replay(trace, hardware)`: every rank's program re-timed on the hardware model, its waits
                      and overlaps kept; an ordinary trace comes back, drawn like any other.
 * ``scaleup.py``    a tiny pipeline run replayed as a named model (GPT-3 175B) on a big cluster.
+* ``transformer.py`` the arithmetic of a dense GPT, one formula per function: parameters (Megatron eq. 2), model
+                     and hardware FLOPs (eqs. 3, 7, 8), MFU and HFU, activations per layer (Korthikanti table 2).
 * ``costs.py``      the cost model of one training step: model and cluster presets, per-GPU memory and time.
+* ``published.py``  published training runs as data (Korthikanti et al. tables 3 and 5) to hold the estimates to.
 * ``planner.py``    the layout search over (dp, tp, pp, cp, micro-batches, ZeRO stage, recomputation):
                      ``parlab plan``.
 * ``calibrate/``    measuring this machine (compute, messages, costs inside a real step) into a `Hardware`.

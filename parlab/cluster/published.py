@@ -1,0 +1,75 @@
+"""Published training runs, as data: what parlab's cost model, planner and replay are held to.
+
+Korthikanti et al. [1] trained four GPT models on NVIDIA's Selene (DGX A100 80 GB nodes, 312 TFLOP/s bf16 per
+GPU) with tensor and pipeline parallelism, once with full activation recomputation and once with sequence
+parallelism + selective recomputation ("present work"), and printed the step times with the MFU and HFU they
+make (table 5). Table 3 gives each model and its layout; all four use s = 2048, V = 51200 and micro-batch 1.
+
+`KORTHIKANTI` holds one `PublishedRun` per model and setting. Nothing here is computed: every number is the
+paper's, transcribed, so a test can compare parlab's formulas with it (tests/test_transformer_costs.py).
+
+    [1] V. Korthikanti et al., "Reducing Activation Recomputation in Large Transformer Models", MLSys 2023,
+        arXiv:2205.05198, tables 3 (models and layouts) and 5 (step times, MFU, HFU).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from parlab.cluster.costs import ModelSpec
+
+__all__ = ["PublishedRun", "KORTHIKANTI_MODELS", "KORTHIKANTI", "SELENE_PEAK_FLOPS"]
+
+SELENE_PEAK_FLOPS = 312e12          # A100 dense bf16, per GPU ([1] section 6; NVIDIA A100 datasheet)
+
+
+def _gpt(name: str, layers: int, hidden: int, heads: int) -> ModelSpec:
+    return ModelSpec(name, layers=layers, hidden=hidden, heads=heads, vocab=51200, seq=2048)
+
+
+#: [1] table 3: (model, tensor-parallel size, pipeline stages, GPUs, global batch)
+KORTHIKANTI_MODELS: dict[str, tuple[ModelSpec, int, int, int, int]] = {
+    "22B": (_gpt("gpt-22b", 48, 6144, 64), 8, 1, 8, 4),
+    "175B": (_gpt("gpt-175b", 96, 12288, 96), 8, 8, 64, 64),
+    "530B": (_gpt("gpt-530b", 105, 20480, 128), 8, 35, 280, 280),
+    "1T": (_gpt("gpt-1t", 128, 25600, 160), 8, 64, 512, 512),
+}
+
+
+@dataclass(frozen=True)
+class PublishedRun:
+    """One row of [1] table 5: a model trained in one setting, its step time and the utilisation printed."""
+
+    model_name: str
+    recompute: str               # "full" or "selective"
+    sequence_parallel: bool
+    step_s: float                # seconds per iteration
+    mfu: float                   # as printed, a fraction
+    hfu: float
+
+    @property
+    def model(self) -> ModelSpec:
+        return KORTHIKANTI_MODELS[self.model_name][0]
+
+    @property
+    def layout(self) -> dict:
+        _, tp, pp, gpus, batch = KORTHIKANTI_MODELS[self.model_name]
+        return {"tp": tp, "pp": pp, "dp": gpus // (tp * pp), "gpus": gpus, "global_batch": batch,
+                "micro_batch": 1}
+
+    @property
+    def label(self) -> str:
+        return f"{self.model_name}, " + ("full recomputation" if self.recompute == "full"
+                                         else "sequence parallel + selective recomputation")
+
+
+#: [1] table 5, in its order.
+KORTHIKANTI: list[PublishedRun] = [
+    PublishedRun("22B", "full", False, 1.42, 0.323, 0.431),
+    PublishedRun("22B", "selective", True, 1.10, 0.415, 0.437),
+    PublishedRun("175B", "full", False, 18.13, 0.390, 0.519),
+    PublishedRun("175B", "selective", True, 13.75, 0.514, 0.528),
+    PublishedRun("530B", "full", False, 49.05, 0.432, 0.576),
+    PublishedRun("530B", "selective", True, 37.83, 0.560, 0.570),
+    PublishedRun("1T", "full", False, 94.42, 0.426, 0.568),
+    PublishedRun("1T", "selective", True, 71.49, 0.563, 0.570),
+]

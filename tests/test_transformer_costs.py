@@ -1,0 +1,100 @@
+"""parlab.cluster.transformer against the papers: Megatron eq. 2-3, Korthikanti et al. table 2 and eqs. 7-8, and
+the MFU / HFU of Korthikanti's table 5 from its published step times. The paper's formulas are written here
+literally, as printed, so a generalisation in parlab (any MLP width, context parallelism) that stopped reducing
+to them would fail."""
+import pytest
+
+from parlab.cluster import transformer as T
+from parlab.cluster.costs import ModelSpec, from_gpt_config, preset
+from parlab.cluster.published import KORTHIKANTI, KORTHIKANTI_MODELS, SELENE_PEAK_FLOPS
+from parlab.models import GPTConfig
+from parlab.parallel.zero.memory import transformer_params
+
+MODELS = list(KORTHIKANTI_MODELS)
+REL = 1e-12          # float rounding only: both sides are the same arithmetic in another order
+
+
+def _table2(model, t, b=1):
+    """Korthikanti et al. table 2, as printed (bytes per layer, 16-bit), with their s, b, h, a, t."""
+    s, h, a = model.seq, model.hidden, model.heads
+    sbh = s * b * h
+    return {("none", False, 1): sbh * (34 + 5 * a * s / h),
+            ("none", False, t): sbh * (10 + 24 / t + 5 * a * s / (h * t)),
+            ("none", True, t): sbh * (34 / t + 5 * a * s / (h * t)),
+            ("selective", False, t): sbh * (10 + 24 / t),
+            ("selective", True, t): sbh * (34 / t),
+            ("full", False, t): sbh * 2}
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_every_row_of_table_2_is_the_papers_formula(name):
+    model, t, *_ = KORTHIKANTI_MODELS[name]
+    for (recompute, sp, tp), expected in _table2(model, t).items():
+        got = T.activation_bytes_per_layer(model, 1, tp=tp, sequence_parallel=sp, recompute=recompute)
+        assert got == pytest.approx(expected, rel=REL), (name, recompute, sp, tp)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_parameters_and_flops_are_megatrons_equations(name):
+    model, _, _, _, batch = KORTHIKANTI_MODELS[name]
+    l, h, V, s, B = model.layers, model.hidden, model.vocab, model.seq, batch
+    assert T.params(model) == pytest.approx(12 * l * h ** 2 * (1 + 13 / (12 * h) + (V + s) / (12 * l * h)), rel=REL)
+    # eq. 2 leaves out the final LayerNorm, which the model has
+    assert T.params(model, final_norm=True) == model.param_count()
+    assert T.params(model, position_table=False) == T.params(model) - s * h
+    assert T.model_flops(model, B) == pytest.approx(72 * B * s * l * h ** 2 * (1 + s / (6 * h) + V / (12 * l * h)),
+                                                    rel=REL)                                        # [2] eq. 7
+    assert T.hardware_flops(model, B, "selective") == pytest.approx(
+        72 * B * s * l * h ** 2 * (1 + s / (3 * h) + V / (12 * l * h)), rel=REL)                   # [2] eq. 8
+    assert T.hardware_flops(model, B, "full") == pytest.approx(
+        96 * B * s * l * h ** 2 * (1 + s / (6 * h) + V / (16 * l * h)), rel=REL)                   # [1] eq. 3
+    assert T.hardware_flops(model, B) == T.model_flops(model, B)
+
+
+@pytest.mark.parametrize("run", KORTHIKANTI, ids=[f"{r.model_name}-{r.recompute}" for r in KORTHIKANTI])
+def test_mfu_and_hfu_of_table_5_from_its_step_times(run):
+    """Within 1% (relative) of the printed values: the step times are printed to 3-4 digits (1.10 s for 22B)."""
+    lay = run.layout
+    mfu = T.mfu(run.model, lay["global_batch"], run.step_s, lay["gpus"], SELENE_PEAK_FLOPS)
+    hfu = T.hfu(run.model, lay["global_batch"], run.step_s, lay["gpus"], SELENE_PEAK_FLOPS, run.recompute)
+    assert mfu == pytest.approx(run.mfu, rel=0.01) and hfu == pytest.approx(run.hfu, rel=0.01), (mfu, hfu)
+
+
+def test_6nd_leaves_out_the_attention_scores():
+    """The rule of thumb vs the count: at s = 8192, h = 4096 the scores add s / 6h = 33% to the layer FLOPs."""
+    m = ModelSpec("long", layers=32, hidden=4096, heads=32, vocab=32000, seq=8192, learned_pos=False)
+    tokens = m.seq
+    ratio = T.model_flops(m, 1) / T.training_flops_6nd(T.params(m), tokens)
+    layers_only = (1 + m.seq / (6 * m.hidden))       # what the scores add to 72 B s l h^2
+    assert ratio == pytest.approx(layers_only, rel=0.03)     # the rest: logits in one, embedding in the other
+
+
+@pytest.mark.parametrize("config", [GPTConfig(), GPTConfig(n_layer=3, n_embd=48, n_head=3, bias=False),
+                                    GPTConfig(tie_embeddings=False, vocab_size=96, seq_len=40)])
+def test_one_parameter_count(config):
+    """The three counts agree where they describe the same model: the tiny GPT's own (exact), the cost model's,
+    and ZeRO's formula h V + L (12 h^2 + 13 h) + 2 h (a GPT with tied embeddings and no position table)."""
+    assert from_gpt_config(config).param_count() == config.param_count()
+    gpt3 = preset("gpt3-175b")
+    no_positions = ModelSpec("g", gpt3.layers, gpt3.hidden, gpt3.heads, gpt3.vocab, gpt3.seq, learned_pos=False)
+    assert transformer_params(gpt3.hidden, gpt3.layers, gpt3.vocab) == no_positions.param_count()
+
+
+@pytest.mark.parametrize("pp,virtual,factor", [(8, 1, 1.0), (8, 2, 1 + 7 / 16), (64, 4, 1 + 63 / 256)])
+def test_first_stage_holds_l_layers_and_more_when_interleaved(pp, virtual, factor):
+    model = KORTHIKANTI_MODELS["175B"][0]
+    per = T.activation_bytes_per_layer(model, 1, 8, True, "selective")
+    got = T.first_stage_activation_bytes(model, 1, tp=8, pp=pp, virtual=virtual, micro_batches=64,
+                                         sequence_parallel=True, recompute="selective")
+    assert got == pytest.approx(model.layers * per * factor, rel=REL)
+    few = T.first_stage_activation_bytes(model, 1, tp=8, pp=8, micro_batches=2, sequence_parallel=True)
+    assert few == pytest.approx(model.layers * 2 / 8 * T.activation_bytes_per_layer(model, 1, 8, True), rel=REL)
+
+
+@pytest.mark.parametrize("call,says", [
+    (lambda m: T.hardware_flops(m, 4, "partial"), "recompute must be one of none, selective, full, got 'partial'"),
+    (lambda m: T.first_stage_activation_bytes(m, 1, pp=0), "pp (0) and virtual (1) must be at least 1"),
+])
+def test_bad_input_says_what_is_allowed(call, says):
+    with pytest.raises(ValueError, match=f"^{says.replace('(', '[(]').replace(')', '[)]')}"):
+        call(KORTHIKANTI_MODELS["22B"][0])
