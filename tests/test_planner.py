@@ -4,7 +4,8 @@ Megatron's published GPT-3 175B run (Narayanan et al., arXiv:2104.04473, table 1
 import pytest
 import torch
 
-from parlab.cluster.costs import Cluster, ModelSpec, activation_bytes_per_layer, from_gpt_config, preset
+from parlab.cluster import transformer as T
+from parlab.cluster.costs import Cluster, ModelSpec, from_gpt_config, preset
 from parlab.parallel.zero import measure, transformer_params
 from parlab.models import GPT, GPTConfig
 from parlab.cluster.planner import enumerate_layouts, estimate, explain, format_table, main, plan, tiny_state_bytes, \
@@ -35,18 +36,23 @@ def test_memory_closed_forms():
     assert e.params_bytes == pytest.approx(2 * psi)                       # 16-bit weights: ~350 GB
     assert e.params_bytes / GB == pytest.approx(349.2, abs=0.1)
     assert e.params_bytes + e.grads_bytes + e.optimizer_bytes == pytest.approx(16 * psi)   # 2 + 2 + 12
-    s, h, a = 2048, 12288, 96                                             # Korthikanti eq. 2, per layer
-    assert activation_bytes_per_layer(GPT3, 1) == pytest.approx(s * h * (34 + 5 * a * s / h))
-    assert activation_bytes_per_layer(GPT3, 2, tp=8) == pytest.approx(2 * s * h * (34 + 5 * a * s / h) / 8)
-    assert activation_bytes_per_layer(GPT3, 1, tp=8, recompute=True) == pytest.approx(2 * s * h / 8)
-    assert e.activation_bytes == pytest.approx(96 * activation_bytes_per_layer(GPT3, 1))
+    s, h, a = 2048, 12288, 96                           # Korthikanti table 2, per layer, sequence parallel on
+    assert e.activation_bytes == pytest.approx(96 * s * h * (34 + 5 * a * s / h))
+    sp = estimate(GPT3, Cluster(nodes=1, gpus_per_node=8, gpu_mem_gb=10_000), 8, tp=8)
+    assert sp.activation_bytes == pytest.approx(96 * s * h * (34 + 5 * a * s / h) / 8)
+    no_sp = estimate(GPT3, Cluster(nodes=1, gpus_per_node=8, gpu_mem_gb=10_000), 8, tp=8, sequence_parallel=False)
+    assert no_sp.activation_bytes == pytest.approx(96 * s * h * (10 + 24 / 8 + 5 * a * s / (h * 8)))
 
 
 def test_step_time_terms_follow_their_formulas():
     e = estimate(GPT3, MEGATRON, 1536, tp=8, pp=8, zero=1)
     psi = GPT3.param_count()
     assert (e.dp, e.micro_batches) == (16, 96)
-    assert e.compute_s == pytest.approx(6 * psi * 1536 * 2048 / (1024 * 312e12 * 0.5))
+    s, h, l, V = 2048, 12288, 96, GPT3.vocab            # Megatron's model FLOPs (Korthikanti eq. 7), not 6 psi
+    assert e.compute_s == pytest.approx(72 * 1536 * s * l * h ** 2 * (1 + s / (6 * h) + V / (12 * l * h))
+                                        / (1024 * 312e12 * 0.5))
+    assert e.compute_s / (6 * psi * 1536 * s / (1024 * 312e12 * 0.5)) == pytest.approx(1.03, abs=0.01)
+    assert e.achieved_tflops == pytest.approx(T.model_flops(GPT3, 1536) / e.step_s / 1024 / 1e12)
     assert e.bubble_s == pytest.approx((8 - 1) / 96 * e.compute_s)       # 1F1B, relative to the ideal step
     assert e.volume["dp"] == pytest.approx(2 * 15 / 16 * 2 * GPT3.stage_params(8, 8))   # ring all-reduce
     assert e.volume["tp"] == pytest.approx(4 * 12 * 96 * 2 * 7 / 8 * 2 * 2048 * 12288)
@@ -65,7 +71,12 @@ def test_monotonic_in_zero_stage_and_recomputation():
     plain = estimate(GPT3, MEGATRON, 1536, tp=4, pp=8, zero=1)
     rc = estimate(GPT3, MEGATRON, 1536, tp=4, pp=8, zero=1, recompute=True)
     assert rc.activation_bytes < plain.activation_bytes / 10
-    assert rc.compute_s == pytest.approx(plain.compute_s * 8 / 6) and rc.step_s > plain.step_s
+    assert rc.compute_s == pytest.approx(plain.compute_s * T.hardware_flops(GPT3, 1536, "full")
+                                         / T.model_flops(GPT3, 1536)) and rc.step_s > plain.step_s
+    sel = estimate(GPT3, MEGATRON, 1536, tp=4, pp=8, zero=1, recompute="selective")
+    assert rc.activation_bytes < sel.activation_bytes < plain.activation_bytes
+    assert plain.compute_s < sel.compute_s < rc.compute_s
+    assert (sel.recomputation, rc.recomputation, plain.recomputation) == ("selective", "full", "none")
 
 
 def test_megatron_gpt3_layout_is_chosen():

@@ -13,21 +13,13 @@ shards (/tp) and what every TP rank keeps whole (LayerNorms, row-parallel biases
     norms       2 x (2 h LayerNorm | h RMSNorm)
     GPT-3: 12 h^2 + 13 h per layer, + V h (tied) + s h (positions): 174.6B for GPT-3 "175B" [1, 2].
 
-Activations per layer and micro-batch (b sequences), 16-bit, Korthikanti et al. [3] section 4.1:
-
-    s b h (34 + 5 a s / h)         = attention 11 + 5 a s / h, LayerNorms 4, GELU MLP 19
-    with sequence parallelism:     all of it / tp  (eq. 5); with context parallelism also / cp
-    full recomputation:            2 s b h / tp kept per layer (its input), plus one layer's full
-                                   set while that layer is recomputed in the backward pass
-    The MLP's 19 is 2 + 2f/h + 2f/h + 1 (input, fc output, GELU output, dropout mask) for f = 4h;
-    for SwiGLU we write 2 + 8 f / h (input, gate, up, silu(gate), product): an extension of [3],
-    which treats only GELU. The attention part (dropout masks, a s^2 score matrix) is kept as in
-    [3] for every model: FlashAttention would drop the 5 a s / h term.
+Activations per layer and micro-batch, FLOPs per iteration, MFU and HFU: `parlab.cluster.transformer` (Korthikanti
+et al. [3] table 2, Megatron's eqs.), which takes a ModelSpec.
 
 Model states: ZeRO [4], via `parlab.parallel.zero.memory.model_state_bytes` (2 + 2 + K bytes per parameter, K = 12).
 
-Time. Compute: 6 psi FLOPs per token (2 forward + 4 backward [5]); 8 psi with full recomputation
-(one more forward). Collectives use ring costs [6]: an all-reduce of X bytes sends 2 (N-1)/N X per
+Time. Compute: `transformer.hardware_flops` (6 psi FLOPs per token [5] is the rule of thumb it refines).
+Collectives use ring costs [6]: an all-reduce of X bytes sends 2 (N-1)/N X per
 rank, a reduce-scatter or all-gather (N-1)/N X.
 
 References
@@ -49,7 +41,7 @@ from dataclasses import dataclass
 from parlab.parallel.pipeline import split_layers
 
 __all__ = ["ModelSpec", "Cluster", "PRESETS", "CLUSTERS", "preset", "from_gpt_config",
-           "activation_bytes_per_layer", "BYTES_16BIT"]
+           "BYTES_16BIT"]
 
 BYTES_16BIT = 2  # bf16 / fp16 weights, gradients and activations
 
@@ -118,19 +110,6 @@ class ModelSpec:
                                                                            if self.tied else 0)
         middle = max(sizes[1:-1], default=0) * self.layer_params(tp)
         return max(first, last, middle)
-
-
-def activation_bytes_per_layer(m: ModelSpec, b: int, tp: int = 1, cp: int = 1, recompute: bool = False) -> float:
-    """Bytes one layer keeps for the backward pass of one micro-batch of b sequences ([3] eq. 5 with SP).
-
-    s b h (34 + 5 a s / h) / (tp cp)     no recomputation (34 = 15 attention+norms + 19 GELU MLP)
-    2 s b h / (tp cp)                    full recomputation: only the layer input
-    """
-    s, h, a, f = m.seq, m.hidden, m.heads, m.ffn
-    if recompute:
-        return BYTES_16BIT * s * b * h / (tp * cp)
-    mlp = 2 + 8 * f / h if m.swiglu else 3 + 4 * f / h                  # = 19 for GELU with f = 4h
-    return s * b * h * (15 + mlp + 5 * a * s / h) / (tp * cp)
 
 
 # ---------------------------------------------------------------------- presets

@@ -14,12 +14,16 @@ sit on several nodes talks at the inter-node bandwidth. tp > gpus_per_node is al
 Memory of the fullest GPU (first pipeline stage) = model states + activations (+ ZeRO-3 buffers):
     states        2 + 2 + 12 bytes per parameter of its stage, sharded over dp * cp by ZeRO [1]
     activations   (L / pp) layers x min(pp, m) micro-batches in flight (1F1B's first stage [3])
-                  x `costs.activation_bytes_per_layer` (Korthikanti [2]; full recomputation adds one
-                  layer's full activations while it is recomputed)
+                  x `transformer.activation_bytes_per_layer` (Korthikanti [2] table 2: sequence parallelism
+                  on by default, recomputation none / selective / full; full adds one layer's whole set
+                  while that layer is recomputed)
     ZeRO-3        two gathered 16-bit layers (the one computing and the one prefetched)
 
 Time of one step = compute + bubble + TP + CP + exposed DP + PP communication:
-    compute   c psi B s / (GPUs x peak x MFU), c = 6, or 8 with full recomputation (one more forward)
+    compute   hardware FLOPs of the step / (GPUs x peak x efficiency): `transformer.hardware_flops`, the
+              model FLOPs 72 B s l h^2 (1 + s/6h + V/12lh) of [2] eq. 7 plus what recomputation repeats
+              (eq. 8, selective; [3] eq. 3, full); `cluster.mfu` is the fraction of peak the kernels reach.
+              The planner's achieved TFLOP/s count model FLOPs only: MFU x peak, as Megatron reports it
     bubble    (pp - 1) / m x compute: 1F1B's idle time relative to the ideal step [3] (the fraction
               of the *step* is (pp - 1)/(m + pp - 1), `schedules.bubble_formula`)
     TP        per layer and micro-batch 4 all-reduces of 2 s b h / cp bytes (2 forward, 2 backward;
@@ -48,8 +52,8 @@ import argparse
 import functools
 from dataclasses import dataclass
 
-from parlab.cluster.costs import (BYTES_16BIT, CLUSTERS, PRESETS, Cluster, ModelSpec, activation_bytes_per_layer,
-    from_gpt_config, preset)
+from parlab.cluster import transformer as T
+from parlab.cluster.costs import BYTES_16BIT, CLUSTERS, PRESETS, Cluster, ModelSpec, from_gpt_config, preset
 from parlab.parallel.zero import model_state_bytes
 from parlab.parallel.pipeline import bubble_formula, split_layers
 from parlab.parallel.topology import ParallelGrid
@@ -96,12 +100,20 @@ class Estimate:
     fits: bool
     reason: str               # why it does not fit ("" when it does)
     tokens_per_s: float
-    achieved_tflops: float    # model FLOPs (6 psi per token) per GPU per second, in TFLOP/s
+    achieved_tflops: float    # model FLOPs ([2] eq. 7) per GPU per second, in TFLOP/s: MFU x peak
+    selective: bool = False   # selective recomputation (the attention scores; [2] section 5)
+    sequence_parallel: bool = True
 
     @property
     def layout(self) -> str:
         return (f"tp{self.tp} pp{self.pp} dp{self.dp} cp{self.cp} b{self.micro_batch} m{self.micro_batches} "
-                f"Z{self.zero}{' rc' if self.recompute else ''}")
+                f"Z{self.zero}{' rc' if self.recompute else ''}{' sel' if self.selective else ''}"
+                f"{'' if self.sequence_parallel or self.tp == 1 else ' no-sp'}")
+
+    @property
+    def recomputation(self) -> str:
+        """"none", "selective" or "full" (`parlab.cluster.transformer.RECOMPUTE`)."""
+        return "full" if self.recompute else "selective" if self.selective else "none"
 
 
 @functools.lru_cache(maxsize=4096)
@@ -115,8 +127,11 @@ def crossing(world: int, tp: int, pp: int, cp: int, gpus_per_node: int) -> dict[
 
 
 def estimate(model: ModelSpec, cluster: Cluster, global_batch: int, *, tp: int = 1, pp: int = 1, cp: int = 1,
-             micro_batch: int = 1, zero: int = 0, recompute: bool = False) -> Estimate:
-    """Memory and step time of one layout (see the module docstring for every formula)."""
+             micro_batch: int = 1, zero: int = 0, recompute: bool | str = False,
+             sequence_parallel: bool = True) -> Estimate:
+    """Memory and step time of one layout (see the module docstring for every formula). `recompute`: False or
+    "none", "selective", True or "full"; `sequence_parallel`: Megatron's SP with tensor parallelism [2]."""
+    rc = T.recompute_mode(recompute)
     world = cluster.world
     dp, rest = divmod(world, tp * pp * cp)
     if rest:
@@ -131,24 +146,24 @@ def estimate(model: ModelSpec, cluster: Cluster, global_batch: int, *, tp: int =
     states = model_state_bytes(psi_stage, nd, zero)
     layers = max(len(r) for r in split_layers(model.layers, pp))   # the fullest stage's layers (L / pp if pp | L)
     in_flight = min(pp, m)
-    act = layers * in_flight * activation_bytes_per_layer(model, micro_batch, tp, cp, recompute)
-    if recompute:   # the layer being recomputed holds its full set for a moment
-        act += activation_bytes_per_layer(model, micro_batch, tp, cp, recompute=False)
+    act = layers * in_flight * T.activation_bytes_per_layer(model, micro_batch, tp, sequence_parallel, rc, cp)
+    if rc == "full":   # the layer being recomputed holds its full set for a moment
+        act += T.activation_bytes_per_layer(model, micro_batch, tp, sequence_parallel, "none", cp)
     buffers = 2 * BYTES_16BIT * model.layer_params(tp) if zero == 3 else 0.0
     total = states["total"] + act + buffers
     fits = total <= cluster.mem_bytes
     reason = "" if fits else (f"needs {total / GB:.1f} GB > {cluster.mem_bytes / GB:.1f} GB usable "
                               f"(states {states['total'] / GB:.1f}, activations {act / GB:.1f})")
     # ---- time
-    psi, tokens = model.param_count(), global_batch * s
-    flops = (8 if recompute else 6) * psi * tokens
+    tokens = global_batch * s
+    flops = T.hardware_flops(model, global_batch, rc)          # what the GPUs execute, recomputation included
     compute = flops / (world * cluster.peak_tflops * 1e12 * cluster.mfu)
     f = bubble_formula("1f1b", pp, m)                 # fraction of the step ...
     bubble = f / (1 - f) * compute                    # ... = (pp - 1) / m relative to the ideal step
     act_msg = BYTES_16BIT * s * micro_batch * h / cp  # one micro-batch's activations of one layer, on a CP rank
     vol = {
-        "tp": (6 if recompute else 4) * layers * m * wire_bytes("all_reduce", act_msg, tp),
-        "cp": (4 if recompute else 3) * layers * m * (cp - 1) * 2 * act_msg / tp,
+        "tp": (6 if rc == "full" else 4) * layers * m * wire_bytes("all_reduce", act_msg, tp),
+        "cp": (4 if rc == "full" else 3) * layers * m * (cp - 1) * 2 * act_msg / tp,
         "dp": {3: 3 * m, 2: m + 1}.get(zero, 2) * wire_bytes("all_gather", BYTES_16BIT * psi_stage, nd),
         "pp": 2 * m * act_msg / tp if pp > 1 else 0.0,
     }
@@ -158,10 +173,10 @@ def estimate(model: ModelSpec, cluster: Cluster, global_batch: int, *, tp: int =
     window = {3: compute, 2: compute * 2 / 3}.get(zero, compute * 2 / 3 / m)
     dp_exposed = max(0.0, t["dp"] - window)
     step = compute + bubble + t["tp"] + t["cp"] + dp_exposed + t["pp"]
-    return Estimate(tp, pp, dp, cp, micro_batch, m, zero, recompute, states["params"], states["grads"],
+    return Estimate(tp, pp, dp, cp, micro_batch, m, zero, rc == "full", states["params"], states["grads"],
                     states["optimizer"], act, buffers, total, compute, bubble, t["tp"], t["cp"], dp_exposed,
                     t["dp"], t["pp"], step, vol, cross, fits, reason, tokens / step,
-                    6 * psi * tokens / step / world / 1e12)
+                    T.model_flops(model, global_batch) / step / world / 1e12, rc == "selective", sequence_parallel)
 
 
 def _divisors(n: int) -> list[int]:

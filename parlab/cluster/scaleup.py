@@ -252,7 +252,7 @@ def compare(trace: Trace, model: ModelSpec, hardware: Hardware, layout: Layout, 
                       peak_tflops=hardware.peak_flops / 1e12, mfu=hardware.end_to_end_mfu)
     est = estimate(model, cluster, global_batch, tp=layout.tp, pp=layout.pp, cp=layout.cp,
                    micro_batch=layout.micro_batch, zero=1 if layout.dp > 1 else 0,
-                   recompute=layout.recompute == "full")
+                   recompute=layout.recompute, sequence_parallel=layout.sequence_parallel)
     out = {"replay_s": rep, "planner_s": est.step_s}
     if published_s is not None:
         out.update(published_s=published_s, replay_error=rep / published_s - 1, planner_error=est.step_s / published_s - 1)

@@ -51,14 +51,15 @@ References
 """
 from __future__ import annotations
 
-__all__ = ["RECOMPUTE", "params", "model_flops", "hardware_flops", "training_flops_6nd", "mfu", "hfu",
+__all__ = ["RECOMPUTE", "recompute_mode", "params", "model_flops", "hardware_flops", "training_flops_6nd", "mfu", "hfu",
            "activation_bytes_per_layer", "first_stage_activation_bytes", "BYTES_16BIT"]
 
 BYTES_16BIT = 2
 RECOMPUTE = ("none", "selective", "full")
 
 
-def _recompute(recompute) -> str:
+def recompute_mode(recompute) -> str:
+    """"none", "selective" or "full" from a mode or the older flag (True: full recomputation, False: none)."""
     if recompute is True:                # the planner's older flag: True meant full recomputation
         return "full"
     if recompute in (False, None):
@@ -101,7 +102,7 @@ def hardware_flops(model, batch: int, recompute="none") -> float:
     FLOPs. One forward of the scores alone would be 1 x; the paper's count is the one kept here, since its
     HFU figures (table 5) are computed with it."""
     dense, scores, logits = _layer_terms(model)
-    extra = {"none": 0.0, "selective": 3 * scores, "full": dense + scores}[_recompute(recompute)]
+    extra = {"none": 0.0, "selective": 3 * scores, "full": dense + scores}[recompute_mode(recompute)]
     return model_flops(model, batch) + batch * model.layers * extra
 
 
@@ -132,7 +133,7 @@ def activation_bytes_per_layer(model, micro_batch: int, tp: int = 1, sequence_pa
     scores  = 5 a s / h (softmax output 2, its dropout mask 1 and output 2, per head): / tp; 0 with selective
     all in units of s b h, / cp (each context-parallel rank holds s / cp tokens). Full recomputation keeps the
     layer's input alone: 2 s b h (/ tp with sequence parallelism)."""
-    rc = _recompute(recompute)
+    rc = recompute_mode(recompute)
     s, h, a, f, b = model.seq, model.hidden, model.heads, model.ffn, micro_batch
     if rc == "full":
         return BYTES_16BIT * s * b * h / ((tp if sequence_parallel else 1) * cp)
