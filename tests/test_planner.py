@@ -177,3 +177,19 @@ def test_planner_figures_show_every_layout_fit_or_not_and_the_best():
     assert totals == pytest.approx([e.step_s for e in ranked[:5]])       # the terms add up to the step time
     with pytest.raises(ValueError, match="no estimate"):
         planner_figure(every, marks={"x": dict(tp=3)})
+
+
+def test_interleaving_divides_the_bubble_by_v_and_keeps_more_activations():
+    """Narayanan et al. section 2.2.2: bubble (p-1)/(v m) of the ideal step, v times the p2p messages; Korthikanti
+    et al. eq. 6: the first stage holds (1 + (p-1)/(p v)) times 1F1B's activations."""
+    plain = estimate(GPT3, MEGATRON, 1536, tp=8, pp=8, zero=1)
+    for v in (2, 4):
+        e = estimate(GPT3, MEGATRON, 1536, tp=8, pp=8, zero=1, virtual=v)
+        assert e.bubble_s == pytest.approx((8 - 1) / (v * 96) * e.compute_s)
+        assert e.activation_bytes == pytest.approx(plain.activation_bytes * (1 + 7 / (8 * v)))
+        assert e.volume["pp"] == pytest.approx(v * plain.volume["pp"]) and f" v{v} " in e.layout
+    with pytest.raises(ValueError, match="layers divisible by pp [*] virtual: pp 8, 96 micro-batches, 96 layers, "
+                                         "virtual 5"):
+        estimate(GPT3, MEGATRON, 1536, tp=8, pp=8, zero=1, virtual=5)
+    with pytest.raises(ValueError, match="virtual must be a positive integer"):
+        estimate(GPT3, MEGATRON, 1536, tp=8, pp=8, virtual=0)

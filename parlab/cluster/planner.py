@@ -24,8 +24,10 @@ Time of one step = compute + bubble + TP + CP + exposed DP + PP communication:
               model FLOPs 72 B s l h^2 (1 + s/6h + V/12lh) of [2] eq. 7 plus what recomputation repeats
               (eq. 8, selective; [3] eq. 3, full); `cluster.mfu` is the fraction of peak the kernels reach.
               The planner's achieved TFLOP/s count model FLOPs only: MFU x peak, as Megatron reports it
-    bubble    (pp - 1) / m x compute: 1F1B's idle time relative to the ideal step [3] (the fraction
-              of the *step* is (pp - 1)/(m + pp - 1), `schedules.bubble_formula`)
+    bubble    (pp - 1) / (v m) x compute: 1F1B's idle time relative to the ideal step [3], v chunks per rank
+              when interleaved (v = 1: plain 1F1B; the fraction of the *step* is (pp - 1)/(v m + pp - 1),
+              `schedules.bubble_formula`); interleaving also keeps (1 + (pp - 1)/(pp v)) times the first
+              stage's activations [2] and sends v times the point-to-point messages
     TP        per layer and micro-batch 4 all-reduces of 2 s b h / cp bytes (2 forward, 2 backward;
               +2 with recomputation), 2(tp-1)/tp of it per rank [4], on the critical path (no overlap)
     CP        ring attention: each layer passes (cp-1) K/V blocks of 2 x 2 s b h / (cp tp) bytes
@@ -103,11 +105,13 @@ class Estimate:
     achieved_tflops: float    # model FLOPs ([2] eq. 7) per GPU per second, in TFLOP/s: MFU x peak
     selective: bool = False   # selective recomputation (the attention scores; [2] section 5)
     sequence_parallel: bool = True
+    virtual: int = 1          # model chunks per pipeline rank (interleaved 1F1B [3] section 2.2.2; 1: plain 1F1B)
 
     @property
     def layout(self) -> str:
-        return (f"tp{self.tp} pp{self.pp} dp{self.dp} cp{self.cp} b{self.micro_batch} m{self.micro_batches} "
-                f"Z{self.zero}{' rc' if self.recompute else ''}{' sel' if self.selective else ''}"
+        return (f"tp{self.tp} pp{self.pp} dp{self.dp} cp{self.cp} b{self.micro_batch} m{self.micro_batches}"
+                f"{f' v{self.virtual}' if self.virtual > 1 else ''}"
+                f" Z{self.zero}{' rc' if self.recompute else ''}{' sel' if self.selective else ''}"
                 f"{'' if self.sequence_parallel or self.tp == 1 else ' no-sp'}")
 
     @property
@@ -128,9 +132,10 @@ def crossing(world: int, tp: int, pp: int, cp: int, gpus_per_node: int) -> dict[
 
 def estimate(model: ModelSpec, cluster: Cluster, global_batch: int, *, tp: int = 1, pp: int = 1, cp: int = 1,
              micro_batch: int = 1, zero: int = 0, recompute: bool | str = False,
-             sequence_parallel: bool = True) -> Estimate:
+             sequence_parallel: bool = True, virtual: int = 1) -> Estimate:
     """Memory and step time of one layout (see the module docstring for every formula). `recompute`: False or
-    "none", "selective", True or "full"; `sequence_parallel`: Megatron's SP with tensor parallelism [2]."""
+    "none", "selective", True or "full"; `sequence_parallel`: Megatron's SP with tensor parallelism [2];
+    `virtual`: chunks per pipeline rank of the interleaved schedule [3] (1: plain 1F1B)."""
     rc = T.recompute_mode(recompute)
     world = cluster.world
     dp, rest = divmod(world, tp * pp * cp)
@@ -139,6 +144,11 @@ def estimate(model: ModelSpec, cluster: Cluster, global_batch: int, *, tp: int =
     m, rest = divmod(global_batch, dp * micro_batch)
     if rest or m < 1:
         raise ValueError(f"global batch {global_batch} is not divisible by dp * micro_batch = {dp * micro_batch}")
+    if isinstance(virtual, bool) or not isinstance(virtual, int) or virtual < 1:
+        raise ValueError(f"virtual must be a positive integer (model chunks per pipeline rank), got {virtual!r}")
+    if virtual > 1 and (pp < 2 or m % pp or model.layers % (pp * virtual)):
+        raise ValueError(f"the interleaved schedule needs pp >= 2, micro-batches divisible by pp and layers divisible "
+                         f"by pp * virtual: pp {pp}, {m} micro-batches, {model.layers} layers, virtual {virtual}")
     s, h, nd = model.seq, model.hidden, dp * cp
     cross = crossing(world, tp, pp, cp, cluster.gpus_per_node)
     # ---- memory of the first stage (the fullest: embedding + the most micro-batches in flight)
@@ -147,6 +157,8 @@ def estimate(model: ModelSpec, cluster: Cluster, global_batch: int, *, tp: int =
     layers = max(len(r) for r in split_layers(model.layers, pp))   # the fullest stage's layers (L / pp if pp | L)
     in_flight = min(pp, m)
     act = layers * in_flight * T.activation_bytes_per_layer(model, micro_batch, tp, sequence_parallel, rc, cp)
+    if virtual > 1:    # interleaving keeps more micro-batches' chunks in flight on the first stage ([2] eq. 6)
+        act *= 1 + (pp - 1) / (pp * virtual)
     if rc == "full":   # the layer being recomputed holds its full set for a moment
         act += T.activation_bytes_per_layer(model, micro_batch, tp, sequence_parallel, "none", cp)
     buffers = 2 * BYTES_16BIT * model.layer_params(tp) if zero == 3 else 0.0
@@ -158,14 +170,14 @@ def estimate(model: ModelSpec, cluster: Cluster, global_batch: int, *, tp: int =
     tokens = global_batch * s
     flops = T.hardware_flops(model, global_batch, rc)          # what the GPUs execute, recomputation included
     compute = flops / (world * cluster.peak_tflops * 1e12 * cluster.mfu)
-    f = bubble_formula("1f1b", pp, m)                 # fraction of the step ...
-    bubble = f / (1 - f) * compute                    # ... = (pp - 1) / m relative to the ideal step
+    f = bubble_formula("interleaved", pp, m, virtual) if virtual > 1 else bubble_formula("1f1b", pp, m)
+    bubble = f / (1 - f) * compute                    # (pp - 1) / (v m) relative to the ideal step
     act_msg = BYTES_16BIT * s * micro_batch * h / cp  # one micro-batch's activations of one layer, on a CP rank
     vol = {
         "tp": (6 if rc == "full" else 4) * layers * m * wire_bytes("all_reduce", act_msg, tp),
         "cp": (4 if rc == "full" else 3) * layers * m * (cp - 1) * 2 * act_msg / tp,
         "dp": {3: 3 * m, 2: m + 1}.get(zero, 2) * wire_bytes("all_gather", BYTES_16BIT * psi_stage, nd),
-        "pp": 2 * m * act_msg / tp if pp > 1 else 0.0,
+        "pp": 2 * m * virtual * act_msg / tp if pp > 1 else 0.0,     # v times the messages when interleaved
     }
     t = {d: vol[d] / cluster.bandwidth(cross[d]) for d in DIMS}
     # what the DP traffic can hide behind: ZeRO-3 the whole compute (prefetch), ZeRO-2 every backward
@@ -176,7 +188,8 @@ def estimate(model: ModelSpec, cluster: Cluster, global_batch: int, *, tp: int =
     return Estimate(tp, pp, dp, cp, micro_batch, m, zero, rc == "full", states["params"], states["grads"],
                     states["optimizer"], act, buffers, total, compute, bubble, t["tp"], t["cp"], dp_exposed,
                     t["dp"], t["pp"], step, vol, cross, fits, reason, tokens / step,
-                    T.model_flops(model, global_batch) / step / world / 1e12, rc == "selective", sequence_parallel)
+                    T.model_flops(model, global_batch) / step / world / 1e12, rc == "selective", sequence_parallel,
+                    virtual)
 
 
 def _divisors(n: int) -> list[int]:
