@@ -496,3 +496,18 @@ def test_calibrate_refuses_an_out_it_could_not_write(tmp_path, capsys, monkeypat
     assert "exists and is not writable; choose another name" in capsys.readouterr().out
     monkeypatch.setattr(cal.os, "access", lambda path, mode: path == os.path.abspath(str(existing)))
     assert cal._bad_args(type("A", (), {"reps": 5, "max_size": 1 << 24, "out": str(existing)})(), cal.SIZES) is None
+
+
+def test_hardware_computes_in_each_number_format_it_has():
+    """Per-precision tensor-core rates (dense, NVIDIA datasheets): FP8 doubles the H100's BF16 rate; the A100 has no
+    FP8, and says which formats it has; the rates survive the JSON round trip."""
+    from parlab.cluster.hardware import Hardware, preset
+    h100, a100 = preset("dgx-h100"), preset("dgx-a100")
+    assert h100.at("fp8").peak_flops == pytest.approx(2 * h100.at("bf16").peak_flops, rel=1e-3)   # 1,979 vs 2 x 989
+    assert h100.at("bf16").peak_flops == h100.peak_flops
+    assert a100.at("tf32").peak_flops == a100.peak_flops / 2 and "(tf32)" in a100.at("tf32").name
+    with pytest.raises(ValueError, match="DGX A100 has no 'fp8' rate; its number formats: fp64, tf32, bf16, fp16"):
+        a100.at("fp8")
+    assert Hardware.from_dict(h100.to_dict()) == h100
+    with pytest.raises(ValueError, match="precision_flops maps a number format to a positive FLOP/s"):
+        h100.with_(precision_flops={"fp8": -1})

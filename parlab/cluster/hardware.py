@@ -81,7 +81,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 
 from parlab.trace.wire import RING
 
@@ -126,6 +126,8 @@ class Hardware:
     plain_kernel_overhead: float | None = None  # seconds per kernel run outside autograd (None: kernel_overhead)
     p2p_delay: float | None = None  # comm_delay of a message (send / recv; None: comm_delay), parlab.cluster.calibrate.programs
     p2p_cpu: float | None = None    # comm_cpu of an asynchronous message (None: comm_cpu)
+    # dense tensor-core FLOP/s per number format ("bf16", "fp8", ...; `at`); a dict, so left out of the hash
+    precision_flops: dict | None = field(default=None, hash=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -171,6 +173,12 @@ class Hardware:
             v = getattr(self, k)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0:
                 raise ValueError(f"hardware {self.name!r}: {k} must be a time >= 0 in seconds, got {v!r}")
+        if self.precision_flops is not None:
+            if not isinstance(self.precision_flops, dict) or not all(
+                    isinstance(k, str) and not isinstance(v, bool) and isinstance(v, (int, float)) and v > 0
+                    for k, v in self.precision_flops.items()):
+                raise ValueError(f"hardware {self.name!r}: precision_flops maps a number format to a positive "
+                                 f"FLOP/s, e.g. {{'bf16': 312e12}}, got {self.precision_flops!r}")
         for k, like in (("plain_kernel_overhead", "kernel_overhead"), ("p2p_delay", "comm_delay"),
                         ("p2p_cpu", "comm_cpu")):
             v = getattr(self, k)
@@ -202,6 +210,17 @@ class Hardware:
     def with_(self, **changes) -> "Hardware":
         """A copy with some fields changed, e.g. ``preset("dgx-h100").with_(efficiency=0.7)``."""
         return replace(self, **changes)
+
+    def at(self, precision: str) -> "Hardware":
+        """The same machine computing its products in `precision` ("bf16", "fp8", "tf32", ...): `peak_flops` is
+        that format's dense tensor-core rate. A format the GPU has no tensor cores for is refused, naming those
+        it has (the A100 has no FP8)."""
+        rates = self.precision_flops or {}
+        if precision not in rates:
+            known = ", ".join(rates) or "none given (set precision_flops)"
+            raise ValueError(f"{self.name} has no {precision!r} rate; its number formats: {known}")
+        return replace(self, name=f"{self.name} ({precision})", peak_flops=rates[precision],
+                       bmm_flops=None if self.bmm_flops is None else self.bmm_flops * rates[precision] / self.peak_flops)
 
     # ------------------------------------------------------------------ models
     @property
@@ -297,6 +316,9 @@ def _dgx_a100() -> Hardware:
         # special functions (exp, log): 16 per clock per SM (CUDA C++ Programming Guide, arithmetic instruction
         # throughput, compute capability 8.0) x 108 SMs x 1.41 GHz boost (NVIDIA A100 whitepaper)
         special_rate=108 * 16 * 1.41e9,
+        # dense tensor-core rates, A100 80GB SXM (NVIDIA A100 datasheet; its "with sparsity" figures are twice
+        # these): TF32 156, BF16 = FP16 312, FP64 19.5 TFLOP/s; no FP8 tensor cores
+        precision_flops={"fp64": 19.5e12, "tf32": 156e12, "bf16": 312e12, "fp16": 312e12},
         source="NVIDIA A100 datasheet, DGX A100 user guide; NCCL tuning.cc latencies")
 
 
@@ -315,6 +337,9 @@ def _dgx_h100() -> Hardware:
         # special functions: "989 TFLOPS of FP16 matmul but only 3.9 TFLOPS of special functions" (Shah et al.,
         # FlashAttention-3, arXiv:2407.08608); 16 per clock per SM x 132 SMs x ~1.83 GHz gives the same
         special_rate=3.9e12,
+        # dense tensor-core rates, H100 SXM (NVIDIA H100 datasheet, whose TF32, BF16, FP16 and FP8 figures are
+        # with sparsity, twice these): FP64 67, TF32 494.5, BF16 = FP16 989, FP8 1,979 TFLOP/s
+        precision_flops={"fp64": 67e12, "tf32": 494.5e12, "bf16": 989e12, "fp16": 989e12, "fp8": 1979e12},
         source="NVIDIA H100 datasheet, DGX H100 user guide; NCCL tuning.cc latencies")
 
 
