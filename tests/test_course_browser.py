@@ -7,9 +7,12 @@
 * no notebook is marked modified by opening it (the tab's dot): not START, not a lesson, not an exercise, once
   each has its kernel running (JupyterLab writes the kernel's metadata into a notebook when the kernel starts;
   the copies carry it already, `parlab.course.workspace.kernel_metadata`);
+* lesson 07's layout explorer, run in the page: every control is drawn, and moving one (tp 8 -> 4) redraws the
+  figure for the new layout;
 * nothing is written into the tracked notebooks.
 
-Screenshots are left in the test's temporary folder (``start.png``, ``lesson.png``, ``exercise.png``).
+Screenshots are left in the test's temporary folder (``start.png``, ``lesson.png``, ``exercise.png``,
+``explorer.png``, ``explorer-tp4.png``).
 """
 import os
 import re
@@ -25,7 +28,8 @@ import pytest
 from parlab.course.figcheck import CHROMIUM_ARGS, chromium_path
 
 ROOT = Path(__file__).resolve().parents[1]
-LESSON, EXERCISE = "lessons/01_collectives.ipynb", "exercises/05_pipeline_schedules.ipynb"
+LESSON, EXERCISE = "lessons/07_hybrid_4d.ipynb", "exercises/05_pipeline_schedules.ipynb"
+EXPLORER_CONTROLS = ("model", "GPU", "GPUs", "tp", "pp", "cp", "batch", "micro-batch", "chunks v", "recompute", "ZeRO")
 
 pytestmark = pytest.mark.skipif(chromium_path() is None, reason="needs Debian's chromium: apt-get install chromium")
 
@@ -86,7 +90,7 @@ def _kernel_idle(page, seconds: float = 90) -> None:
     raise AssertionError(f"the kernel was not idle within {seconds} s: {page.inner_text('#jp-main-statusbar')!r}")
 
 
-def test_start_opens_first_and_no_notebook_is_marked_modified_on_open(lab):
+def test_start_opens_first_no_notebook_is_modified_on_open_and_the_explorer_redraws(lab):
     from playwright.sync_api import sync_playwright
 
     url, root, tmp = lab
@@ -112,6 +116,42 @@ def test_start_opens_first_and_no_notebook_is_marked_modified_on_open(lab):
                 page.screenshot(path=str(tmp / shot))
                 dirty = [t for t, c in _tabs(page).items() if "jp-mod-dirty" in c]
                 assert dirty == [], f"marked modified on open: {dirty}"
+            _explorer_redraws(page, f"{base}/lab/tree/{LESSON}?token={token}", tmp)
         finally:
             browser.close()
     assert {rel: (root / rel).read_bytes() for rel in tracked} == tracked
+
+
+def _explorer_redraws(page, lesson_url: str, tmp) -> None:
+    """Run lesson 07 in the page (Run > Run All Cells), then move the explorer's tp from 8 to 4."""
+    page.goto(lesson_url)                                                     # lesson 07's tab again
+    page.wait_for_selector(".jp-NotebookPanel", state="attached", timeout=90_000)
+    _kernel_idle(page)
+    page.click(".lm-MenuBar-itemLabel:text-is('Run')")
+    page.click(".lm-Menu-itemLabel:text-is('Run All Cells')")
+    title = "#jp-main-dock-panel .jp-NotebookPanel:not(.lm-mod-hidden) .js-plotly-plot .gtitle"
+
+    def explorer_title():
+        texts = [t for t in page.eval_on_selector_all(title, "els => els.map(e => e.textContent)")
+                 if " per GPU (" in t]
+        return texts[0] if texts else None
+    deadline = time.monotonic() + 240
+    while explorer_title() is None and time.monotonic() < deadline:
+        time.sleep(0.5)
+    before = explorer_title()
+    explorer = page.locator(".widget-interact", has=page.locator(".gtitle", has_text=" per GPU (")).first
+    if before:
+        explorer.screenshot(path=str(tmp / "explorer.png"))
+    else:
+        page.screenshot(path=str(tmp / "explorer.png"))
+    assert before and before.startswith("tp8 pp8 "), before
+    labels = page.eval_on_selector_all(".widget-interact .widget-label, .widget-interact .widget-label-basic",
+                                       "els => els.map(e => e.textContent.trim())")
+    assert [c for c in EXPLORER_CONTROLS if c not in labels] == [], labels          # every control drawn
+    tp = page.locator(".widget-interact .widget-dropdown", has=page.locator("label", has_text="tp")).first
+    tp.locator("select").select_option("4")
+    while explorer_title() == before and time.monotonic() < deadline:
+        time.sleep(0.3)
+    after = explorer_title()
+    assert after and after.startswith("tp4 pp8 "), (before, after)
+    explorer.screenshot(path=str(tmp / "explorer-tp4.png"))

@@ -1,0 +1,78 @@
+"""One layout, explained: the memory of its fullest GPU and where its step time goes, beside a published run.
+
+`layout_figure(estimate, cluster)` draws one `parlab.cluster.planner.Estimate` (the planner's reading of one layout)
+as two stacked bars: memory per GPU (parameters, gradients, optimizer state, activations, ZeRO-3 buffers) against
+the GPU's capacity and its usable part, and the step time split into compute, pipeline bubble and the exposed
+communication of each dimension (`parlab.viz.planner.TERMS`). Given `published_s`, a second bar shows the
+published step time of the same layout. Lesson 07's layout explorer redraws it for every control a student moves.
+
+`published_figure(rows)` compares the planner with published runs: one group of bars per run (published, planner),
+its error written above. `rows` are (label, published seconds, Estimate).
+
+Plotly graph_objects only; pure (never communicates, never estimates: it draws what it is given).
+"""
+from __future__ import annotations
+
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+from parlab.viz.planner import TERMS
+
+__all__ = ["layout_figure", "published_figure", "MEMORY_PARTS"]
+
+GB = 1e9
+#: memory parts of an Estimate, bottom to top, with their colours
+#: (ColorBrewer Dark2, apart from the step-time colours of `TERMS` drawn beside them)
+MEMORY_PARTS = (("params_bytes", "parameters", "#1b9e77"), ("grads_bytes", "gradients", "#d95f02"),
+                ("optimizer_bytes", "optimizer state", "#7570b3"), ("activation_bytes", "activations", "#e7298a"),
+                ("buffer_bytes", "ZeRO-3 buffers", "#66a61e"))
+
+
+def layout_figure(est, cluster, title: str | None = None, published_s: float | None = None) -> go.Figure:
+    """Memory per GPU and step time of one layout (an `Estimate` of `cluster`); `published_s`: a measured step."""
+    fig = make_subplots(rows=1, cols=2, column_widths=[0.42, 0.58], horizontal_spacing=0.16,
+                        subplot_titles=("memory of the fullest GPU (GB)", "time of one step (s)"))
+    for attr, name, colour in MEMORY_PARTS:
+        value = getattr(est, attr) / GB
+        if value > 0:
+            fig.add_trace(go.Bar(x=["this layout"], y=[value], name=name, marker_color=colour, legendgroup="mem",
+                                 legendgrouptitle_text="memory", hovertemplate=f"{name}: %{{y:.1f}} GB<extra></extra>"),
+                          row=1, col=1)
+    fig.add_hline(y=cluster.gpu_mem_gb, line_dash="solid", line_color="#333", row=1, col=1,
+                  annotation_text=f"{cluster.gpu_mem_gb:g} GB GPU", annotation_position="top left")
+    fig.add_hline(y=cluster.mem_bytes / GB, line_dash="dash", line_color="#888", row=1, col=1,
+                  annotation_text="usable", annotation_position="bottom left")
+    for attr, name, colour in TERMS:
+        value = getattr(est, attr)
+        if value > 0:
+            fig.add_trace(go.Bar(x=["planner"], y=[value], name=name, marker_color=colour, legendgroup="time",
+                                 legendgrouptitle_text="step time", hovertemplate=f"{name}: %{{y:.2f}} s<extra></extra>"),
+                          row=1, col=2)
+    if published_s is not None:
+        fig.add_trace(go.Bar(x=["published"], y=[published_s], name="published step", marker_color="#222",
+                             legendgroup="time", text=[f"{published_s:g} s"], textposition="outside",
+                             hovertemplate="published: %{y:.2f} s<extra></extra>"), row=1, col=2)
+    fig.add_annotation(x="planner", y=est.step_s, text=f"{est.step_s:.2f} s", showarrow=False, yshift=12,
+                       row=1, col=2)
+    verdict = "fits" if est.fits else "does not fit"
+    fig.update_layout(barmode="stack", height=430, margin=dict(t=90, b=40, l=60, r=20),
+                      title=title or f"{est.layout}: {est.total_bytes / GB:.1f} GB per GPU ({verdict}), "
+                                     f"{est.step_s:.2f} s per step, {est.achieved_tflops:.0f} TFLOP/s per GPU (MFU)",
+                      title_font_size=14, legend=dict(groupclick="toggleitem"))
+    top = max(cluster.gpu_mem_gb, est.total_bytes / GB) * 1.15
+    fig.update_yaxes(range=[0, top], row=1, col=1)
+    return fig
+
+
+def published_figure(rows, title: str = "The planner against published step times") -> go.Figure:
+    """Grouped bars, one group per published run: (label, published seconds, Estimate) each."""
+    labels = [r[0] for r in rows]
+    pub = [r[1] for r in rows]
+    est = [r[2].step_s for r in rows]
+    err = [f"{100 * (e / p - 1):+.0f}%" for p, e in zip(pub, est)]
+    fig = go.Figure([go.Bar(x=labels, y=pub, name="published", marker_color="#222"),
+                     go.Bar(x=labels, y=est, name="planner", marker_color="#4c78a8", text=err, textposition="outside")])
+    fig.update_layout(barmode="group", title=title, title_font_size=14, height=430, yaxis_title="seconds per step",
+                      margin=dict(t=60, b=110, l=60, r=20), xaxis_tickangle=-25)
+    fig.update_yaxes(type="log", tickvals=[1, 2, 5, 10, 20, 50, 100, 200])       # 1 s (22B) to 94 s (1T)
+    return fig
