@@ -8,6 +8,8 @@ numbers do not depend on the machine.
 """
 from __future__ import annotations
 
+import argparse
+
 from parlab.cluster import transformer as T
 from parlab.cluster.published import KORTHIKANTI, KORTHIKANTI_MODELS, SELENE_PEAK_FLOPS
 
@@ -47,6 +49,8 @@ def table5() -> str:
 
 
 if __name__ == "__main__":
+    argparse.ArgumentParser(description="Korthikanti et al. tables 2 and 5 from parlab's cost model "
+                                        "(markdown tables for benchmarks/README.md)").parse_args()
     print("Activation memory per layer, micro-batch 1, MiB (16-bit):\n")
     print(table2())
     print("\nKorthikanti et al. table 5, utilisation from the published step times (A100 peak 312 TFLOP/s):\n")
