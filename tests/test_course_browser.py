@@ -8,7 +8,8 @@
   each has its kernel running (JupyterLab writes the kernel's metadata into a notebook when the kernel starts;
   the copies carry it already, `parlab.course.workspace.kernel_metadata`);
 * lesson 07's layout explorer, run in the page: every control is drawn, and moving one (tp 8 -> 4) redraws the
-  figure for the new layout;
+  figure for the new layout. The checkout's lesson 07 holds only its import cell and the explorer's two cells
+  (`_explorer_only`): the whole lesson runs once in the suite, in tests/test_viz_browser.py;
 * nothing is written into the tracked notebooks.
 
 Screenshots are left in the test's temporary folder (``start.png``, ``lesson.png``, ``exercise.png``,
@@ -23,6 +24,7 @@ import sys
 import time
 from pathlib import Path
 
+import nbformat
 import pytest
 
 from parlab.course.figcheck import CHROMIUM_ARGS, chromium_path
@@ -48,6 +50,7 @@ def lab(tmp_path_factory):
     for rel in (LESSON, EXERCISE):
         (root / rel).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(ROOT / rel, root / rel)
+    nbformat.write(_explorer_only(nbformat.read(root / LESSON, as_version=4)), str(root / LESSON))
     env = dict(os.environ, JUPYTERLAB_SETTINGS_DIR=str(tmp / "settings"), JUPYTER_RUNTIME_DIR=str(tmp / "runtime"),
                JUPYTERLAB_WORKSPACES_DIR=str(tmp / "workspaces"))       # none of this user's JupyterLab state
     cmd = [sys.executable, "-m", "parlab.cli", "course", "open", "--root", str(root), "--no-browser", "--",
@@ -70,6 +73,15 @@ def lab(tmp_path_factory):
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+def _explorer_only(nb):
+    """Lesson 07 cut to its first code cell (the imports) and the explorer's cells, which must exist."""
+    imports = next(c for c in nb.cells if c.cell_type == "code")
+    cells = [c for c in nb.cells if c.get("id") in ("explore-md", "explore-code")]
+    assert len(cells) == 2, "lesson 07 lost its explorer cells (ids explore-md, explore-code)"
+    nb.cells = [nb.cells[0], imports, *cells]
+    return nb
 
 
 def _tabs(page) -> dict[str, str]:
@@ -135,7 +147,7 @@ def _explorer_redraws(page, lesson_url: str, tmp) -> None:
         texts = [t for t in page.eval_on_selector_all(title, "els => els.map(e => e.textContent)")
                  if " per GPU (" in t]
         return texts[0] if texts else None
-    deadline = time.monotonic() + 240
+    deadline = time.monotonic() + 120
     while explorer_title() is None and time.monotonic() < deadline:
         time.sleep(0.5)
     before = explorer_title()

@@ -3,7 +3,7 @@ environment: a one-node cluster (munged + slurmctld + slurmd, `slurm_cluster.loc
 file. tests/test_faults.py covers the same code paths with SLURM's variables set by hand, in every environment.
 
 What a cluster user does, and what must hold:
-* ``sbatch --wait`` a job script written as parlab/labs/README.md says (``export MASTER_ADDR=$(scontrol show
+* ``sbatch`` a job script written as parlab/labs/README.md says (``export MASTER_ADDR=$(scontrol show
   hostnames ...)``, one ``srun -K python -m parlab.labs.NAME`` per lab): each lab trains, each task with one torch
   thread (said once), data parallel's loss equals torchrun's, and nothing is printed at exit but the labs' own lines
   (no C++ stack traces from the rendezvous store);
@@ -63,20 +63,36 @@ def test_labs_run_in_an_sbatch_job_as_under_torchrun(slurm, tmp_path):
     script = tmp_path / "labs.sbatch"
     script.write_text("#!/bin/bash\n#SBATCH --ntasks=2\n#SBATCH --time=00:10:00\n"
                       + _documented_master_addr() + "\n" + "\n".join(lines) + "\n")
-    out = subprocess.run(["sbatch", "--wait", "--output", str(tmp_path / "job.out"), str(script)], env=slurm,
-                         cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    submitted = subprocess.run(["sbatch", "--parsable", "--output", str(tmp_path / "job.out"), str(script)],
+                               env=slurm, cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert submitted.returncode == 0, submitted.stderr
+    # while the job runs: the same lab under torchrun (its loss is compared below)
+    ref = subprocess.run([PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
+                          "parlab.labs.data_parallel", *TINY], cwd=tmp_path, capture_output=True, text=True,
+                         timeout=300, env={k: v for k, v in os.environ.items() if not k.startswith("SLURM_")})
+    state = _wait_for_job(slurm, submitted.stdout.strip().split(";")[0])
     text = (tmp_path / "job.out").read_text()
-    assert out.returncode == 0, f"sbatch: {out.stdout}{out.stderr}\n{text[-4000:]}"
+    assert state == ("COMPLETED", "0:0"), f"job {state}:\n{text[-4000:]}"
     for lab in LABS:
         assert _loss(text, lab)
     assert text.count("each srun task computes with 1 torch thread") == len(LABS)     # rank 0 says it, once a lab
     assert not [n for n in NOISE if n in text], text[-4000:]
-    # under torchrun the same lab ends at the same loss: srun's tasks took the same ranks and the same data
-    ref = subprocess.run([PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
-                          "parlab.labs.data_parallel", *TINY], cwd=tmp_path, capture_output=True, text=True,
-                         timeout=300, env={k: v for k, v in os.environ.items() if not k.startswith("SLURM_")})
+    # under torchrun the same lab ended at the same loss: srun's tasks took the same ranks and the same data
     assert ref.returncode == 0, ref.stderr[-3000:]
     assert _loss(ref.stdout, "data_parallel") == _loss(text, "data_parallel")
+
+
+def _wait_for_job(env, job: str, seconds: float = 600) -> tuple[str, str]:
+    """(JobState, ExitCode) of a batch job once it has ended, polled every 0.3 s (``sbatch --wait`` polls with
+    growing sleeps of up to 10 s; this is the same answer sooner)."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        info = subprocess.run(["scontrol", "show", "job", "-o", job], env=env, capture_output=True, text=True).stdout
+        fields = dict(kv.split("=", 1) for kv in info.split() if "=" in kv)
+        if fields.get("JobState") in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"):
+            return fields["JobState"], fields.get("ExitCode", "")
+        time.sleep(0.3)
+    raise AssertionError(f"job {job} did not end within {seconds:g} s")
 
 
 def test_calibrate_under_srun_measures_once_and_writes_one_description(slurm, tmp_path):
