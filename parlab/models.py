@@ -100,7 +100,8 @@ class GPTConfig:
     def param_count(self) -> int:
         """Number of distinct parameters of ``GPT(self)``, in closed form.
 
-        A tied ``lm_head`` shares ``wte.weight`` and so adds nothing.
+        A tied ``lm_head`` shares ``wte.weight`` and so adds nothing. Equal to the cost model's count of the same
+        model, ``parlab.cluster.costs.from_gpt_config(self).param_count()`` (tested).
         """
         V, S, H, L, F_ = self.vocab_size, self.seq_len, self.n_embd, self.n_layer, self.mlp_ratio * self.n_embd
         b = 1 if self.bias else 0

@@ -16,6 +16,7 @@ import os
 import shutil
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import nbformat
@@ -58,25 +59,26 @@ def _submissions() -> dict[str, nbformat.NotebookNode]:
 def nbgrader_course(tmp_path_factory):
     """A course directory released and autograded by nbgrader, and the same hand-ins graded by parlab."""
     root = tmp_path_factory.mktemp("nbgrader-course")
-    (root / "source" / "all").mkdir(parents=True)
-    for sol in sorted((ROOT / "exercises" / "solutions").glob("*.ipynb")):
-        shutil.copy(sol, root / "source" / "all" / sol.name)
-    _nbgrader(root, "generate_assignment", "all", "--create")
-
     plain = root.parent / (root.name + "-parlab")                     # parlab grade's folder: <student>/NN.ipynb
     for student, nb in _submissions().items():
         (root / "submitted" / student / "all").mkdir(parents=True)     # the one notebook handed in
         nbformat.write(nb, str(root / "submitted" / student / "all" / f"{EX}.ipynb"))
         (plain / student).mkdir(parents=True)
         nbformat.write(nb, str(plain / student / f"{EX}.ipynb"))
-    _nbgrader(root, "autograde", "all", "--create")
+    with ThreadPoolExecutor(1) as pool:                                 # parlab grades while nbgrader works
+        parlab_grades = pool.submit(grader.grade, plain, root / "parlab-gradebook", jobs=2, progress=lambda line: None)
+        (root / "source" / "all").mkdir(parents=True)
+        for sol in sorted((ROOT / "exercises" / "solutions").glob("*.ipynb")):
+            shutil.copy(sol, root / "source" / "all" / sol.name)
+        _nbgrader(root, "generate_assignment", "all", "--create")
+        _nbgrader(root, "autograde", "all", "--create")
+        ours = {r.student: {c["grade_id"]: c["points"] * c["passed"] for c in r.checks}
+                for r in parlab_grades.result()}
     theirs = {}
     with nbgrader_api.Gradebook(f"sqlite:///{root / 'gradebook.db'}") as gb:
         for student in ("solution", "edited"):
             nb = gb.find_submission_notebook(EX, "all", student)
             theirs[student] = {g.name: g.score for g in nb.grades}
-    ours = {r.student: {c["grade_id"]: c["points"] * c["passed"] for c in r.checks}
-            for r in grader.grade(plain, root / "parlab-gradebook", jobs=2, progress=lambda line: None)}
     return root, theirs, ours
 
 

@@ -76,7 +76,10 @@ def comm_elements(psi: float, stage: int, nd: int | None = None) -> float:
 
 
 def transformer_params(h: int, n_layer: int, vocab: int) -> int:
-    """psi ~ h V + L (12 h^2 + 13 h) + 2 h for a dense GPT with tied embeddings (no position table)."""
+    """psi ~ h V + L (12 h^2 + 13 h) + 2 h for a dense GPT with tied embeddings (no position table): the course's
+    formula for the ZeRO lesson. The same count as `parlab.cluster.costs.ModelSpec.param_count` for that model
+    (tests/test_transformer_costs.py), which also counts position tables, untied heads and SwiGLU MLPs; Megatron's
+    eq. 2 (`parlab.cluster.transformer.params`) is this with the position table and without the final 2 h."""
     return h * vocab + n_layer * (12 * h * h + 13 * h) + 2 * h
 
 
