@@ -16,6 +16,7 @@ status); a new command (``plan``, ``lab``) is one more such function added to
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -217,6 +218,14 @@ def make_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except BrokenPipeError:     # `parlab plan | head`: the reader left; stop quietly, as Unix tools do
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())   # no second error when Python flushes stdout
+        return 141              # 128 + SIGPIPE, what a shell reports for a tool stopped by a closed pipe
+
+
+def _main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["plan"]:  # the planner owns its options (see parlab.cluster.planner.main)
         from parlab.cluster.planner import main as plan_main

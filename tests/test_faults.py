@@ -542,3 +542,13 @@ def test_the_folder_of_a_killed_notebook_is_swept_by_the_next_run(tmp_path, monk
     (tmp_path / "parlab-run-other").mkdir()                              # not ours by name: untouched
     assert parlab.run(_noop, 2, echo=False).results == [0, 1]
     assert sorted(os.listdir(tmp_path)) == sorted([f"parlab-run-{os.getpid()}-live", "parlab-run-other"])
+
+
+def test_plan_into_a_closed_pipe_stops_quietly():
+    """`parlab plan | head -1`: the reader may leave before parlab writes. Here it has left before parlab starts
+    (the read end is closed at once), so the very first write meets a closed pipe: no traceback, status 141."""
+    proc = subprocess.Popen([sys.executable, "-m", "parlab.cli", "plan", "--nodes", "8"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    proc.stdout.close()
+    err = proc.stderr.read()
+    assert proc.wait(timeout=120) == 141 and err == "", err

@@ -193,3 +193,21 @@ def test_interleaving_divides_the_bubble_by_v_and_keeps_more_activations():
         estimate(GPT3, MEGATRON, 1536, tp=8, pp=8, zero=1, virtual=5)
     with pytest.raises(ValueError, match="virtual must be a positive integer"):
         estimate(GPT3, MEGATRON, 1536, tp=8, pp=8, virtual=0)
+
+
+def test_plan_command_tries_the_recomputation_settings_asked_for(capsys):
+    """`parlab plan --recompute selective --no-sp`: every row selective (rc column "s"); without --no-sp the activations
+    shrink by sequence parallelism; a setting that does not exist is refused by argparse in one line."""
+    from parlab.cluster.planner import main
+    argv = ["--model", "gpt3-175b", "--nodes", "16", "--top", "3"]
+
+    def rc_column():
+        rows = [line for line in capsys.readouterr().out.splitlines() if "|" in line and line.split()[0].isdigit()]
+        return [line.split("|")[0].split()[-1] for line in rows]
+    assert main(argv + ["--recompute", "selective", "--no-sp"]) == 0
+    assert rc_column() == ["s"] * 3
+    assert main(argv + ["--recompute", "none"]) == 0
+    assert rc_column() == ["n"] * 3
+    with pytest.raises(SystemExit) as stop:
+        main(argv + ["--recompute", "partial"])
+    assert stop.value.code == 2 and "invalid choice: 'partial'" in capsys.readouterr().err

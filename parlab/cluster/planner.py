@@ -66,6 +66,7 @@ __all__ = ["Estimate", "estimate", "enumerate_layouts", "plan", "explain", "form
 
 GB = 1e9
 DIMS = ("tp", "cp", "dp", "pp")
+RC_MARK = {"none": "n", "selective": "s", "full": "y"}      # the table's rc column
 
 
 @dataclass(frozen=True)
@@ -198,8 +199,9 @@ def _divisors(n: int) -> list[int]:
 
 def enumerate_layouts(model: ModelSpec, cluster: Cluster, global_batch: int, *, micro_batches=(1, 2, 4, 8),
                       zero_stages=(0, 1, 2, 3), recompute=(False, True), cp_max: int = 8,
-                      min_cp_chunk: int = 4096) -> list[Estimate]:
+                      min_cp_chunk: int = 4096, sequence_parallel: bool = True) -> list[Estimate]:
     """Every valid layout with its estimate, fitting or not (see `plan` for the ranked fitting ones).
+    `recompute`: the recomputation settings tried (False / "none", "selective", True / "full").
 
     Context parallelism (cp > 1) is tried only while each rank keeps at least `min_cp_chunk` tokens of
     the sequence: the cost model charges CP for its K/V ring (less traffic than TP's all-reduces) but
@@ -225,7 +227,8 @@ def enumerate_layouts(model: ModelSpec, cluster: Cluster, global_batch: int, *, 
                     for z in (z for z in zero_stages if z == 0 or dp * cp > 1):   # ZeRO needs dp*cp > 1
                         for rc in recompute:
                             out.append(estimate(model, cluster, global_batch, tp=tp, pp=pp, cp=cp,
-                                                micro_batch=b, zero=z, recompute=rc))
+                                                micro_batch=b, zero=z, recompute=rc,
+                                                sequence_parallel=sequence_parallel))
     if not out:
         raise ValueError(
             f"no valid layout for {model.name} on {world} GPUs with global batch {global_batch}: the batch must be "
@@ -296,7 +299,7 @@ def format_table(estimates: list[Estimate], top: int | None = 10) -> str:
         states = e.params_bytes + e.grads_bytes + e.optimizer_bytes
         x = {d: "*" if e.crosses[d] and e.volume[d] else " " for d in DIMS}
         rows.append(f"{i:>3} {e.tp:>3} {e.pp:>3} {e.dp:>4} {e.cp:>2} {e.micro_batch:>2} {e.micro_batches:>4} "
-                    f"{e.zero:>1} {'y' if e.recompute else 'n':>2} | {states / GB:>7.1f} "
+                    f"{e.zero:>1} {RC_MARK[e.recomputation]:>2} | {states / GB:>7.1f} "
                     f"{e.activation_bytes / GB:>6.1f} {e.total_bytes / GB:>8.1f} | {e.compute_s:>7.2f} "
                     f"{e.bubble_s:>6.2f} {e.tp_s:>5.2f}{x['tp']} {e.dp_s:>5.2f}{x['dp']} {e.pp_s:>5.2f}{x['pp']} "
                     f"{e.cp_s:>5.2f}{x['cp']} {e.step_s:>7.2f} {e.achieved_tflops:>6.0f} "
@@ -357,6 +360,9 @@ def main(argv=None) -> int:
     p.add_argument("--tflops", type=float, default=c.peak_tflops, help="peak dense 16-bit TFLOP/s per GPU")
     p.add_argument("--mfu", type=float, default=c.mfu, help="fraction of peak the matmuls reach")
     p.add_argument("--global-batch", type=int, default=None, help="sequences per step (default 2 x GPUs)")
+    p.add_argument("--recompute", nargs="+", choices=T.RECOMPUTE, default=list(T.RECOMPUTE),
+                   help="activation recomputation settings to try (rc column: n, s, y)")
+    p.add_argument("--no-sp", action="store_true", help="tensor parallelism without sequence parallelism")
     p.add_argument("--top", type=int, default=10)
     a = p.parse_args(argv)
     for k in ("layers", "hidden", "heads", "vocab", "seq", "global_batch", "top", "nodes", "gpus_per_node"):
@@ -376,8 +382,9 @@ def main(argv=None) -> int:
             model = ModelSpec(**{**base.__dict__, **custom}) if custom else base
         cluster = Cluster(a.nodes, a.gpus_per_node, a.gpu_mem_gb, a.intra_gbps, a.inter_gbps, a.tflops, a.mfu)
         batch = a.global_batch or 2 * cluster.world
-        every = enumerate_layouts(model, cluster, batch)
-        ranked = plan(model, cluster, batch)
+        options = dict(recompute=tuple(dict.fromkeys(a.recompute)), sequence_parallel=not a.no_sp)
+        every = enumerate_layouts(model, cluster, batch, **options)
+        ranked = plan(model, cluster, batch, **options)
     except ValueError as err:
         print(f"error: {err}")
         return 2
