@@ -541,7 +541,10 @@ def test_the_folder_of_a_killed_notebook_is_swept_by_the_next_run(tmp_path, monk
     (tmp_path / f"parlab-run-{os.getpid()}-live").mkdir()                # a live process's folder stays
     (tmp_path / "parlab-run-other").mkdir()                              # not ours by name: untouched
     assert parlab.run(_noop, 2, echo=False).results == [0, 1]
-    assert sorted(os.listdir(tmp_path)) == sorted([f"parlab-run-{os.getpid()}-live", "parlab-run-other"])
+    # (torch's inductor makes its cache folder in the temporary folder the first time a process imports torch._dynamo,
+    # which parlab.run does before forking: when this test runs first in its process, that folder appears here too)
+    left = sorted(n for n in os.listdir(tmp_path) if not n.startswith("torchinductor_"))
+    assert left == sorted([f"parlab-run-{os.getpid()}-live", "parlab-run-other"])
 
 
 def test_plan_into_a_closed_pipe_stops_quietly():

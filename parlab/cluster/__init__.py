@@ -18,6 +18,7 @@ Read in this order:
 * ``published.py``  published training runs as data (Korthikanti et al. tables 3 and 5) to hold the estimates to.
 * ``planner.py``    the layout search over (dp, tp, pp, cp, micro-batches, ZeRO stage, recomputation):
                      ``parlab plan``.
+* ``plan_report.py`` the planner's answers as text: the ranked table, bytes per dimension, why the best is best.
 * ``calibrate/``    measuring this machine (compute, messages, costs inside a real step) into a `Hardware`.
 
 The virtual cluster reads traces and models, never a technique's internals. This face imports nothing, so
