@@ -254,10 +254,10 @@ def build(root: str | Path = ROOT, check: bool = False) -> list[Path]:
     Generated notebooks whose solution no longer exists are reported as stale too."""
     root = Path(root)
     solutions = sorted((root / "exercises" / "solutions").glob("*.ipynb"))
-    stale = [s for s in solutions if _write_if_changed(s, dumps(make_source(read(s), s.name)), check)]
+    sources = {s: make_source(read(s), s.name) for s in solutions}
+    stale = [s for s in solutions if _write_if_changed(s, dumps(sources[s]), check)]
     stale += [root / "exercises" / s.name for s in solutions
-              if _write_if_changed(root / "exercises" / s.name,
-                                   dumps(make_exercise(make_source(read(s), s.name), s.name)), check)]
+              if _write_if_changed(root / "exercises" / s.name, dumps(make_exercise(sources[s], s.name)), check)]
     names = {s.name for s in solutions}
     stale += [p for p in sorted((root / "exercises").glob("*.ipynb")) if p.name not in names]
     return stale
