@@ -154,10 +154,9 @@ def estimate(model: ModelSpec, cluster: Cluster, global_batch: int, *, tp: int =
     psi_stage = model.stage_params(tp, pp)
     states = model_state_bytes(psi_stage, nd, zero)
     layers = max(len(r) for r in split_layers(model.layers, pp))   # the fullest stage's layers (L / pp if pp | L)
-    in_flight = min(pp, m)
-    act = layers * in_flight * T.activation_bytes_per_layer(model, micro_batch, tp, sequence_parallel, rc, cp)
-    if virtual > 1:    # interleaving keeps more micro-batches' chunks in flight on the first stage ([2] eq. 6)
-        act *= 1 + (pp - 1) / (pp * virtual)
+    # min(pp, m) micro-batches in flight, (1 + (pp - 1)/(pp v)) times more when interleaved ([2] eq. 6)
+    act = T.first_stage_activation_bytes(model, micro_batch, tp, pp, virtual, m, sequence_parallel, rc, cp,
+                                         stage_layers=layers)
     if rc == "full":   # the layer being recomputed holds its full set for a moment
         act += T.activation_bytes_per_layer(model, micro_batch, tp, sequence_parallel, "none", cp)
     buffers = 2 * BYTES_16BIT * model.layer_params(tp) if zero == 3 else 0.0
@@ -169,7 +168,7 @@ def estimate(model: ModelSpec, cluster: Cluster, global_batch: int, *, tp: int =
     tokens = global_batch * s
     flops = T.hardware_flops(model, global_batch, rc)          # what the GPUs execute, recomputation included
     compute = flops / (world * cluster.peak_tflops * 1e12 * cluster.mfu)
-    f = bubble_formula("interleaved", pp, m, virtual) if virtual > 1 else bubble_formula("1f1b", pp, m)
+    f = bubble_formula("interleaved", pp, m, virtual)  # (pp - 1)/(v m + pp - 1) of the step; v = 1: 1F1B's
     bubble = f / (1 - f) * compute                    # (pp - 1) / (v m) relative to the ideal step
     act_msg = BYTES_16BIT * s * micro_batch * h / cp  # one micro-batch's activations of one layer, on a CP rank
     vol = {

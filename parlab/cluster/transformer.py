@@ -146,15 +146,16 @@ def activation_bytes_per_layer(model, micro_batch: int, tp: int = 1, sequence_pa
 
 def first_stage_activation_bytes(model, micro_batch: int, tp: int = 1, pp: int = 1, virtual: int = 1,
                                  micro_batches: int | None = None, sequence_parallel: bool = False,
-                                 recompute="none", cp: int = 1) -> float:
+                                 recompute="none", cp: int = 1, stage_layers: int | None = None) -> float:
     """Activations the first pipeline stage holds at its peak ([2] section 4.2.3): 1F1B keeps min(p, m)
     micro-batches in flight on l / p layers, so about l layers' worth when m >= p; the interleaved schedule with
     v chunks per rank keeps (1 + (p - 1) / (p v)) times that ([2] eq. 6). Layers only: the embedding's
-    dropout mask and the output layer's activations are left out (under 1% of this for the table 3 models)."""
+    dropout mask and the output layer's activations are left out (under 1% of this for the table 3 models).
+    `stage_layers`: the first stage's layers when pp does not divide l (default l / p)."""
     if pp < 1 or virtual < 1:
         raise ValueError(f"pp ({pp}) and virtual ({virtual}) must be at least 1")
     m = pp if micro_batches is None else micro_batches
     per_layer = activation_bytes_per_layer(model, micro_batch, tp, sequence_parallel, recompute, cp)
-    in_flight = min(pp, m) / pp
-    factor = 1 + (pp - 1) / (pp * virtual) if virtual > 1 else 1.0
-    return model.layers * in_flight * per_layer * factor
+    stage = model.layers / pp if stage_layers is None else stage_layers
+    factor = 1 + (pp - 1) / (pp * virtual) if virtual > 1 else 1.0    # [2] eq. 6 holds for interleaving only
+    return stage * min(pp, m) * per_layer * factor
