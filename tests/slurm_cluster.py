@@ -18,6 +18,8 @@ import subprocess
 import time
 from pathlib import Path
 
+from net import free_port
+
 DAEMONS = ("munged", "mungekey", "slurmctld", "slurmd", "srun", "sbatch", "sinfo", "scontrol")
 
 
@@ -35,11 +37,6 @@ def unavailable() -> str | None:
         return "slurmd must run as root to start tasks as the submitting user; run the tests as root (as CI does)"
     return None
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 CONF = """\
@@ -83,7 +80,7 @@ def local_slurm(root: Path, cpus: int | None = None):
     host = socket.gethostname().split(".")[0]           # slurmd takes its node name from the short host name
     conf = root / "slurm.conf"
     conf.write_text(CONF.format(host=host, root=root, cpus=cpus or os.cpu_count() or 2,
-                                ctld_port=_free_port(), d_port=_free_port()))
+                                ctld_port=free_port(), d_port=free_port()))
     env = dict(os.environ, SLURM_CONF=str(conf))
     for k in [k for k in env if k.startswith(("SLURM_", "SBATCH_", "SRUN_")) and k != "SLURM_CONF"]:
         del env[k]                                       # a test run inside a SLURM job must not leak its job in

@@ -18,7 +18,6 @@ Screenshots are left in the test's temporary folder (``start.png``, ``lesson.png
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -27,6 +26,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
+from net import free_port
 from parlab.course.figcheck import CHROMIUM_ARGS, chromium_path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -35,11 +35,6 @@ EXPLORER_CONTROLS = ("model", "GPU", "GPUs", "tp", "pp", "cp", "batch", "micro-b
 
 pytestmark = pytest.mark.skipif(chromium_path() is None, reason="needs Debian's chromium: apt-get install chromium")
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +49,7 @@ def lab(tmp_path_factory):
     env = dict(os.environ, JUPYTERLAB_SETTINGS_DIR=str(tmp / "settings"), JUPYTER_RUNTIME_DIR=str(tmp / "runtime"),
                JUPYTERLAB_WORKSPACES_DIR=str(tmp / "workspaces"))       # none of this user's JupyterLab state
     cmd = [sys.executable, "-m", "parlab.cli", "course", "open", "--root", str(root), "--no-browser", "--",
-           f"--port={_free_port()}", "--ServerApp.port_retries=0"]
+           f"--port={free_port()}", "--ServerApp.port_retries=0"]
     proc = subprocess.Popen(cmd, cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url, seen = None, []
     deadline = time.monotonic() + 120

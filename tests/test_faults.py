@@ -5,7 +5,6 @@ import math
 import os
 import pickle
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,6 +17,8 @@ import parlab
 from parlab import RankError, RankKilled, RankTimeout, cli, launch
 from parlab.launch import child
 from parlab.parallel.data import DistributedDataParallel
+
+from net import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
@@ -339,11 +340,6 @@ def test_results_are_moved_to_the_cpu(monkeypatch):
 
 
 # ---------------------------------------------------------------------- init under srun without torchrun
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 SRUN_SCRIPT = """
 import torch, parlab
@@ -388,7 +384,7 @@ def _srun_tasks(tmp_path, n, job, **env):
     the store; leaving first, it made a peer still polling print a "recvValue failed" stack trace at exit (2 runs
     in 8 before rank 0 waited for the others), so every srun run of this file checks for that noise, as does every
     step under a real srun in tests/test_slurm.py."""
-    port = _free_port()
+    port = free_port()
     procs = [subprocess.Popen(_script(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                               env=_slurm_env(SLURM_NTASKS=n, SLURM_STEP_NUM_TASKS=n, SLURM_PROCID=r, SLURM_LOCALID=r,
                                              SLURM_JOB_ID=job, MASTER_ADDR="127.0.0.1", MASTER_PORT=port, **env))
