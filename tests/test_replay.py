@@ -366,7 +366,7 @@ def test_scaleup_recosts_every_action_with_the_big_model_and_keeps_the_schedule(
     p, m = 2, 4
     tr = parlab.run(_pipeline_pattern, p, p, m, trace=True, echo=False).trace
     model = model_preset("llama-7b")
-    hw = preset("dgx-h100").with_(efficiency=1.0)
+    hw = preset("dgx-h100").with_(efficiency=1.0, sms=None)       # products by their FLOPs (waves: test_step_costs)
     out = scaleup(tr, model, hw, Layout(tp=8, pp=p, dp=4, micro_batch=1))
     assert "as llama-7b (64 GPUs)" in out.hardware
     fwd = [e for e in out.events if e.op == "forward" and "stage 0 " in e.label]
@@ -391,6 +391,8 @@ def test_scaleup_recosts_every_action_with_the_big_model_and_keeps_the_schedule(
         sch.bubble_formula("1f1b", p, m), abs=1e-12)
     with pytest.raises(ValueError, match="has 2 ranks but the layout has pp=4"):
         scaleup(tr, model, hw, Layout(tp=8, pp=4))
+    with pytest.raises(ValueError, match="2 virtual stages but the layout says pp=2 x virtual=2"):
+        scaleup(tr, model, hw, Layout(tp=8, pp=2, virtual=2))
     with pytest.raises(ValueError, match="recompute must be"):
         Layout(recompute="some")
 

@@ -51,6 +51,11 @@ A `Hardware` is a few numbers per GPU (plain data, JSON in and out), enough for 
   PERFORMANCE.md counts them): a collective over N ranks takes ``base_latency + steps x hop_latency +
   factor x X / bandwidth`` on the slowest link its group crosses (NVLink inside a node, InfiniBand across
   nodes); `collective_time` has the factors and steps of each op, ring and (for all-reduce across nodes) tree.
+  Inside a node a transfer sustains ``intra_bw x intra_efficiency``: the presets take NCCL's own planning figure
+  for an NVLink link (20 of its 25 GB/s on A100), since nccl-tests never reach the datasheet's rate.
+* matrix products by shape (`gemm_time`, with `sms`): a GEMM runs in waves of output tiles, one tile per SM at
+  a time, so a product whose tiles leave the last wave part-empty costs more than its FLOPs say (module
+  constant GEMM_TILE; NVIDIA's "Matrix Multiplication Background" guide, section 3).
 * inside a step (`comm_delay`; a CPU's description only): every transfer ends `comm_delay` seconds later than
   the link model says, without keeping a rank busy: a rank that blocks in the call, or waits for it, waits that
   much longer; compute issued meanwhile hides it; the group's next collective starts after it (gloo and NCCL run
@@ -85,7 +90,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 
 from parlab.trace.wire import RING
 
-__all__ = ["Hardware", "PRESETS", "preset", "load", "COLLECTIVE_FACTORS"]
+__all__ = ["Hardware", "PRESETS", "preset", "load", "COLLECTIVE_FACTORS", "GEMM_TILE"]
 
 # NCCL's own latency model (src/graph/tuning.cc, NCCL 2.x, Ring algorithm with the Simple protocol that large
 # messages use): a base latency per collective of 8.4 us and a per-step hardware latency of 5.7 us over NVLink /
@@ -128,6 +133,8 @@ class Hardware:
     p2p_cpu: float | None = None    # comm_cpu of an asynchronous message (None: comm_cpu)
     # dense tensor-core FLOP/s per number format ("bf16", "fp8", ...; `at`); a dict, so left out of the hash
     precision_flops: dict | None = field(default=None, hash=False)
+    sms: int | None = None          # streaming multiprocessors: GEMMs are timed by waves of tiles (`gemm_time`)
+    intra_efficiency: float = 1.0   # fraction of intra_bw a transfer inside a node sustains (NCCL's own figure)
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -139,7 +146,10 @@ class Hardware:
             v = getattr(self, k)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0 or math.isnan(v):
                 raise ValueError(f"hardware {self.name!r}: {k} must be a positive rate (per second), got {v!r}")
-        for k in ("efficiency", "mem_efficiency"):
+        if self.sms is not None and (isinstance(self.sms, bool) or not isinstance(self.sms, int) or self.sms < 1):
+            raise ValueError(f"hardware {self.name!r}: sms must be a positive integer (streaming multiprocessors) "
+                             f"or None, got {self.sms!r}")
+        for k in ("efficiency", "mem_efficiency", "intra_efficiency"):
             v = getattr(self, k)
             if not (isinstance(v, (int, float)) and 0 < v <= 1):
                 raise ValueError(f"hardware {self.name!r}: {k} is a fraction in (0, 1], got {v!r}")
@@ -256,9 +266,35 @@ class Hardware:
         plain = min(plain_kernels, kernels) if self.plain_kernel_overhead is not None else 0
         return t + (kernels - plain) * self.kernel_overhead + plain * (self.plain_kernel_overhead or 0.0)
 
+    def gemm_time(self, m: int, n: int, k: int, batch: int = 1) -> float:
+        """Seconds of a matrix product (m x k) @ (k x n), `batch` of them, at the kernel-level `efficiency`.
+
+        Without `sms`: its 2 m n k batch FLOPs at peak_flops x efficiency. With `sms`, by tiles and waves (NVIDIA,
+        "Matrix Multiplication Background User's Guide", DU-09799-001, 2023, section 3, tile and wave
+        quantization): the output is cut into GEMM_TILE tiles (256 x 128, the guide's example of a cuBLAS tile on
+        A100), each SM computes one tile at a time, and every tile costs a full tile's work, so
+
+            tiles = batch x ceil(m / 256) x ceil(n / 128),   waves = ceil(tiles / sms)
+            time  = waves x sms x 2 x 256 x 128 x k / (peak_flops x efficiency)
+
+        which equals the FLOP count at peak x efficiency when the tiles fill whole waves, and is up to twice as
+        long when a last wave is nearly empty (e.g. 288 tiles on 108 SMs: 3 waves, 89% of their slots used)."""
+        if min(m, n, k, batch) <= 0:
+            return 0.0
+        rate = self.peak_flops * self.efficiency
+        if self.sms is None:
+            return 2.0 * m * n * k * batch / rate
+        tm, tn = GEMM_TILE
+        tiles = batch * math.ceil(m / tm) * math.ceil(n / tn)
+        waves = math.ceil(tiles / self.sms)
+        return waves * self.sms * 2.0 * tm * tn * k / rate
+
     def link(self, crosses_nodes: bool) -> tuple[float, float]:
-        """(bandwidth in bytes/s, latency per step in s) of the slowest link a group uses."""
-        return (self.inter_bw, self.inter_latency) if crosses_nodes else (self.intra_bw, self.intra_latency)
+        """(bandwidth in bytes/s, latency per step in s) of the slowest link a group uses; inside a node the
+        bandwidth a transfer sustains, intra_bw x intra_efficiency."""
+        if crosses_nodes:
+            return self.inter_bw, self.inter_latency
+        return self.intra_bw * self.intra_efficiency, self.intra_latency
 
     def collective_time(self, op: str, nbytes: float, n: int, crosses_nodes: bool = False, nodes: int = 1,
                         algorithm: str = "auto") -> float:
@@ -297,6 +333,10 @@ class Hardware:
         return tree if algorithm == "tree" else min(ring, tree)
 
 
+#: output tile of one GEMM thread block, (rows, columns): the example of NVIDIA's "Matrix Multiplication Background
+#: User's Guide" (section 3.2, wave quantization on an A100's 108 SMs), used by `Hardware.gemm_time`
+GEMM_TILE = (256, 128)
+
 #: (algorithm steps, bytes factor on the payload) of each op: the byte model of the trace (`parlab.trace.wire.RING`)
 COLLECTIVE_FACTORS = RING
 
@@ -319,7 +359,12 @@ def _dgx_a100() -> Hardware:
         # dense tensor-core rates, A100 80GB SXM (NVIDIA A100 datasheet; its "with sparsity" figures are twice
         # these): TF32 156, BF16 = FP16 312, FP64 19.5 TFLOP/s; no FP8 tensor cores
         precision_flops={"fp64": 19.5e12, "tf32": 156e12, "bf16": 312e12, "fp16": 312e12},
-        source="NVIDIA A100 datasheet, DGX A100 user guide; NCCL tuning.cc latencies")
+        sms=108,                # A100: 108 streaming multiprocessors (NVIDIA A100 Tensor Core GPU architecture whitepaper)
+        # NCCL plans an NVLink 3 link at 20 GB/s per direction (src/graph/topo.h, SM80_NVLINK_BW 20.0) of its 25:
+        # 12 links x 20 = 240 of the 300 GB/s the datasheet's figure gives
+        intra_efficiency=20.0 / 25.0,
+        source="NVIDIA A100 datasheet and whitepaper, DGX A100 user guide; NCCL tuning.cc latencies, topo.h "
+               "NVLink bandwidth")
 
 
 def _dgx_h100() -> Hardware:
@@ -340,7 +385,12 @@ def _dgx_h100() -> Hardware:
         # dense tensor-core rates, H100 SXM (NVIDIA H100 datasheet, whose TF32, BF16, FP16 and FP8 figures are
         # with sparsity, twice these): FP64 67, TF32 494.5, BF16 = FP16 989, FP8 1,979 TFLOP/s
         precision_flops={"fp64": 67e12, "tf32": 494.5e12, "bf16": 989e12, "fp16": 989e12, "fp8": 1979e12},
-        source="NVIDIA H100 datasheet, DGX H100 user guide; NCCL tuning.cc latencies")
+        sms=132,                # H100 SXM: 132 streaming multiprocessors (NVIDIA H100 Tensor Core GPU architecture)
+        # NCCL plans an NVLink 4 link at 20.6 GB/s per direction (src/graph/topo.h, SM90_NVLINK_BW 20.6) of its
+        # 25: 18 links x 20.6 = 371 of the 450 GB/s the datasheet's figure gives
+        intra_efficiency=20.6 / 25.0,
+        source="NVIDIA H100 datasheet and architecture whitepaper, DGX H100 user guide; NCCL tuning.cc latencies, "
+               "topo.h NVLink bandwidth")
 
 
 PRESETS: dict[str, Hardware] = {"dgx-a100": _dgx_a100(), "dgx-h100": _dgx_h100()}

@@ -52,7 +52,8 @@ References
 from __future__ import annotations
 
 __all__ = ["RECOMPUTE", "recompute_mode", "params", "model_flops", "hardware_flops", "training_flops_6nd", "mfu", "hfu",
-           "activation_bytes_per_layer", "first_stage_activation_bytes", "BYTES_16BIT"]
+           "activation_bytes_per_layer", "first_stage_activation_bytes", "layer_gemms", "head_gemms", "backward_gemms",
+           "BYTES_16BIT"]
 
 BYTES_16BIT = 2
 RECOMPUTE = ("none", "selective", "full")
@@ -85,6 +86,41 @@ def _layer_terms(model) -> tuple[float, float, float]:
     l, h, s, f = model.layers, model.hidden, model.seq, model.ffn
     dense = 8 * s * h * h + (6 if model.swiglu else 4) * s * h * f       # QKV + proj, MLP (24 s h^2 at f = 4h)
     return dense, 4 * s * s * h, 2 * s * h * model.vocab / l
+
+
+def layer_gemms(model, b: int, tp: int = 1, cp: int = 1) -> list[tuple[str, int, int, int, int]]:
+    """The matrix products of one layer's forward on one of tp x cp GPUs for b sequences, as (name, m, n, k,
+    batch): `batch` products (m x k) @ (k x n). T = b s / cp tokens; a / tp heads of d = h / a channels each
+    (Megatron's column-parallel QKV and MLP-in, row-parallel projection and MLP-out):
+
+        qkv     T x h     @ h x 3h/tp          scores  (b a/tp) x  s/cp x d  @ d x s
+        proj    T x h/tp  @ h/tp x h           values  (b a/tp) x  s/cp x s  @ s x d
+        mlp_in  T x h     @ h x kf/tp  (k = 1 GELU, 2 SwiGLU: gate and up)
+        mlp_out T x f/tp  @ f/tp x h
+
+    2 m n k batch summed over them is 2 T (4 h^2 + (k + 1) h f) / tp + 4 b s^2 h / (tp cp): the layer FLOPs of
+    the module docstring on one GPU."""
+    s, h, f, a = model.seq, model.hidden, model.ffn, model.heads
+    T, d = b * s // cp, h // a
+    heads = b * a // tp
+    gate = 2 if model.swiglu else 1
+    return [("qkv", T, 3 * h // tp, h, 1), ("scores", s // cp, s, d, heads), ("values", s // cp, d, s, heads),
+            ("proj", T, h, h // tp, 1), ("mlp_in", T, gate * f // tp, h, 1), ("mlp_out", T, h, f // tp, 1)]
+
+
+def head_gemms(model, b: int, tp: int = 1, cp: int = 1) -> list[tuple[str, int, int, int, int]]:
+    """The last stage's output layer: the logits T x h @ h x V/tp (a vocabulary-parallel head)."""
+    return [("logits", b * model.seq // cp, model.vocab // tp, model.hidden, 1)]
+
+
+def backward_gemms(gemms) -> list[tuple[str, int, int, int, int]]:
+    """The backward's two products for each forward product Y = X W (m x k @ k x n): the input gradient
+    dX = dY W^T (m x n @ n x k) and the weight gradient dW = X^T dY (k x m @ m x n); each as many FLOPs as the
+    forward, so the backward is twice the forward. An attention product's two are both input gradients."""
+    out = []
+    for name, m, n, k, batch in gemms:
+        out += [(f"{name} dgrad", m, k, n, batch), (f"{name} wgrad", k, n, m, batch)]
+    return out
 
 
 def model_flops(model, batch: int) -> float:

@@ -43,7 +43,8 @@ from typing import Iterator
 from parlab.parallel.pipeline.schedules import Action, Schedule, ScheduleError
 from parlab.parallel.pipeline.simulation import message_order, message_sequence
 
-__all__ = ["Post", "merged_plan", "pair_plans", "serialised_run", "check_serialised", "POSTINGS", "QUEUES"]
+__all__ = ["Post", "merged_plan", "pair_plans", "serialised_run", "check_serialised", "POSTINGS", "QUEUES",
+           "needs_remote", "produces_remote"]
 
 POSTINGS = ("merged", "per-pair")
 QUEUES = ("rank", "pair")
@@ -91,16 +92,18 @@ def _host(schedule: Schedule, rank: int) -> Iterator[tuple[str, Post | None]]:
     """The executor's host program on `rank` as ("need", recv) / ("produce", send) / ("drain", None) steps."""
     S, pl = schedule.stages, schedule.placement
     for a in schedule.actions[rank]:
-        need = _needs_remote(a, S, pl, rank)
+        need = needs_remote(a, S, pl, rank)
         if need is not None:
             yield "need", need
-        made = _produces_remote(a, S, pl, rank)
+        made = produces_remote(a, S, pl, rank)
         if made is not None:
             yield "produce", made
     yield "drain", None
 
 
-def _needs_remote(a: Action, S: int, pl, rank: int) -> Post | None:
+def needs_remote(a: Action, S: int, pl, rank: int) -> Post | None:
+    """The message action `a` on `rank` waits for from another rank (a receive), or None: a forward of stage s > 0
+    needs act(s) from stage s - 1, a backward (or B_input) of s < S - 1 needs grad(s) from s + 1."""
     if a.kind == "F" and a.stage > 0 and pl[a.stage - 1] != rank:
         return Post("recv", pl[a.stage - 1], ("act", a.stage, a.mb))
     if a.kind in "BI" and a.stage < S - 1 and pl[a.stage + 1] != rank:
@@ -108,7 +111,8 @@ def _needs_remote(a: Action, S: int, pl, rank: int) -> Post | None:
     return None
 
 
-def _produces_remote(a: Action, S: int, pl, rank: int) -> Post | None:
+def produces_remote(a: Action, S: int, pl, rank: int) -> Post | None:
+    """The message action `a` on `rank` hands to another rank (a send), or None: the mirror of `needs_remote`."""
     if a.kind == "F" and a.stage < S - 1 and pl[a.stage + 1] != rank:
         return Post("send", pl[a.stage + 1], ("act", a.stage + 1, a.mb))
     if a.kind in "BI" and a.stage > 0 and pl[a.stage - 1] != rank:

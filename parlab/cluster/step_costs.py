@@ -1,0 +1,290 @@
+"""What each step of a big model's pipeline program costs on a layout: the one cost model the replay re-times with.
+
+`parlab.cluster.scaleup` replays a pipeline program (traced from a tiny run, or built from its schedule by
+`parlab.cluster.pipeline_program`) as a named model; `StepCosts` says how long every step of it takes. A
+`Layout` is how the model is laid out (tp x cp x dp x pp GPUs, virtual stages, micro-batch, recomputation,
+sequence parallelism, distributed optimizer, overlap, number format).
+
+Compute of one action (forward, backward, B_input, B_weight of a virtual stage holding n layers):
+
+    matrix products   every GEMM of the layer (`transformer.layer_gemms`: QKV, scores, values, projection, MLP)
+                      timed by its shape on the hardware (`Hardware.gemm_time`: tiles in waves over the SMs at
+                      the kernel-level efficiency); the backward runs each product's input- and weight-gradient
+                      GEMMs (`transformer.backward_gemms`); the last stage adds the logits
+    memory-bound ops  their bytes at the memory bandwidth x mem_efficiency (below)
+    recomputation     full: the forward again before the backward (products, bytes and its TP communication);
+                      selective: the attention scores, their softmax and dropout (Korthikanti et al. 2022)
+    TP communication  per layer and forward: 2 all-reduces of the (b, s/cp, h) 16-bit activations over tp, or
+                      with sequence parallelism 2 all-gathers + 2 reduce-scatters of the same tensor (the same
+                      bytes, twice the calls); the backward the same again, and with sequence parallelism the 2
+                      all-gathers of the layer's inputs once more (Megatron keeps the input's sequence shard and
+                      gathers it again for the weight gradient). Serial with the compute (Megatron without
+                      overlap); with `tp_overlap` the backward's communication hides behind the weight-gradient
+                      GEMMs and only what exceeds them is exposed (Megatron-LM's asynchronous TP all-reduce and
+                      all-gather in the linear layers' backward).
+
+Memory-bound ops (`layer_forward_bytes`): the layer's layer norms, residual adds, dropouts, softmax and GeLU
+move their inputs and outputs through HBM (16-bit elements, 1-byte dropout masks). Per layer and forward, with
+E = b s h / cp elements of one hidden state (/ tp as well with sequence parallelism, which splits these ops
+along the sequence: Korthikanti et al. 2022, section 4.2.2), A = a b s^2 / (tp cp) of one attention-score
+tensor and F = b s f / (tp cp) of the MLP's hidden layer:
+
+    2 layer norms      2 x (2E read + 2E written)            =  8E
+    2 residual adds    2 x (4E read + 2E written)            = 12E
+    2 dropouts         2 x (2E read + 2E written + E mask)   = 10E   (dropout=True, Megatron's GPT runs)
+    softmax            2A read + 2A written                  =  4A
+    attention dropout  2A read + 2A written + A mask         =  5A   (dropout=True)
+    GeLU               2F read + 2F written                  =  4F   (SwiGLU: SiLU 4F + the product 6F = 10F)
+
+the op list of a Megatron layer as Calculon builds it (calculon/llm/llm.py `_build_attn_block` /
+`_build_mlp_block`, commit caa4b11) with the tensor sizes of Korthikanti et al. 2022, section 4.1. The backward
+moves the same bytes again (Calculon's layers.py: the activation-gradient traffic of LayerNorm, SoftMax, DropOut,
+GeLU equals their forward's) and, with recomputation, the recomputed part's forward bytes once more (selective:
+softmax and attention dropout only, 4A + 5A). The last stage adds its final norm (4E) and the logits' softmax
+(2 bytes x b s V / tp read and written).
+
+Messages: a pipeline message is 2 b s h / (tp cp) bytes (Megatron's scatter/gather between stages, Narayanan et
+al. 2021 section 4.1) on the link the pp group crosses; the tied-embedding gradient exchange 2 V h / tp bytes.
+
+Data parallelism and the optimizer, per rank and step, over the parameters psi of the stages it holds (/ tp):
+
+    gradient sync     an all-reduce of 2 psi bytes over dp x cp ranks; with `distributed_optimizer` (ZeRO-1 over
+                      dp, Megatron's distributed optimizer) a reduce-scatter of the gradients and an all-gather of
+                      the updated 16-bit weights instead (the same bytes); with `dp_overlap` it runs beside the
+                      rank's last backward and only what exceeds it is exposed
+    Adam              a memory-bound pass: per parameter the fp32 gradient read (4 B), the fp32 master weight,
+                      momentum and variance read and written (3 x 8 B), the 16-bit weight written (2 B):
+                      OPTIMIZER_BYTES_PER_PARAM = 30 (Rajbhandari et al., ZeRO, section 3.1: 2 + 2 + 12 bytes of
+                      state); / dp with the distributed optimizer
+
+Number format: `precision` "bf16" (the default: the hardware's peak_flops) or another the hardware lists
+(`Hardware.at`, e.g. "fp8" on H100) for the matrix products; activations and messages stay 16-bit.
+Pure Python: no torch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from parlab.cluster import transformer as T
+from parlab.cluster.costs import BYTES_16BIT, ModelSpec
+from parlab.cluster.hardware import Hardware
+from parlab.parallel.pipeline.schedules import split_layers
+
+__all__ = ["Layout", "StepCosts", "layer_forward_flops", "layer_forward_bytes", "attention_core_bytes",
+           "OPTIMIZER_BYTES_PER_PARAM"]
+
+#: bytes one mixed-precision Adam step moves per parameter (module docstring)
+OPTIMIZER_BYTES_PER_PARAM = 30
+_MASK_BYTES = 1                      # a dropout mask element (Korthikanti et al. 2022, section 4.1)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How the big model is laid out: tp x cp x dp x pp GPUs, `virtual` model chunks per pipeline rank
+    (interleaved 1F1B), b sequences per micro-batch, recomputation, sequence parallelism, the distributed
+    optimizer, communication overlap and the number format of the products (module docstring)."""
+
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    cp: int = 1
+    micro_batch: int = 1
+    recompute: str = "none"          # "none" | "full" | "selective"
+    sequence_parallel: bool = False
+    virtual: int = 1                 # model chunks per pipeline rank (1: plain 1F1B / GPipe / ZB-H1)
+    distributed_optimizer: bool = False
+    tp_overlap: bool = False         # the backward's TP communication hidden behind weight-gradient GEMMs
+    dp_overlap: bool = False         # the gradient sync beside the rank's last backward
+    precision: str = "bf16"
+
+    def __post_init__(self):
+        for k in ("tp", "pp", "dp", "cp", "micro_batch", "virtual"):
+            v = getattr(self, k)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"layout {k} must be a positive integer, got {v!r}")
+        if self.recompute not in T.RECOMPUTE:
+            raise ValueError(f"recompute must be 'none', 'full' or 'selective', got {self.recompute!r}")
+        for k in ("sequence_parallel", "distributed_optimizer", "tp_overlap", "dp_overlap"):
+            if not isinstance(getattr(self, k), bool):
+                raise ValueError(f"layout {k} must be True or False, got {getattr(self, k)!r}")
+        if not isinstance(self.precision, str) or not self.precision:
+            raise ValueError(f"precision names a number format such as 'bf16' or 'fp8', got {self.precision!r}")
+        if self.virtual > 1 and self.pp < 2:
+            raise ValueError(f"virtual={self.virtual} interleaves model chunks over pipeline ranks: it needs pp >= 2")
+
+    @property
+    def gpus(self) -> int:
+        return self.tp * self.pp * self.dp * self.cp
+
+
+def layer_forward_flops(m: ModelSpec, b: int, tp: int = 1, cp: int = 1) -> float:
+    """Forward FLOPs of one layer on one of tp x cp GPUs for b sequences: 2 b s (4 h^2 + k h f) + 4 b s^2 h,
+    all / (tp cp) (k = 2 for a GELU MLP, 3 for SwiGLU; the s^2 term is q k^T and the weighted sum of v)."""
+    return sum(2.0 * mm * n * k * batch for _, mm, n, k, batch in T.layer_gemms(m, b, tp, cp))
+
+
+def attention_core_bytes(m: ModelSpec, b: int, tp: int = 1, cp: int = 1, dropout: bool = True) -> float:
+    """Forward bytes of one layer's attention-score ops (softmax 4A, its dropout 5A; module docstring) on one of
+    tp x cp GPUs for b sequences: A = a b s^2 / (tp cp) elements."""
+    A = m.heads * b * m.seq * m.seq / (tp * cp)
+    return 2 * BYTES_16BIT * A + ((2 * BYTES_16BIT + _MASK_BYTES) * A if dropout else 0.0)
+
+
+def layer_forward_bytes(m: ModelSpec, b: int, tp: int = 1, cp: int = 1, sequence_parallel: bool = False,
+                        dropout: bool = True) -> float:
+    """Forward bytes of one layer's memory-bound ops (norms, residual adds, dropouts, softmax, GeLU / SwiGLU;
+    module docstring) on one of tp x cp GPUs for b sequences."""
+    E = b * m.seq * m.hidden / (cp * (tp if sequence_parallel else 1))     # one hidden state (b, s/cp, h)
+    F = b * m.seq * m.ffn / (tp * cp)                                      # the MLP's hidden layer (b, s/cp, f/tp)
+    norms = 2 * (2 * BYTES_16BIT * E)
+    residual = 2 * (3 * BYTES_16BIT * E)
+    drops = 2 * ((2 * BYTES_16BIT + _MASK_BYTES) * E) if dropout else 0.0
+    act = (5 if m.swiglu else 2) * BYTES_16BIT * F
+    return norms + residual + drops + act + attention_core_bytes(m, b, tp, cp, dropout)
+
+
+class StepCosts:
+    """Seconds of every step of `model`'s pipeline program, laid out as `layout` on `hardware`, with the layers
+    split over `stages` virtual stages (`split_layers`): `action(op, stage)` for a forward / backward /
+    backward_input / backward_weight, `message(tied)`, and per rank `grad_sync(stages)` and `optimizer(stages)`.
+    memory_ops: cost the memory-bound ops' bytes; dropout: the model trains with dropout (Megatron's GPT)."""
+
+    def __init__(self, model: ModelSpec, hardware: Hardware, layout: Layout, stages: int, *,
+                 memory_ops: bool = True, dropout: bool = True):
+        if not isinstance(model, ModelSpec):
+            raise ValueError(f"model must be a parlab.cluster.costs.ModelSpec (e.g. parlab.cluster.costs.preset("
+                             f"'gpt3-175b')), got {type(model).__name__}")
+        if not isinstance(layout, Layout):
+            raise ValueError(f"layout must be a parlab.cluster.step_costs.Layout, got {type(layout).__name__}")
+        if stages > model.layers:
+            raise ValueError(f"the pipeline has {stages} stages but {model.name} has {model.layers} layers")
+        self.model, self.layout, self.stages = model, layout, stages
+        self.hw = hardware if layout.precision == "bf16" else hardware.at(layout.precision)
+        self.layers = [len(r) for r in split_layers(model.layers, stages)]
+        b, tp, cp, sp = layout.micro_batch, layout.tp, layout.cp, layout.sequence_parallel
+        s, h = model.seq, model.hidden
+        self.act_bytes = BYTES_16BIT * b * s * h / cp                 # one micro-batch's (b, s/cp, h) on a CP rank
+        gemms = T.layer_gemms(model, b, tp, cp)
+        self.t_fwd_gemm = sum(self.hw.gemm_time(*g[1:]) for g in gemms)
+        bwd = T.backward_gemms(gemms)
+        self.t_dgrad = sum(self.hw.gemm_time(*g[1:]) for g in bwd if g[0].endswith("dgrad"))
+        self.t_wgrad = sum(self.hw.gemm_time(*g[1:]) for g in bwd if g[0].endswith("wgrad")
+                           and g[0].split()[0] in ("qkv", "proj", "mlp_in", "mlp_out"))
+        self.t_dgrad += sum(self.hw.gemm_time(*g[1:]) for g in bwd if g[0].endswith("wgrad")
+                            and g[0].split()[0] in ("scores", "values"))   # both attention products: input grads
+        self.t_core = sum(self.hw.gemm_time(*g[1:]) for g in gemms if g[0] in ("scores", "values"))
+        head = T.head_gemms(model, b, tp, cp)
+        self.t_head_fwd = sum(self.hw.gemm_time(*g[1:]) for g in head)
+        self.t_head_bwd = sum(self.hw.gemm_time(*g[1:]) for g in T.backward_gemms(head))
+        mem = self.hw.mem_bw * self.hw.mem_efficiency
+        self.t_mem = layer_forward_bytes(model, b, tp, cp, sp, dropout) / mem if memory_ops else 0.0
+        self.t_mem_core = attention_core_bytes(model, b, tp, cp, dropout) / mem if memory_ops else 0.0
+        # the last stage: final norm (4E) and the logits' softmax, (b, s/cp, V/tp) read and written
+        self.t_mem_head = (2 * BYTES_16BIT * b * s * h / (cp * (tp if sp else 1))
+                           + 2 * BYTES_16BIT * b * s * model.vocab / (tp * cp)) / mem if memory_ops else 0.0
+        self.grid_nodes = self._placement(hardware)
+        self._actions: dict[tuple[str, int], float] = {}
+
+    # ------------------------------------------------------------------ placement and links
+    def _placement(self, hardware: Hardware):
+        """Megatron's rank order on a tp x cp x dp x pp grid: which groups cross nodes."""
+        from parlab.parallel.topology import ParallelGrid
+        lay = self.layout
+        grid = ParallelGrid(lay.gpus, tp=lay.tp, pp=lay.pp, cp=lay.cp, dp=lay.dp,
+                            gpus_per_node=min(hardware.gpus_per_node, lay.gpus))
+        nodes = lambda g: len({grid.node_of(r) for r in g})
+        self.tp_nodes = nodes(grid.group_of(0, "tp"))
+        self.pp_cross = nodes(grid.group_of(0, "pp")) > 1
+        self.dp_nodes = nodes(grid.group_of(0, "cp-dp"))
+        return grid.num_nodes
+
+    def _tp(self, op: str) -> float:
+        tp = self.layout.tp
+        if tp == 1:
+            return 0.0
+        return self.hw.collective_time(op, self.act_bytes, tp, self.tp_nodes > 1, self.tp_nodes)
+
+    def tp_forward(self) -> float:
+        """Exposed TP communication of one layer's forward: 2 all-reduces, or 2 all-gathers + 2 reduce-scatters."""
+        if self.layout.sequence_parallel:
+            return 2 * (self._tp("all_gather") + self._tp("reduce_scatter"))
+        return 2 * self._tp("all_reduce")
+
+    def tp_backward(self) -> float:
+        """TP communication of one layer's backward (before overlap): the forward's calls mirrored, plus with
+        sequence parallelism the 2 all-gathers of the inputs again."""
+        extra = 2 * self._tp("all_gather") if self.layout.sequence_parallel else 0.0
+        return self.tp_forward() + extra
+
+    # ------------------------------------------------------------------ actions
+    def action(self, op: str, stage: int) -> float:
+        """Seconds of one action (forward, backward, backward_input, backward_weight) of virtual stage `stage`
+        for one micro-batch, its exposed TP communication included."""
+        key = (op, stage)
+        if key not in self._actions:                             # a program asks for each one m times
+            self._actions[key] = self._action(op, stage)
+        return self._actions[key]
+
+    def _action(self, op: str, stage: int) -> float:
+        n, last = self.layers[stage], stage == self.stages - 1
+        rc = self.layout.recompute
+        fwd = n * (self.t_fwd_gemm + self.t_mem + self.tp_forward()) + (
+            self.t_head_fwd + self.t_mem_head if last else 0.0)
+        if op == "forward":
+            return fwd
+        redo = {"none": 0.0, "full": fwd - (self.t_head_fwd + self.t_mem_head if last else 0.0),
+                "selective": n * (self.t_core + self.t_mem_core)}[rc]
+        comm = self.tp_backward()
+        wgrad = self.t_wgrad
+        exposed = max(0.0, comm - wgrad) if self.layout.tp_overlap else comm
+        t_in = n * (self.t_dgrad + self.t_mem + exposed) + (self.t_head_bwd / 2 + self.t_mem_head if last else 0.0)
+        t_w = n * wgrad + (self.t_head_bwd / 2 if last else 0.0)
+        if op == "backward":
+            return redo + t_in + t_w
+        if op == "backward_input":
+            return redo + t_in
+        if op == "backward_weight":
+            return t_w
+        raise ValueError(f"no cost for pipeline action {op!r}; actions: forward, backward, backward_input, "
+                         f"backward_weight")
+
+    def message(self, tied: bool = False) -> float:
+        """One pipeline message (2 b s h / (tp cp) bytes), or the tied-embedding gradient (2 V h / tp)."""
+        tp = self.layout.tp
+        nbytes = BYTES_16BIT * self.model.vocab * self.model.hidden / tp if tied else self.act_bytes / tp
+        return self.hw.collective_time("send", nbytes, 2, self.pp_cross)
+
+    # ------------------------------------------------------------------ per rank, once per step
+    def stage_params(self, stage: int) -> float:
+        """Parameters of virtual stage `stage` on one of its tp GPUs: its layers, the embedding on the first
+        stage, the output layer's own parameters (the final norm; the tied head shares the embedding) on the last."""
+        tp, m = self.layout.tp, self.model
+        return (self.layers[stage] * m.layer_params(tp) + (m.embedding_params(tp) if stage == 0 else 0.0)
+                + (m.head_params(tp) if stage == self.stages - 1 else 0.0))
+
+    def grad_sync(self, stages) -> float:
+        """The gradient sync of a rank holding virtual `stages` over its dp x cp replicas (module docstring),
+        before any overlap."""
+        n = self.layout.dp * self.layout.cp
+        if n == 1:
+            return 0.0
+        psi = sum(self.stage_params(s) for s in stages)
+        cross = self.dp_nodes > 1
+        if self.layout.distributed_optimizer:
+            return (self.hw.collective_time("reduce_scatter", BYTES_16BIT * psi, n, cross, self.dp_nodes)
+                    + self.hw.collective_time("all_gather", BYTES_16BIT * psi, n, cross, self.dp_nodes))
+        return self.hw.collective_time("all_reduce", BYTES_16BIT * psi, n, cross, self.dp_nodes)
+
+    def exposed_grad_sync(self, stages) -> float:
+        """What the step waits for of the gradient sync: all of it, or with `dp_overlap` what exceeds the rank's
+        last backward (of its first virtual stage, the last it runs)."""
+        t = self.grad_sync(stages)
+        if not self.layout.dp_overlap or not t:
+            return t
+        return max(0.0, t - self.action("backward", min(stages)))
+
+    def optimizer(self, stages) -> float:
+        """Adam over the parameters of `stages` on one GPU (/ dp with the distributed optimizer)."""
+        psi = sum(self.stage_params(s) for s in stages)
+        share = self.layout.dp if self.layout.distributed_optimizer else 1
+        return self.hw.compute_time(0.0, OPTIMIZER_BYTES_PER_PARAM * psi / share)

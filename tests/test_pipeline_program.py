@@ -1,0 +1,154 @@
+"""The pipeline program built from a schedule (parlab.cluster.pipeline_program) against a traced run of the same
+schedule, and the step cost model (parlab.cluster.step_costs) the scale-up replay re-times it with."""
+import math
+
+import pytest
+import torch
+
+import parlab
+from parlab.cluster.costs import preset as model_preset
+from parlab.cluster.hardware import GEMM_TILE, preset
+from parlab.cluster.pipeline_program import pipeline_trace
+from parlab.cluster.published import KORTHIKANTI
+from parlab.cluster.replay import step_time
+from parlab.cluster.scaleup import Layout, scaleup
+from parlab.cluster.step_costs import OPTIMIZER_BYTES_PER_PARAM, StepCosts
+from parlab.models import GPT, GPTConfig
+from parlab.parallel import pipeline as sch
+from parlab.parallel.pipeline import PipelineParallel
+
+CFG = GPTConfig(vocab_size=32, seq_len=8, n_layer=8, n_head=2, n_embd=16)
+SCHEDULES = {"1f1b": lambda p, m: sch.one_f_one_b(p, m), "interleaved": lambda p, m: sch.interleaved_1f1b(p, m, 2),
+             "zb-h1": lambda p, m: sch.zero_bubble_h1(p, m), "gpipe": lambda p, m: sch.gpipe(p, m)}
+
+
+def _step(name, p, m):
+    x = torch.randint(CFG.vocab_size, (m, CFG.seq_len), generator=torch.Generator().manual_seed(0))   # (m, S)
+    PipelineParallel(GPT(CFG, seed=0), SCHEDULES[name](p, m)).step(x, x)
+
+
+def _program(trace):
+    """Each rank's steps in order, without times: what a replay keeps of a trace."""
+    return sorted((e.rank, e.start, e.kind, e.op, e.label, e.asynchronous, e.waited is not None) for e in trace.events)
+
+
+def _order(trace):
+    by_rank = {}
+    for e in sorted(trace.events, key=lambda e: (e.rank, e.start)):
+        by_rank.setdefault(e.rank, []).append((e.kind, e.op, e.label, e.asynchronous))
+    return by_rank
+
+
+@pytest.mark.parametrize("name,p,m", [("1f1b", 2, 4), ("interleaved", 2, 4), ("zb-h1", 3, 6)])
+def test_the_built_program_is_the_traced_program_and_replays_to_the_same_time(name, p, m):
+    traced = parlab.run(_step, p, name, p, m, trace=True, echo=False).trace
+    built = pipeline_trace(SCHEDULES[name](p, m))
+    assert _order(built) == _order(traced)          # the same steps, in the same order, on every rank
+    v = 2 if name == "interleaved" else 1
+    model, hw = model_preset("gpt3-175b"), preset("dgx-a100")
+    layout = Layout(tp=8, pp=p, dp=4, micro_batch=1, recompute="selective", sequence_parallel=True, virtual=v)
+    a, b = scaleup(traced, model, hw, layout), scaleup(built, model, hw, layout)
+    # the same costs summed in the same program order: equal to float rounding
+    assert step_time(b) == pytest.approx(step_time(a), rel=1e-12)
+    assert step_time(scaleup(SCHEDULES[name](p, m), model, hw, layout)) == pytest.approx(step_time(a), rel=1e-12)
+
+
+def test_a_built_program_needs_a_schedule():
+    with pytest.raises(ValueError, match="needs a parlab.parallel.pipeline.Schedule"):
+        pipeline_trace("1f1b")
+    with pytest.raises(ValueError, match="a parlab.Trace of a PipelineParallel step or a"):
+        scaleup([1, 2], model_preset("gpt3-175b"), preset("dgx-a100"), Layout(pp=2))
+
+
+def test_gemm_time_counts_waves_of_tiles_over_the_sms():
+    hw = preset("dgx-a100")
+    rate = hw.peak_flops * hw.efficiency
+    tm, tn = GEMM_TILE
+    # 8 x 36 = 288 tiles on 108 SMs: 3 waves, the last one 2/3 full
+    assert hw.gemm_time(2048, 4608, 12288) == pytest.approx(3 * 108 * 2 * tm * tn * 12288 / rate, rel=1e-12)
+    assert hw.gemm_time(2048, 4608, 12288) > 2 * 2048 * 4608 * 12288 / rate
+    # 108 x 16 tiles fill 16 waves exactly: the FLOP count at peak x efficiency
+    m, n = 108 * tm, 16 * tn
+    assert hw.gemm_time(m, n, 4096) == pytest.approx(2 * m * n * 4096 / rate, rel=1e-12)
+    assert hw.with_(sms=None).gemm_time(2048, 4608, 12288) == pytest.approx(2 * 2048 * 4608 * 12288 / rate)
+    assert hw.gemm_time(0, 4608, 12288) == 0.0
+    with pytest.raises(ValueError, match="sms must be a positive integer"):
+        hw.with_(sms=0)
+
+
+def test_nvlink_transfers_run_at_nccls_planned_bandwidth():
+    hw = preset("dgx-a100")
+    assert hw.link(False)[0] == pytest.approx(240e9)          # 12 links x 20 GB/s (NCCL topo.h)
+    assert hw.link(True)[0] == hw.inter_bw
+    with pytest.raises(ValueError, match="intra_efficiency is a fraction"):
+        hw.with_(intra_efficiency=1.5)
+
+
+def test_an_interleaved_rank_pays_the_sync_and_the_optimizer_of_all_its_stages():
+    model, hw = model_preset("gpt3-175b"), preset("dgx-a100")
+    lay = Layout(tp=8, pp=2, dp=4, virtual=2)
+    out = scaleup(sch.interleaved_1f1b(2, 4, 2), model, hw, lay)
+    costs = StepCosts(model, hw, lay, 4)
+    opt = {e.rank: e.duration for e in out.events if e.op == "optimizer"}
+    assert opt[0] == pytest.approx(costs.optimizer({0, 2}), rel=1e-12)
+    assert opt[1] == pytest.approx(costs.optimizer({1, 3}), rel=1e-12)
+    psi = costs.stage_params(0) + costs.stage_params(2)
+    assert opt[0] == pytest.approx(OPTIMIZER_BYTES_PER_PARAM * psi / (hw.mem_bw * hw.mem_efficiency), rel=1e-12)
+    sync = {e.rank: e.duration for e in out.events if e.label == "dp grads (virtual)"}
+    assert sync[0] == pytest.approx(costs.grad_sync({0, 2}), rel=1e-12) and sync[0] > costs.grad_sync({0})
+    # the last virtual stage (3, on rank 1) carries the logits: 24 layers each, it alone is longer
+    fwd = {s: costs.action("forward", s) for s in range(4)}
+    assert fwd[0] == pytest.approx(fwd[1]) and fwd[3] > fwd[2]
+    assert fwd[3] - fwd[2] == pytest.approx(costs.t_head_fwd + costs.t_mem_head, rel=1e-9)
+
+
+def test_layout_options_change_the_costs_they_name():
+    model, hw = model_preset("gpt3-175b"), preset("dgx-a100")
+    base = StepCosts(model, hw, Layout(tp=8, pp=2, dp=8), 2)
+    zero1 = StepCosts(model, hw, Layout(tp=8, pp=2, dp=8, distributed_optimizer=True), 2)
+    assert zero1.optimizer({0}) == pytest.approx(base.optimizer({0}) / 8, rel=1e-12)   # each rank updates 1/dp
+    assert zero1.grad_sync({0}) > 0 and base.grad_sync({0}) > 0
+    over = StepCosts(model, hw, Layout(tp=8, pp=2, dp=8, tp_overlap=True), 2)
+    assert over.action("forward", 0) == base.action("forward", 0)       # the forward's all-reduces stay serial
+    assert over.action("backward", 0) < base.action("backward", 0)      # the backward's hide behind wgrad GEMMs
+    dpo = StepCosts(model, hw, Layout(tp=8, pp=2, dp=8, dp_overlap=True), 2)
+    assert dpo.exposed_grad_sync({0}) == pytest.approx(max(0.0, base.grad_sync({0}) - base.action("backward", 0)))
+    assert base.exposed_grad_sync({0}) == base.grad_sync({0})
+    h100 = preset("dgx-h100")
+    fp8 = StepCosts(model, h100, Layout(tp=8, pp=2, precision="fp8"), 2)
+    bf16 = StepCosts(model, h100, Layout(tp=8, pp=2), 2)
+    assert fp8.t_fwd_gemm == pytest.approx(bf16.t_fwd_gemm * 989 / 1979, rel=1e-12)   # dense TFLOP/s (datasheet)
+    with pytest.raises(ValueError, match="DGX A100 has no 'fp8' rate"):
+        StepCosts(model, hw, Layout(tp=8, pp=2, precision="fp8"), 2)
+    for bad, msg in ((dict(virtual=0), "virtual must be a positive integer"),
+                     (dict(virtual=2), "needs pp >= 2"),
+                     (dict(tp_overlap="yes"), "tp_overlap must be True or False"),
+                     (dict(precision=""), "precision names a number format")):
+        with pytest.raises(ValueError, match=msg):
+            Layout(**bad)
+    with pytest.raises(ValueError, match="has 96 layers"):
+        StepCosts(model, hw, Layout(pp=2), 97)
+
+
+def test_sequence_parallel_gathers_the_inputs_again_in_the_backward():
+    model, hw = model_preset("gpt3-175b"), preset("dgx-a100")
+    sp = StepCosts(model, hw, Layout(tp=8, sequence_parallel=True), 1)
+    ag, rs = sp._tp("all_gather"), sp._tp("reduce_scatter")
+    assert sp.tp_forward() == pytest.approx(2 * (ag + rs))
+    assert sp.tp_backward() == pytest.approx(2 * (ag + rs) + 2 * ag)
+
+
+@pytest.mark.parametrize("run", KORTHIKANTI[:4], ids=lambda r: r.label)
+def test_the_replay_of_korthikanti_table_5_is_within_ten_percent(run):
+    # the 22B and 175B rows (the 530B and 1T ones take seconds each: benchmarks/cost_model.py replays all 8);
+    # the paper's layouts, the interleaving Megatron ran (3 chunks per rank for 175B, Calculon's validation
+    # configuration), nothing fitted to these rows: the acceptance bound of issue 31, not a tolerance of ours
+    lay = run.layout
+    v = 3 if run.model_name == "175B" else 1
+    m = lay["global_batch"] // lay["dp"]
+    schedule = sch.interleaved_1f1b(lay["pp"], m, v) if v > 1 else sch.one_f_one_b(lay["pp"], m)
+    layout = Layout(tp=lay["tp"], pp=lay["pp"], dp=lay["dp"], recompute=run.recompute,
+                    sequence_parallel=run.sequence_parallel, virtual=v)
+    t = step_time(scaleup(schedule, run.model, preset("dgx-a100"), layout))
+    assert abs(t / run.step_s - 1) <= 0.10
+    assert math.isfinite(t)
