@@ -6,12 +6,18 @@
 Read in this order:
 
 * ``formulas.py``   the closed forms lesson 00 quotes: speed-up, efficiency, training FLOPs, GPU-days (no torch).
-* ``hardware.py``   `Hardware`: how fast a GPU computes and how fast its links move bytes (DGX A100 / H100
-                     presets, each number cited; or this machine, measured by ``calibrate/``).
+* ``hardware.py``   `Hardware`: how fast a GPU computes (GEMMs in waves of tiles) and how fast its links move
+                     bytes (DGX A100 / H100 presets, each number cited; or this machine, measured by
+                     ``calibrate/``); ``hardware_checks.py`` the rules a description must satisfy.
 * ``program.py``    a trace turned into per-rank programs: the ordered steps a replay re-times.
 * ``replay.py``     `replay(trace, hardware)`: every rank's program re-timed on the hardware model, its waits
                      and overlaps kept; an ordinary trace comes back, drawn like any other.
-* ``scaleup.py``    a tiny pipeline run replayed as a named model (GPT-3 175B) on a big cluster.
+* ``pipeline_program.py`` a pipeline step's program (every rank's actions, messages and waits) built from its
+                     schedule, as a trace of the executor would record it, without running ranks.
+* ``step_costs.py`` `Layout` and `StepCosts`: what every step of a big model's pipeline program costs (GEMMs by
+                     shape, memory-bound ops, TP communication, recomputation, messages, gradient sync, Adam).
+* ``scaleup.py``    a pipeline program (traced tiny run, or built) replayed as a named model (GPT-3 175B, GPT 1T)
+                     on a big cluster.
 * ``transformer.py`` the arithmetic of a dense GPT, one formula per function: parameters (Megatron eq. 2), model
                      and hardware FLOPs (eqs. 3, 7, 8), MFU and HFU, activations per layer (Korthikanti table 2).
 * ``costs.py``      the cost model of one training step: model and cluster presets, per-GPU memory and time.

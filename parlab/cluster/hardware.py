@@ -88,6 +88,7 @@ import json
 import math
 from dataclasses import asdict, dataclass, field, fields, replace
 
+from parlab.cluster.hardware_checks import check
 from parlab.trace.wire import RING
 
 __all__ = ["Hardware", "PRESETS", "preset", "load", "COLLECTIVE_FACTORS", "GEMM_TILE"]
@@ -137,64 +138,7 @@ class Hardware:
     intra_efficiency: float = 1.0   # fraction of intra_bw a transfer inside a node sustains (NCCL's own figure)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.name, str) or not self.name:
-            raise ValueError(f"hardware name must be a non-empty string, got {self.name!r}")
-        if isinstance(self.gpus_per_node, bool) or not isinstance(self.gpus_per_node, int) or self.gpus_per_node < 1:
-            raise ValueError(f"hardware {self.name!r}: gpus_per_node must be a positive integer, "
-                             f"got {self.gpus_per_node!r}")
-        for k in ("peak_flops", "mem_bw", "intra_bw", "inter_bw"):
-            v = getattr(self, k)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0 or math.isnan(v):
-                raise ValueError(f"hardware {self.name!r}: {k} must be a positive rate (per second), got {v!r}")
-        if self.sms is not None and (isinstance(self.sms, bool) or not isinstance(self.sms, int) or self.sms < 1):
-            raise ValueError(f"hardware {self.name!r}: sms must be a positive integer (streaming multiprocessors) "
-                             f"or None, got {self.sms!r}")
-        for k in ("efficiency", "mem_efficiency", "intra_efficiency"):
-            v = getattr(self, k)
-            if not (isinstance(v, (int, float)) and 0 < v <= 1):
-                raise ValueError(f"hardware {self.name!r}: {k} is a fraction in (0, 1], got {v!r}")
-        if self.mfu is not None and not (isinstance(self.mfu, (int, float)) and not isinstance(self.mfu, bool)
-                                         and 0 < self.mfu <= 1):
-            raise ValueError(f"hardware {self.name!r}: mfu is a fraction in (0, 1] or None, got {self.mfu!r}")
-        if self.cache_bw is not None and (isinstance(self.cache_bw, bool) or not isinstance(self.cache_bw, (int, float))
-                                          or not self.cache_bw > 0):
-            raise ValueError(f"hardware {self.name!r}: cache_bw must be a positive rate (bytes/s) or None, "
-                             f"got {self.cache_bw!r}")
-        cb = self.cache_bytes
-        if isinstance(cb, bool) or not isinstance(cb, (int, float)) or not cb >= 0:
-            raise ValueError(f"hardware {self.name!r}: cache_bytes must be a size >= 0 in bytes, got {cb!r}")
-        if self.bmm_flops is not None and (isinstance(self.bmm_flops, bool)
-                                           or not isinstance(self.bmm_flops, (int, float)) or not self.bmm_flops > 0):
-            raise ValueError(f"hardware {self.name!r}: bmm_flops must be a positive rate (FLOP/s) or None, "
-                             f"got {self.bmm_flops!r}")
-        if self.special_rate is not None and (isinstance(self.special_rate, bool) or not isinstance(
-                self.special_rate, (int, float)) or not self.special_rate > 0):
-            raise ValueError(f"hardware {self.name!r}: special_rate must be a positive rate (results per second) or "
-                             f"None, got {self.special_rate!r}")
-        if not isinstance(self.comm_overlap, bool):
-            raise ValueError(f"hardware {self.name!r}: comm_overlap must be true or false, got {self.comm_overlap!r}")
-        if self.p2p_bw is not None and not (isinstance(self.p2p_bw, (int, float)) and self.p2p_bw > 0):
-            raise ValueError(f"hardware {self.name!r}: p2p_bw must be a positive rate or None, got {self.p2p_bw!r}")
-        if (isinstance(self.comm_streams, bool) or not isinstance(self.comm_streams, int)
-                or self.comm_streams < 1):
-            raise ValueError(f"hardware {self.name!r}: comm_streams must be a positive integer (collectives of one "
-                             f"group in flight at once), got {self.comm_streams!r}")
-        for k in ("kernel_overhead", "base_latency", "intra_latency", "inter_latency", "comm_delay", "comm_cpu"):
-            v = getattr(self, k)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0:
-                raise ValueError(f"hardware {self.name!r}: {k} must be a time >= 0 in seconds, got {v!r}")
-        if self.precision_flops is not None:
-            if not isinstance(self.precision_flops, dict) or not all(
-                    isinstance(k, str) and not isinstance(v, bool) and isinstance(v, (int, float)) and v > 0
-                    for k, v in self.precision_flops.items()):
-                raise ValueError(f"hardware {self.name!r}: precision_flops maps a number format to a positive "
-                                 f"FLOP/s, e.g. {{'bf16': 312e12}}, got {self.precision_flops!r}")
-        for k, like in (("plain_kernel_overhead", "kernel_overhead"), ("p2p_delay", "comm_delay"),
-                        ("p2p_cpu", "comm_cpu")):
-            v = getattr(self, k)
-            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0):
-                raise ValueError(f"hardware {self.name!r}: {k} must be a time >= 0 in seconds or None (the same as "
-                                 f"{like}), got {v!r}")
+        check(self)
 
     # ------------------------------------------------------------------ JSON
     def to_dict(self) -> dict:
