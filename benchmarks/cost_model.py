@@ -1,17 +1,26 @@
 """The cost model against the papers: Korthikanti et al. table 2 (activation memory per layer) for the four table 3
-models, and table 5's MFU and HFU recomputed from its published step times.
+models, table 5's MFU and HFU recomputed from its published step times, and table 5's eight step times replayed.
 
     python benchmarks/cost_model.py            # markdown tables for benchmarks/README.md
+    python benchmarks/cost_model.py --no-replay    # tables 2 and 5 only (a fraction of a second)
 
-Pure arithmetic (parlab.cluster.transformer, parlab.cluster.published): it runs in a fraction of a second and its
-numbers do not depend on the machine.
+Pure arithmetic (parlab.cluster.transformer, published, pipeline_program, scaleup): the numbers do not depend on
+the machine; the replay's own run time (last column) does.
 """
 from __future__ import annotations
 
 import argparse
+import time
 
 from parlab.cluster import transformer as T
-from parlab.cluster.published import KORTHIKANTI, KORTHIKANTI_MODELS, SELENE_PEAK_FLOPS
+from parlab.cluster.costs import Cluster
+from parlab.cluster.hardware import preset
+from parlab.cluster.planner import estimate
+from parlab.cluster.published import (CALCULON_TABLE5, KORTHIKANTI, KORTHIKANTI_MODELS, KORTHIKANTI_VIRTUAL,
+                                      SELENE_PEAK_FLOPS)
+from parlab.cluster.replay import step_time
+from parlab.cluster.scaleup import Layout, scaleup
+from parlab.parallel import pipeline as sch
 
 ROWS = [("no parallelism", 1, False, "none", "sbh(34 + 5as/h)"),
         ("tensor parallel", None, False, "none", "sbh(10 + 24/t + 5as/ht)"),
@@ -48,10 +57,67 @@ def table5() -> str:
     return "\n".join(lines)
 
 
+def layout_of(run) -> tuple:
+    """The schedule and Layout table 5's run used: micro-batch 1, m = global batch / dp, its interleaving."""
+    lay, v = run.layout, KORTHIKANTI_VIRTUAL[run.model_name]
+    m = lay["global_batch"] // lay["dp"]
+    schedule = sch.interleaved_1f1b(lay["pp"], m, v) if v > 1 else sch.one_f_one_b(lay["pp"], m)
+    return schedule, Layout(tp=lay["tp"], pp=lay["pp"], dp=lay["dp"], recompute=run.recompute,
+                            sequence_parallel=run.sequence_parallel, virtual=v)
+
+
+def planner_step(run, hw) -> float:
+    lay = run.layout
+    _, layout = layout_of(run)
+    cluster = Cluster(nodes=max(1, lay["gpus"] // hw.gpus_per_node), gpus_per_node=min(hw.gpus_per_node, lay["gpus"]),
+                      intra_gbps=hw.intra_bw / 1e9, inter_gbps=hw.inter_bw / 1e9, peak_tflops=hw.peak_flops / 1e12,
+                      mfu=hw.end_to_end_mfu)
+    return estimate(run.model, cluster, lay["global_batch"], tp=layout.tp, pp=layout.pp, micro_batch=1, zero=0,
+                    recompute=run.recompute, sequence_parallel=run.sequence_parallel, virtual=layout.virtual).step_s
+
+
+def table5_replay() -> str:
+    """Table 5's step times replayed on the DGX A100 preset from programs built from the paper's schedules, with
+    each first-principles factor switched off in turn, Calculon's estimates and the planner's beside them."""
+    a100 = preset("dgx-a100")
+    variants = {"replay": a100, "no waves": a100.with_(sms=None), "NVLink at 300 GB/s": a100.with_(intra_efficiency=1.0),
+                "neither (before)": a100.with_(sms=None, intra_efficiency=1.0)}
+    lines = ["| run | published | replay | without waves | NVLink at 300 GB/s | neither | Calculon | planner | "
+             "replay run time |", "|---|---|---|---|---|---|---|---|---|"]
+    errs = {k: [] for k in (*variants, "Calculon", "planner")}
+    for run in KORTHIKANTI:
+        schedule, layout = layout_of(run)
+        cells = []
+        for name, hw in variants.items():
+            t0 = time.perf_counter()
+            t = step_time(scaleup(schedule, run.model, hw, layout))
+            secs = time.perf_counter() - t0 if name == "replay" else secs
+            errs[name].append(t / run.step_s - 1)
+            cells.append(f"{t:.2f} ({t / run.step_s - 1:+.1%})")
+        calc = CALCULON_TABLE5[run.model_name][0 if run.recompute == "full" else 1]
+        plan = planner_step(run, a100)
+        errs["Calculon"].append(calc / run.step_s - 1)
+        errs["planner"].append(plan / run.step_s - 1)
+        v = f", v {layout.virtual}" if layout.virtual > 1 else ""
+        lines.append(f"| {run.label} (tp {layout.tp} pp {layout.pp}{v}) | {run.step_s:g} | " + " | ".join(cells)
+                     + f" | {calc:.2f} ({calc / run.step_s - 1:+.1%}) | {plan:.2f} ({plan / run.step_s - 1:+.1%}) | "
+                     f"{secs:.1f} s |")
+    mean = {k: sum(map(abs, v)) / len(v) for k, v in errs.items()}
+    worst = {k: max(map(abs, v)) for k, v in errs.items()}
+    lines.append("| mean / max abs error | | " + " | ".join(f"{100 * mean[k]:.1f}% / {100 * worst[k]:.1f}%"
+                                                       for k in (*variants, "Calculon", "planner")) + " | |")
+    return "\n".join(lines)
+
+
 if __name__ == "__main__":
-    argparse.ArgumentParser(description="Korthikanti et al. tables 2 and 5 from parlab's cost model "
-                                        "(markdown tables for benchmarks/README.md)").parse_args()
+    ap = argparse.ArgumentParser(description="Korthikanti et al. tables 2 and 5 from parlab's cost model "
+                                             "(markdown tables for benchmarks/README.md)")
+    ap.add_argument("--no-replay", action="store_true", help="skip replaying table 5's step times (~1 minute)")
+    args = ap.parse_args()
     print("Activation memory per layer, micro-batch 1, MiB (16-bit):\n")
     print(table2())
     print("\nKorthikanti et al. table 5, utilisation from the published step times (A100 peak 312 TFLOP/s):\n")
     print(table5())
+    if not args.no_replay:
+        print("\nKorthikanti et al. table 5, step times (s) replayed on the DGX A100 preset from built programs:\n")
+        print(table5_replay())

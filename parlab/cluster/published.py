@@ -10,6 +10,9 @@ paper's, transcribed, so a test can compare parlab's formulas with it (tests/tes
 
     [1] V. Korthikanti et al., "Reducing Activation Recomputation in Large Transformer Models", MLSys 2023,
         arXiv:2205.05198, tables 3 (models and layouts) and 5 (step times, MFU, HFU).
+    [2] M. Isaev et al., "Calculon: a Methodology and Tool for High-Level Codesign of Systems and Large Language
+        Models", SC 2023; github.com/calculon-ai/calculon at caa4b11, validation/seqsel/tab5/*.json (the layouts
+        it replays table 5 with) and its `llm-validation` command (its estimates, run here 2026-11-26).
 """
 from __future__ import annotations
 
@@ -17,7 +20,8 @@ from dataclasses import dataclass
 
 from parlab.cluster.costs import ModelSpec
 
-__all__ = ["PublishedRun", "KORTHIKANTI_MODELS", "KORTHIKANTI", "SELENE_PEAK_FLOPS"]
+__all__ = ["PublishedRun", "KORTHIKANTI_MODELS", "KORTHIKANTI", "SELENE_PEAK_FLOPS", "KORTHIKANTI_VIRTUAL",
+           "CALCULON_TABLE5"]
 
 SELENE_PEAK_FLOPS = 312e12          # A100 dense bf16, per GPU ([1] section 6; NVIDIA A100 datasheet)
 
@@ -73,3 +77,14 @@ KORTHIKANTI: list[PublishedRun] = [
     PublishedRun("1T", "full", False, 94.42, 0.426, 0.568),
     PublishedRun("1T", "selective", True, 71.49, 0.563, 0.570),
 ]
+
+
+#: model chunks per pipeline rank (the interleaved schedule) of each table 5 run: table 3 does not print them;
+#: these are the ``pipeline_interleaving`` of Calculon's validation configurations [2] (175B: 12 layers per rank in
+#: 3 chunks of 4; 530B: 3 layers per rank, one per chunk; 1T: plain 1F1B; 22B has no pipeline)
+KORTHIKANTI_VIRTUAL: dict[str, int] = {"22B": 1, "175B": 3, "530B": 3, "1T": 1}
+
+#: Calculon's own estimate of each table 5 step time, seconds, (full recomputation, SP + selective) [2]: an
+#: analytical model with fitted efficiency curves, for comparison beside parlab's replay
+CALCULON_TABLE5: dict[str, tuple[float, float]] = {"22B": (1.40, 1.14), "175B": (18.03, 13.64),
+                                                   "530B": (49.89, 34.47), "1T": (90.08, 66.04)}
