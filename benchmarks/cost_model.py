@@ -73,7 +73,8 @@ def planner_step(run, hw) -> float:
                       intra_gbps=hw.intra_bw / 1e9, inter_gbps=hw.inter_bw / 1e9, peak_tflops=hw.peak_flops / 1e12,
                       mfu=hw.end_to_end_mfu)
     return estimate(run.model, cluster, lay["global_batch"], tp=layout.tp, pp=layout.pp, micro_batch=1, zero=0,
-                    recompute=run.recompute, sequence_parallel=run.sequence_parallel, virtual=layout.virtual).step_s
+                    recompute=run.recompute, sequence_parallel=run.sequence_parallel, virtual=layout.virtual,
+                    hardware=hw).step_s
 
 
 def table5_replay() -> str:

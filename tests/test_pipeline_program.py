@@ -152,3 +152,24 @@ def test_the_replay_of_korthikanti_table_5_is_within_ten_percent(run):
     t = step_time(scaleup(schedule, run.model, preset("dgx-a100"), layout))
     assert abs(t / run.step_s - 1) <= 0.10
     assert math.isfinite(t)
+
+
+@pytest.mark.parametrize("case", ["175b-full", "175b-sp-selective", "llama-dp-zero1", "gpt3-h100-tp-overlap"])
+def test_the_planner_is_the_closed_form_of_the_replay(case):
+    from parlab.cluster.scaleup import compare
+    gpt3, llama = model_preset("gpt3-175b"), model_preset("llama-7b")
+    a100, h100 = preset("dgx-a100"), preset("dgx-h100")
+    model, hw, schedule, layout, batch = {
+        "175b-full": (gpt3, a100, sch.interleaved_1f1b(8, 64, 3),
+                      Layout(tp=8, pp=8, recompute="full", virtual=3), 64),
+        "175b-sp-selective": (gpt3, a100, sch.one_f_one_b(8, 32),
+                              Layout(tp=8, pp=8, recompute="selective", sequence_parallel=True), 32),
+        "llama-dp-zero1": (llama, a100, sch.one_f_one_b(4, 8),
+                           Layout(tp=2, pp=4, dp=4, distributed_optimizer=True, sequence_parallel=True), 32),
+        "gpt3-h100-tp-overlap": (gpt3, h100, sch.one_f_one_b(4, 8),
+                                 Layout(tp=8, pp=4, recompute="full", tp_overlap=True), 8),
+    }[case]
+    res = compare(schedule, model, hw, layout, batch)
+    # the closed form reads the same costs; it leaves out the exact order of each rank's steps in the pipeline's
+    # fill and drain and of the messages there (0.1-0.3% on Korthikanti's runs, benchmarks/README.md)
+    assert res["planner_s"] == pytest.approx(res["replay_s"], rel=0.02)

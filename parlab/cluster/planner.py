@@ -131,10 +131,15 @@ def crossing(world: int, tp: int, pp: int, cp: int, gpus_per_node: int) -> dict[
 
 def estimate(model: ModelSpec, cluster: Cluster, global_batch: int, *, tp: int = 1, pp: int = 1, cp: int = 1,
              micro_batch: int = 1, zero: int = 0, recompute: bool | str = False,
-             sequence_parallel: bool = True, virtual: int = 1) -> Estimate:
+             sequence_parallel: bool = True, virtual: int = 1, hardware=None, tp_overlap: bool = False,
+             dp_overlap: bool = False) -> Estimate:
     """Memory and step time of one layout (see the module docstring for every formula). `recompute`: False or
     "none", "selective", True or "full"; `sequence_parallel`: Megatron's SP with tensor parallelism [2];
-    `virtual`: chunks per pipeline rank of the interleaved schedule [3] (1: plain 1F1B)."""
+    `virtual`: chunks per pipeline rank of the interleaved schedule [3] (1: plain 1F1B). `hardware`: a
+    `parlab.cluster.hardware.Hardware` (e.g. preset("dgx-a100")); given, the time is the closed form of the
+    replay's own cost model (`step_costs.StepCosts.step_terms`: GEMMs by shape at the kernel-level efficiency,
+    memory-bound ops, exposed TP communication, the slowest rank, fill and drain), not `cluster.mfu`; with it,
+    `tp_overlap` and `dp_overlap` are those of `step_costs.Layout`."""
     rc = T.recompute_mode(recompute)
     world = cluster.world
     dp, rest = divmod(world, tp * pp * cp)
@@ -182,12 +187,29 @@ def estimate(model: ModelSpec, cluster: Cluster, global_batch: int, *, tp: int =
     # (a reduce-scatter per micro-batch), ZeRO 0/1 only the backward of the last micro-batch
     window = {3: compute, 2: compute * 2 / 3}.get(zero, compute * 2 / 3 / m)
     dp_exposed = max(0.0, t["dp"] - window)
+    if hardware is not None:           # the replay's cost model in closed form (step_costs.StepCosts.step_terms)
+        compute, bubble, t["tp"], t["pp"], dp_exposed, t["dp"] = _closed_form(
+            model, hardware, tp, pp, dp, cp, micro_batch, m, zero, rc, sequence_parallel, virtual, t["dp"], window,
+            tp_overlap, dp_overlap)
     step = compute + bubble + t["tp"] + t["cp"] + dp_exposed + t["pp"]
     return Estimate(tp, pp, dp, cp, micro_batch, m, zero, rc == "full", states["params"], states["grads"],
                     states["optimizer"], act, buffers, total, compute, bubble, t["tp"], t["cp"], dp_exposed,
                     t["dp"], t["pp"], step, vol, cross, fits, reason, tokens / step,
                     T.model_flops(model, global_batch) / step / world / 1e12, rc == "selective", sequence_parallel,
                     virtual)
+
+
+def _closed_form(model, hardware, tp, pp, dp, cp, b, m, zero, rc, sp, virtual, dp_planner, window, tp_overlap,
+                 dp_overlap) -> tuple:
+    """(compute incl. Adam, bubble, tp, pp, dp exposed, dp total) from `StepCosts.step_terms`; ZeRO 0/1 take its
+    gradient sync (ZeRO-1: the distributed optimizer), ZeRO 2/3 keep the planner's own traffic and overlap."""
+    from parlab.cluster.step_costs import Layout, StepCosts
+    layout = Layout(tp=tp, pp=pp, dp=dp, cp=cp, micro_batch=b, recompute=rc, sequence_parallel=sp and tp > 1,
+                    virtual=virtual, distributed_optimizer=zero >= 1, tp_overlap=tp_overlap, dp_overlap=dp_overlap)
+    terms = StepCosts(model, hardware, layout, pp * virtual).step_terms(m)
+    dp_total = dp_planner if zero >= 2 else terms["dp"]
+    dp_exposed = max(0.0, dp_planner - window) if zero >= 2 else terms["dp"]
+    return (terms["compute"] + terms["optimizer"], terms["bubble"], terms["tp"], terms["pp"], dp_exposed, dp_total)
 
 
 def _divisors(n: int) -> list[int]:

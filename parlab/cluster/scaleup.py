@@ -121,10 +121,10 @@ def _last_ends(events) -> dict[int, float]:
 def compare(program: Trace | Schedule, model: ModelSpec, hardware: Hardware, layout: Layout, global_batch: int,
             published_s: float | None = None, **options) -> dict:
     """The replayed step time next to the planner's estimate (`parlab.cluster.planner.estimate`) for the same layout,
-    model, batch and hardware (and, when given, a published step time; errors are relative to it). The replay
-    computes at the hardware's kernel-level `efficiency` and adds bubbles and communication itself; the planner,
-    which adds less of them, at its end-to-end MFU (`Hardware.end_to_end_mfu`). `options` go to `scaleup`
-    (memory_ops, optimizer, dropout)."""
+    model, batch and hardware (and, when given, a published step time; errors are relative to it). The planner is
+    given the hardware, so it reads the same cost model in closed form (`StepCosts.step_terms`); the two differ
+    by what the closed form leaves out (the order of each rank's steps in the fill and drain). `options` go to
+    `scaleup` (memory_ops, optimizer, dropout)."""
     from parlab.cluster.planner import estimate
     rep = step_time(scaleup(program, model, hardware, layout, **options))
     nodes = max(1, layout.gpus // hardware.gpus_per_node)
@@ -132,8 +132,9 @@ def compare(program: Trace | Schedule, model: ModelSpec, hardware: Hardware, lay
                       intra_gbps=hardware.intra_bw / 1e9, inter_gbps=hardware.inter_bw / 1e9,
                       peak_tflops=hardware.peak_flops / 1e12, mfu=hardware.end_to_end_mfu)
     est = estimate(model, cluster, global_batch, tp=layout.tp, pp=layout.pp, cp=layout.cp,
-                   micro_batch=layout.micro_batch, zero=1 if layout.dp > 1 else 0,
-                   recompute=layout.recompute, sequence_parallel=layout.sequence_parallel, virtual=layout.virtual)
+                   micro_batch=layout.micro_batch, zero=1 if layout.distributed_optimizer else 0,
+                   recompute=layout.recompute, sequence_parallel=layout.sequence_parallel, virtual=layout.virtual,
+                   hardware=hardware, tp_overlap=layout.tp_overlap, dp_overlap=layout.dp_overlap)
     out = {"replay_s": rep, "planner_s": est.step_s}
     if published_s is not None:
         out.update(published_s=published_s, replay_error=rep / published_s - 1, planner_error=est.step_s / published_s - 1)

@@ -248,6 +248,42 @@ class StepCosts:
         raise ValueError(f"no cost for pipeline action {op!r}; actions: forward, backward, backward_input, "
                          f"backward_weight")
 
+    def tp_part(self, op: str, stage: int) -> float:
+        """The exposed TP communication inside `action(op, stage)` (for reporting it apart)."""
+        n = self.layers[stage]
+        if op == "forward":
+            return n * self.tp_forward()
+        if op == "backward_weight":
+            return 0.0
+        comm = self.tp_backward()
+        exposed = max(0.0, comm - self.t_wgrad) if self.layout.tp_overlap else comm
+        return n * (exposed + (self.tp_forward() if self.layout.recompute == "full" else 0.0))
+
+    def step_terms(self, m: int) -> dict[str, float]:
+        """The step of 1F1B (interleaved with `layout.virtual` chunks) over m micro-batches in closed form, the
+        reading of the same costs the replay runs: rank r holds stages r, r + pp, ...; per micro-batch it
+        works W_r = its forwards + backwards.
+
+            compute + tp  m x max_r W_r            the slowest rank sets the steady state (the last, with the logits)
+            bubble        (pp - 1) / v x mean_r W_r   fill and drain: pp - 1 chunk-times of forward + backward
+            pp            2 (pp v - 1) messages      the first micro-batch's activations through every stage
+                                                    boundary forward, the last one's gradients backward
+            dp            max_r exposed gradient sync, + Adam of the rank's stages (the "optimizer" term)
+
+        tp is the exposed TP communication inside the slowest rank's work (`tp_part`), compute the rest."""
+        pp, v = self.layout.pp, self.layout.virtual
+        held = [[s for s in range(self.stages) if s % pp == r] for r in range(pp)]
+        work = [sum(self.action("forward", s) + self.action("backward", s) for s in st) for st in held]
+        comm = [sum(self.tp_part("forward", s) + self.tp_part("backward", s) for s in st) for st in held]
+        slow = max(range(pp), key=lambda r: work[r])
+        terms = {"compute": m * (work[slow] - comm[slow]), "tp": m * comm[slow],
+                 "bubble": (pp - 1) / v * sum(work) / pp,
+                 "pp": 2 * (self.stages - 1) * self.message() if pp > 1 else 0.0,
+                 "dp": max(self.exposed_grad_sync(st) for st in held),
+                 "optimizer": max(self.optimizer(st) for st in held)}
+        terms["step"] = sum(terms.values())
+        return terms
+
     def message(self, tied: bool = False) -> float:
         """One pipeline message (2 b s h / (tp cp) bytes), or the tied-embedding gradient (2 V h / tp)."""
         tp = self.layout.tp
