@@ -211,3 +211,18 @@ def test_plan_command_tries_the_recomputation_settings_asked_for(capsys):
     with pytest.raises(SystemExit) as stop:
         main(argv + ["--recompute", "partial"])
     assert stop.value.code == 2 and "invalid choice: 'partial'" in capsys.readouterr().err
+
+
+def test_plan_on_a_hardware_times_with_the_replays_cost_model(capsys):
+    from parlab.cluster.hardware import preset as hw_preset
+    assert main(["--model", "llama-7b", "--nodes", "2", "--hardware", "dgx-h100", "--top", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "timed on DGX H100 by the replay's cost model" in out and "Best:" in out
+    # the same layout through estimate: the table's step time is the closed form's
+    model, h100 = preset("llama-7b"), hw_preset("dgx-h100")
+    cluster = Cluster(nodes=2, gpus_per_node=8, intra_gbps=450.0, inter_gbps=50.0, peak_tflops=989.0)
+    with_hw = estimate(model, cluster, 32, tp=2, pp=2, zero=1, hardware=h100)
+    without = estimate(model, cluster, 32, tp=2, pp=2, zero=1)
+    assert with_hw.step_s != without.step_s and with_hw.step_s > 0
+    assert main(["--model", "llama-7b", "--hardware", "no-such-gpu"]) == 2
+    assert "no hardware preset or file named 'no-such-gpu'" in capsys.readouterr().out

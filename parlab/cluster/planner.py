@@ -43,6 +43,13 @@ Time of one step = compute + bubble + TP + CP + exposed DP + PP communication:
     PP        per micro-batch one activation forward and one gradient backward of 2 s b h /(tp cp)
               bytes per stage boundary (Megatron's scatter/gather optimisation [3]), unhidden
 
+Given a `Hardware` (`estimate(..., hardware=...)`, ``parlab plan --hardware dgx-a100``) the time terms are instead
+the closed form of the replay's own cost model, `parlab.cluster.step_costs.StepCosts.step_terms`: every GEMM
+timed by its shape at the kernel-level efficiency, the memory-bound ops, the exposed TP communication, m times
+the slowest pipeline rank's work plus (pp - 1)/v chunk-times of fill and drain, the message chain, the gradient
+sync (ZeRO-1: the distributed optimizer) and Adam; `cluster.mfu` is then not used. On Korthikanti et al.'s eight
+runs it is within 0.3% of the replay (benchmarks/README.md). Memory is the same either way.
+
 References: see `parlab.cluster.costs`; [1] ZeRO arXiv:1910.02054; [2] Korthikanti et al. arXiv:2205.05198;
 [3] Narayanan et al. arXiv:2104.04473 (1F1B, placement; their GPT-3 175B run: t = 8, p = 8 on 1024
 A100s, batch 1536, table 1); [4] Patarasuk & Yuan 2009 (ring collectives). Seed 000: TP > DP > PP in
@@ -218,9 +225,10 @@ def _divisors(n: int) -> list[int]:
 
 def enumerate_layouts(model: ModelSpec, cluster: Cluster, global_batch: int, *, micro_batches=(1, 2, 4, 8),
                       zero_stages=(0, 1, 2, 3), recompute=(False, True), cp_max: int = 8,
-                      min_cp_chunk: int = 4096, sequence_parallel: bool = True) -> list[Estimate]:
+                      min_cp_chunk: int = 4096, sequence_parallel: bool = True, hardware=None) -> list[Estimate]:
     """Every valid layout with its estimate, fitting or not (see `plan` for the ranked fitting ones).
-    `recompute`: the recomputation settings tried (False / "none", "selective", True / "full").
+    `recompute`: the recomputation settings tried (False / "none", "selective", True / "full"); `hardware`:
+    time every layout with the replay's cost model in closed form (`estimate`).
 
     Context parallelism (cp > 1) is tried only while each rank keeps at least `min_cp_chunk` tokens of
     the sequence: the cost model charges CP for its K/V ring (less traffic than TP's all-reduces) but
@@ -247,7 +255,7 @@ def enumerate_layouts(model: ModelSpec, cluster: Cluster, global_batch: int, *, 
                         for rc in recompute:
                             out.append(estimate(model, cluster, global_batch, tp=tp, pp=pp, cp=cp,
                                                 micro_batch=b, zero=z, recompute=rc,
-                                                sequence_parallel=sequence_parallel))
+                                                sequence_parallel=sequence_parallel, hardware=hardware))
     if not out:
         raise ValueError(
             f"no valid layout for {model.name} on {world} GPUs with global batch {global_batch}: the batch must be "
@@ -311,6 +319,10 @@ def main(argv=None) -> int:
     p.add_argument("--inter-gbps", type=float, default=c.inter_gbps, help="GB/s per GPU between nodes")
     p.add_argument("--tflops", type=float, default=c.peak_tflops, help="peak dense 16-bit TFLOP/s per GPU")
     p.add_argument("--mfu", type=float, default=c.mfu, help="fraction of peak the matmuls reach")
+    p.add_argument("--hardware", default=None, metavar="PRESET_OR_JSON",
+                   help="time the layouts with the replay's cost model on this hardware (dgx-a100, dgx-h100, or a "
+                        "JSON from parlab calibrate): GEMMs by shape, exposed TP communication, the slowest "
+                        "pipeline rank; its GPUs per node, bandwidths and peak replace the flags above")
     p.add_argument("--global-batch", type=int, default=None, help="sequences per step (default 2 x GPUs)")
     p.add_argument("--recompute", nargs="+", choices=T.RECOMPUTE, default=list(T.RECOMPUTE),
                    help="activation recomputation settings to try (rc column: n, s, y)")
@@ -332,9 +344,16 @@ def main(argv=None) -> int:
         else:
             base = preset(a.model)
             model = ModelSpec(**{**base.__dict__, **custom}) if custom else base
-        cluster = Cluster(a.nodes, a.gpus_per_node, a.gpu_mem_gb, a.intra_gbps, a.inter_gbps, a.tflops, a.mfu)
+        hw = None
+        if a.hardware is not None:
+            from parlab.cluster.hardware import load
+            hw = load(a.hardware)
+            cluster = Cluster(a.nodes, hw.gpus_per_node, a.gpu_mem_gb, hw.intra_bw / 1e9, hw.inter_bw / 1e9,
+                              hw.peak_flops / 1e12, hw.end_to_end_mfu)
+        else:
+            cluster = Cluster(a.nodes, a.gpus_per_node, a.gpu_mem_gb, a.intra_gbps, a.inter_gbps, a.tflops, a.mfu)
         batch = a.global_batch or 2 * cluster.world
-        options = dict(recompute=tuple(dict.fromkeys(a.recompute)), sequence_parallel=not a.no_sp)
+        options = dict(recompute=tuple(dict.fromkeys(a.recompute)), sequence_parallel=not a.no_sp, hardware=hw)
         every = enumerate_layouts(model, cluster, batch, **options)
         ranked = plan(model, cluster, batch, **options)
     except ValueError as err:
@@ -342,7 +361,9 @@ def main(argv=None) -> int:
         return 2
     print(f"{model.name}: {model.param_count() / 1e9:.2f}B parameters, {model.layers} layers, h={model.hidden}, "
           f"{model.heads} heads, seq {model.seq}; {cluster.nodes} x {cluster.gpus_per_node} GPUs "
-          f"({cluster.gpu_mem_gb:g} GB, {cluster.peak_tflops:g} TFLOP/s, MFU {cluster.mfu:g}); global batch {batch}")
+          f"({cluster.gpu_mem_gb:g} GB, {cluster.peak_tflops:g} TFLOP/s, "
+          + (f"timed on {hw.name} by the replay's cost model" if hw else f"MFU {cluster.mfu:g}")
+          + f"); global batch {batch}")
     print(f"{len(every)} valid layouts, {len(ranked)} fit.\n")
     print(format_table(ranked, a.top))
     print()
