@@ -6,8 +6,9 @@ the GPU's capacity and its usable part, and the step time split into compute, pi
 communication of each dimension (`parlab.viz.planner.TERMS`). Given `published_s`, a second bar shows the
 published step time of the same layout. Lesson 07's layout explorer redraws it for every control a student moves.
 
-`published_figure(rows)` compares the planner with published runs: one group of bars per run (published, planner),
-its error written above. `rows` are (label, published seconds, Estimate).
+`published_figure(rows)` compares the model with published runs: one group of bars per run (published, the model,
+and another estimate when given), the model's error written above. `rows` are (label, published seconds, Estimate)
+or (label, published seconds, Estimate, other seconds), e.g. Calculon's figure for the run.
 
 Plotly graph_objects only; pure (never communicates, never estimates: it draws what it is given).
 """
@@ -64,15 +65,21 @@ def layout_figure(est, cluster, title: str | None = None, published_s: float | N
     return fig
 
 
-def published_figure(rows, title: str = "The planner against published step times") -> go.Figure:
-    """Grouped bars, one group per published run: (label, published seconds, Estimate) each."""
+def published_figure(rows, title: str = "The model against published step times", other: str = "Calculon") -> go.Figure:
+    """Grouped bars, one group per published run: (label, published seconds, Estimate[, other seconds]) each;
+    `other` names the fourth column's estimate."""
     labels = [r[0] for r in rows]
     pub = [r[1] for r in rows]
     est = [r[2].step_s for r in rows]
-    err = [f"{100 * (e / p - 1):+.0f}%" for p, e in zip(pub, est)]
-    fig = go.Figure([go.Bar(x=labels, y=pub, name="published", marker_color="#222"),
-                     go.Bar(x=labels, y=est, name="planner", marker_color="#4c78a8", text=err, textposition="outside")])
+    err = [f"{100 * (e / p - 1):+.1f}%" for p, e in zip(pub, est)]
+    bars = [go.Bar(x=labels, y=pub, name="published", marker_color="#222"),
+            go.Bar(x=labels, y=est, name="parlab's model", marker_color="#4c78a8", text=err, textposition="outside",
+                   textfont_size=11, cliponaxis=False)]
+    if all(len(r) > 3 for r in rows):
+        bars.append(go.Bar(x=labels, y=[r[3] for r in rows], name=other, marker_color="#b0b0b0"))
+    fig = go.Figure(bars)
     fig.update_layout(barmode="group", title=title, title_font_size=14, height=430, yaxis_title="seconds per step",
+                      uniformtext=dict(minsize=10, mode="show"),
                       margin=dict(t=60, b=110, l=60, r=20), xaxis_tickangle=-25)
     fig.update_yaxes(type="log", tickvals=[1, 2, 5, 10, 20, 50, 100, 200])       # 1 s (22B) to 94 s (1T)
     return fig

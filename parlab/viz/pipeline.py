@@ -39,22 +39,36 @@ def _rows(spans) -> list[tuple[int, list]]:
     return sorted((int(r), list(sp)) for r, sp in items)
 
 
+def _shade(colour: str, chunk: int) -> str:
+    """The kind's colour for chunk 0, darker by 20% per further chunk: chunks differ in colour, not only hatch."""
+    k = max(0.0, 1.0 - 0.2 * chunk)
+    r, g, b = (int(colour[i:i + 2], 16) for i in (1, 3, 5))
+    return f"#{int(r * k):02x}{int(g * k):02x}{int(b * k):02x}"
+
+
+#: a lane with more cells than this draws them without their micro-batch numbers (they would not fit)
+MAX_LABELLED = 48
+
+
 def _add_cells(fig: go.Figure, spans, scale: float, ranks: int, row=None, col=None, legend: bool = True,
                seen: set | None = None) -> None:
-    """One bar trace per (kind, chunk): base = start, x = duration, y = rank lane, text = micro-batch."""
+    """One bar trace per (kind, chunk): base = start, x = duration, y = rank lane, text = micro-batch (unless a
+    lane holds more than MAX_LABELLED cells)."""
     groups: dict[tuple[str, int], list] = {}
     for r, sp in _rows(spans):
         for t0, t1, a in sp:
             groups.setdefault((a.kind, a.stage // ranks), []).append((r, t0 * scale, (t1 - t0) * scale, a))
+    labelled = max((len(sp) for _, sp in _rows(spans)), default=0) <= MAX_LABELLED
     seen = set() if seen is None else seen
     for (kind, chunk), cells in sorted(groups.items(), key=lambda kv: ("FBIW".index(kv[0][0]), kv[0][1])):
         name = KIND_NAMES[kind] + (f", chunk {chunk}" if chunk else "")
         fig.add_trace(go.Bar(
             orientation="h", base=[c[1] for c in cells], x=[c[2] for c in cells], y=[f"rank {c[0]}" for c in cells],
-            text=[str(c[3].mb) for c in cells], textposition="inside", insidetextanchor="middle",
+            text=[str(c[3].mb) for c in cells] if labelled else None, textposition="inside",
+            insidetextanchor="middle",
             textfont=dict(size=11, color="black" if kind in "FW" else "white"), width=0.8, name=name,
             legendgroup=name, showlegend=legend and name not in seen,
-            marker=dict(color=KIND_COLORS[kind], line=dict(color="white", width=0.5),
+            marker=dict(color=_shade(KIND_COLORS[kind], chunk), line=dict(color="white", width=0.5 if labelled else 0),
                         pattern=dict(shape=PATTERNS[chunk % len(PATTERNS)], fgcolor="rgba(0,0,0,0.35)")),
             hovertemplate=[f"rank {c[0]}: {c[3]} (stage {c[3].stage}, micro-batch {c[3].mb})<br>"
                            f"{c[1]:.2f} to {c[1] + c[2]:.2f}<extra></extra>" for c in cells]),
