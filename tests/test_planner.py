@@ -226,3 +226,18 @@ def test_plan_on_a_hardware_times_with_the_replays_cost_model(capsys):
     assert with_hw.step_s != without.step_s and with_hw.step_s > 0
     assert main(["--model", "llama-7b", "--hardware", "no-such-gpu"]) == 2
     assert "no hardware preset or file named 'no-such-gpu'" in capsys.readouterr().out
+
+
+def test_plan_tries_interleaving_chunks_where_the_schedule_allows_them(capsys):
+    model, cluster = preset("gpt3-175b"), Cluster(nodes=8)
+    every = enumerate_layouts(model, cluster, 128, virtual=(1, 2, 3), micro_batches=(1,), zero_stages=(0,),
+                              recompute=("selective",))
+    chunked = [e for e in every if e.virtual > 1]
+    assert chunked and all(e.pp > 1 and e.micro_batches % e.pp == 0 and 96 % (e.pp * e.virtual) == 0 for e in chunked)
+    one = {(e.tp, e.pp, e.dp): e for e in every if e.virtual == 1}
+    for e in chunked:                       # fewer chunk-times of fill and drain: a smaller bubble, same compute
+        assert e.bubble_s < one[e.tp, e.pp, e.dp].bubble_s
+    assert main(["--model", "llama-7b", "--nodes", "2", "--virtual", "1", "2", "--top", "3"]) == 0
+    assert " v " in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["--virtual", "0"])

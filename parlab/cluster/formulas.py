@@ -19,6 +19,7 @@ References
 """
 from __future__ import annotations
 
+from parlab.cluster.transformer import training_flops_6nd
 from parlab.trace.wire import wire_bytes
 
 __all__ = ["GB", "weights_memory",
@@ -50,8 +51,10 @@ def total_speed(single_device_speed: float, devices: int, efficiency_: float) ->
 
 
 def training_flops(n_params: float, n_tokens: float) -> float:
-    """About 6 FLOPs per parameter per token (2 forward + 4 backward), ref. 2."""
-    return 6 * n_params * n_tokens
+    """About 6 FLOPs per parameter per token (2 forward + 4 backward), ref. 2: Kaplan's estimate, the rule of
+    thumb lesson 00 needs (`parlab.cluster.transformer.training_flops_6nd`). The count with the attention scores
+    and the logits, which the planner and the replay use, is `transformer.model_flops` (Megatron's)."""
+    return training_flops_6nd(n_params, n_tokens)
 
 
 def device_seconds(flops: float, flops_per_second: float) -> float:

@@ -57,14 +57,14 @@ def explain(ranked: list, every: list | None = None, gpus_per_node: int | None =
 
 def format_table(estimates: list, top: int | None = 10) -> str:
     """A fixed-width text table: layout, memory split, time split, step time, throughput."""
-    head = (f"{'#':>3} {'tp':>3} {'pp':>3} {'dp':>4} {'cp':>2} {'b':>2} {'m':>4} {'Z':>1} {'rc':>2} | "
+    head = (f"{'#':>3} {'tp':>3} {'pp':>3} {'v':>1} {'dp':>4} {'cp':>2} {'b':>2} {'m':>4} {'Z':>1} {'rc':>2} | "
             f"{'states':>7} {'act':>6} {'total GB':>8} | {'compute':>7} {'bubble':>6} {'TP':>6} {'DP':>6} "
             f"{'PP':>6} {'CP':>6} {'step s':>7} {'TF/GPU':>6} {'note':<4}")
     rows = [head, "-" * len(head)]
     for i, e in enumerate(estimates[:top] if top else estimates, 1):
         states = e.params_bytes + e.grads_bytes + e.optimizer_bytes
         x = {d: "*" if e.crosses[d] and e.volume[d] else " " for d in DIMS}
-        rows.append(f"{i:>3} {e.tp:>3} {e.pp:>3} {e.dp:>4} {e.cp:>2} {e.micro_batch:>2} {e.micro_batches:>4} "
+        rows.append(f"{i:>3} {e.tp:>3} {e.pp:>3} {e.virtual:>1} {e.dp:>4} {e.cp:>2} {e.micro_batch:>2} {e.micro_batches:>4} "
                     f"{e.zero:>1} {RC_MARK[e.recomputation]:>2} | {states / GB:>7.1f} "
                     f"{e.activation_bytes / GB:>6.1f} {e.total_bytes / GB:>8.1f} | {e.compute_s:>7.2f} "
                     f"{e.bubble_s:>6.2f} {e.tp_s:>5.2f}{x['tp']} {e.dp_s:>5.2f}{x['dp']} {e.pp_s:>5.2f}{x['pp']} "

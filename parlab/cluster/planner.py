@@ -225,10 +225,13 @@ def _divisors(n: int) -> list[int]:
 
 def enumerate_layouts(model: ModelSpec, cluster: Cluster, global_batch: int, *, micro_batches=(1, 2, 4, 8),
                       zero_stages=(0, 1, 2, 3), recompute=(False, True), cp_max: int = 8,
-                      min_cp_chunk: int = 4096, sequence_parallel: bool = True, hardware=None) -> list[Estimate]:
+                      min_cp_chunk: int = 4096, sequence_parallel: bool = True, hardware=None,
+                      virtual=(1,)) -> list[Estimate]:
     """Every valid layout with its estimate, fitting or not (see `plan` for the ranked fitting ones).
     `recompute`: the recomputation settings tried (False / "none", "selective", True / "full"); `hardware`:
-    time every layout with the replay's cost model in closed form (`estimate`).
+    time every layout with the replay's cost model in closed form (`estimate`); `virtual`: the interleaving chunks
+    per pipeline rank tried (v > 1 where the interleaved schedule applies: pp >= 2, pp dividing the micro-batches
+    and pp x v the layers).
 
     Context parallelism (cp > 1) is tried only while each rank keeps at least `min_cp_chunk` tokens of
     the sequence: the cost model charges CP for its K/V ring (less traffic than TP's all-reduces) but
@@ -251,11 +254,14 @@ def enumerate_layouts(model: ModelSpec, cluster: Cluster, global_batch: int, *, 
                 for b in micro_batches:
                     if global_batch % (dp * b):
                         continue
+                    m = global_batch // (dp * b)
+                    chunks = [v for v in virtual if v == 1 or (pp > 1 and m % pp == 0 and model.layers % (pp * v) == 0)]
                     for z in (z for z in zero_stages if z == 0 or dp * cp > 1):   # ZeRO needs dp*cp > 1
                         for rc in recompute:
-                            out.append(estimate(model, cluster, global_batch, tp=tp, pp=pp, cp=cp,
-                                                micro_batch=b, zero=z, recompute=rc,
-                                                sequence_parallel=sequence_parallel, hardware=hardware))
+                            for v in chunks:
+                                out.append(estimate(model, cluster, global_batch, tp=tp, pp=pp, cp=cp,
+                                                    micro_batch=b, zero=z, recompute=rc, virtual=v,
+                                                    sequence_parallel=sequence_parallel, hardware=hardware))
     if not out:
         raise ValueError(
             f"no valid layout for {model.name} on {world} GPUs with global batch {global_batch}: the batch must be "
@@ -327,6 +333,8 @@ def main(argv=None) -> int:
     p.add_argument("--recompute", nargs="+", choices=T.RECOMPUTE, default=list(T.RECOMPUTE),
                    help="activation recomputation settings to try (rc column: n, s, y)")
     p.add_argument("--no-sp", action="store_true", help="tensor parallelism without sequence parallelism")
+    p.add_argument("--virtual", nargs="+", type=int, default=[1], metavar="V",
+                   help="interleaving chunks per pipeline rank to try, e.g. 1 2 4 (default 1: plain 1F1B)")
     p.add_argument("--top", type=int, default=10)
     a = p.parse_args(argv)
     for k in ("layers", "hidden", "heads", "vocab", "seq", "global_batch", "top", "nodes", "gpus_per_node"):
@@ -353,7 +361,10 @@ def main(argv=None) -> int:
         else:
             cluster = Cluster(a.nodes, a.gpus_per_node, a.gpu_mem_gb, a.intra_gbps, a.inter_gbps, a.tflops, a.mfu)
         batch = a.global_batch or 2 * cluster.world
-        options = dict(recompute=tuple(dict.fromkeys(a.recompute)), sequence_parallel=not a.no_sp, hardware=hw)
+        if any(v < 1 for v in a.virtual):
+            p.error(f"--virtual takes positive chunk counts, got {a.virtual}")
+        options = dict(recompute=tuple(dict.fromkeys(a.recompute)), sequence_parallel=not a.no_sp, hardware=hw,
+                       virtual=tuple(dict.fromkeys(a.virtual)))
         every = enumerate_layouts(model, cluster, batch, **options)
         ranked = plan(model, cluster, batch, **options)
     except ValueError as err:
