@@ -76,6 +76,7 @@ __all__ = ["Layout", "StepCosts", "layer_forward_flops", "layer_forward_bytes", 
 #: bytes one mixed-precision Adam step moves per parameter (module docstring)
 OPTIMIZER_BYTES_PER_PARAM = 30
 _MASK_BYTES = 1                      # a dropout mask element (Korthikanti et al. 2022, section 4.1)
+_WEIGHTS = ("qkv", "proj", "mlp_in", "mlp_out")   # the layer's products with a weight matrix (`transformer.layer_gemms`)
 
 
 @dataclass(frozen=True)
@@ -165,29 +166,31 @@ class StepCosts:
         s, h = model.seq, model.hidden
         self.act_bytes = BYTES_16BIT * b * s * h / cp                 # one micro-batch's (b, s/cp, h) on a CP rank
         gemms = T.layer_gemms(model, b, tp, cp)
-        self.t_fwd_gemm = sum(self.hw.gemm_time(*g[1:]) for g in gemms)
+        t = lambda gs: sum(self.hw.gemm_time(*g[1:]) for g in gs)            # noqa: E731  seconds of products
+        self.t_fwd_gemm = t(gemms)
         bwd = T.backward_gemms(gemms)
-        self.t_dgrad = sum(self.hw.gemm_time(*g[1:]) for g in bwd if g[0].endswith("dgrad"))
-        self.t_wgrad = sum(self.hw.gemm_time(*g[1:]) for g in bwd if g[0].endswith("wgrad")
-                           and g[0].split()[0] in ("qkv", "proj", "mlp_in", "mlp_out"))
-        self.t_dgrad += sum(self.hw.gemm_time(*g[1:]) for g in bwd if g[0].endswith("wgrad")
-                            and g[0].split()[0] in ("scores", "values"))   # both attention products: input grads
-        self.t_core = sum(self.hw.gemm_time(*g[1:]) for g in gemms if g[0] in ("scores", "values"))
+        # the weight gradients of the four weight matrices; every other backward product (an attention
+        # product's two) is an input gradient, on the path to the previous layer
+        self.t_wgrad = t(g for g in bwd if g[0].endswith("wgrad") and g[0].split()[0] in _WEIGHTS)
+        self.t_dgrad = t(bwd) - self.t_wgrad
+        self.t_core = t(g for g in gemms if g[0] not in _WEIGHTS)          # the scores and values products
         head = T.head_gemms(model, b, tp, cp)
-        self.t_head_fwd = sum(self.hw.gemm_time(*g[1:]) for g in head)
-        self.t_head_bwd = sum(self.hw.gemm_time(*g[1:]) for g in T.backward_gemms(head))
+        self.t_head_fwd = t(head)
+        self.t_head_wgrad = t(g for g in T.backward_gemms(head) if g[0].endswith("wgrad"))
+        self.t_head_dgrad = t(T.backward_gemms(head)) - self.t_head_wgrad
         mem = self.hw.mem_bw * self.hw.mem_efficiency
         self.t_mem = layer_forward_bytes(model, b, tp, cp, sp, dropout) / mem if memory_ops else 0.0
         self.t_mem_core = attention_core_bytes(model, b, tp, cp, dropout) / mem if memory_ops else 0.0
         # the last stage: final norm (4E) and the logits' softmax, (b, s/cp, V/tp) read and written
         self.t_mem_head = (2 * BYTES_16BIT * b * s * h / (cp * (tp if sp else 1))
                            + 2 * BYTES_16BIT * b * s * model.vocab / (tp * cp)) / mem if memory_ops else 0.0
-        self.grid_nodes = self._placement(hardware)
+        self._placement(hardware)
         self._actions: dict[tuple[str, int], float] = {}
 
     # ------------------------------------------------------------------ placement and links
-    def _placement(self, hardware: Hardware):
-        """Megatron's rank order on a tp x cp x dp x pp grid: which groups cross nodes."""
+    def _placement(self, hardware: Hardware) -> None:
+        """Megatron's rank order on a tp x cp x dp x pp grid: how many nodes the tp and dp groups span, and
+        whether the pp group crosses nodes."""
         from parlab.parallel.topology import ParallelGrid
         lay = self.layout
         grid = ParallelGrid(lay.gpus, tp=lay.tp, pp=lay.pp, cp=lay.cp, dp=lay.dp,
@@ -196,7 +199,6 @@ class StepCosts:
         self.tp_nodes = nodes(grid.group_of(0, "tp"))
         self.pp_cross = nodes(grid.group_of(0, "pp")) > 1
         self.dp_nodes = nodes(grid.group_of(0, "cp-dp"))
-        return grid.num_nodes
 
     def _tp(self, op: str) -> float:
         tp = self.layout.tp
@@ -237,8 +239,8 @@ class StepCosts:
         comm = self.tp_backward()
         wgrad = self.t_wgrad
         exposed = max(0.0, comm - wgrad) if self.layout.tp_overlap else comm
-        t_in = n * (self.t_dgrad + self.t_mem + exposed) + (self.t_head_bwd / 2 + self.t_mem_head if last else 0.0)
-        t_w = n * wgrad + (self.t_head_bwd / 2 if last else 0.0)
+        t_in = n * (self.t_dgrad + self.t_mem + exposed) + (self.t_head_dgrad + self.t_mem_head if last else 0.0)
+        t_w = n * wgrad + (self.t_head_wgrad if last else 0.0)
         if op == "backward":
             return redo + t_in + t_w
         if op == "backward_input":
