@@ -19,14 +19,16 @@ Read in this order:
 * ``scaleup.py``    a pipeline program (traced tiny run, or built) replayed as a named model (GPT-3 175B, GPT 1T)
                      on a big cluster.
 * ``transformer.py`` the arithmetic of a dense GPT, one formula per function: parameters (Megatron eq. 2), model
-                     and hardware FLOPs (eqs. 3, 7, 8), MFU and HFU, activations per layer (Korthikanti table 2).
-* ``costs.py``      the cost model of one training step: model and cluster presets, per-GPU memory and time.
+                     and hardware FLOPs (eqs. 3, 7, 8), MFU and HFU, activations per layer (Korthikanti table 2), the
+                     matrix products of a layer by shape.
+* ``costs.py``      `ModelSpec` and `Cluster`: the model and cluster presets the estimates take (GPT-3, LLaMA; A100, H100).
 * ``published.py``  published training runs as data (Korthikanti et al. tables 3 and 5) to hold the estimates to.
 * ``planner.py``    the layout search over (dp, tp, pp, cp, micro-batches, ZeRO stage, recomputation):
                      ``parlab plan``.
 * ``plan_report.py`` the planner's answers as text: the ranked table, bytes per dimension, why the best is best.
 * ``calibrate/``    measuring this machine (compute, messages, costs inside a real step) into a `Hardware`.
 
-The virtual cluster reads traces and models, never a technique's internals. This face imports nothing, so
+The virtual cluster reads traces, schedules (the pure data of ``parlab.parallel.pipeline``) and models, never
+a technique's internals. This face imports nothing, so
 ``import parlab.cluster.formulas`` needs no torch.
 """
