@@ -214,6 +214,8 @@ def _closed_form(model, hardware, tp, pp, dp, cp, b, m, zero, rc, sp, virtual, d
     layout = Layout(tp=tp, pp=pp, dp=dp, cp=cp, micro_batch=b, recompute=rc, sequence_parallel=sp and tp > 1,
                     virtual=virtual, distributed_optimizer=zero >= 1, tp_overlap=tp_overlap, dp_overlap=dp_overlap)
     terms = StepCosts(model, hardware, layout, pp * virtual).step_terms(m)
+    compute = terms["compute"] + terms["tp"]                 # what ZeRO-2/3 traffic can hide behind, as above
+    window = {3: compute, 2: compute * 2 / 3}.get(zero, window)
     dp_total = dp_planner if zero >= 2 else terms["dp"]
     dp_exposed = max(0.0, dp_planner - window) if zero >= 2 else terms["dp"]
     return (terms["compute"] + terms["optimizer"], terms["bubble"], terms["tp"], terms["pp"], dp_exposed, dp_total)
