@@ -31,7 +31,8 @@ from parlab.course.figcheck import CHROMIUM_ARGS, chromium_path
 
 ROOT = Path(__file__).resolve().parents[1]
 LESSON, EXERCISE = "lessons/07_hybrid_4d.ipynb", "exercises/05_pipeline_schedules.ipynb"
-EXPLORER_CONTROLS = ("model", "GPU", "GPUs", "tp", "pp", "cp", "batch", "micro-batch", "chunks v", "recompute", "ZeRO")
+EXPLORER_CONTROLS = ("model", "GPU", "GPUs", "tp", "pp", "cp", "batch", "micro-batch", "schedule", "chunks v", "recompute",
+                     "ZeRO")
 
 pytestmark = pytest.mark.skipif(chromium_path() is None, reason="needs Debian's chromium: apt-get install chromium")
 

@@ -173,3 +173,31 @@ def test_the_planner_is_the_closed_form_of_the_replay(case):
     # the closed form reads the same costs; it leaves out the exact order of each rank's steps in the pipeline's
     # fill and drain and of the messages there (0.1-0.3% on Korthikanti's runs, benchmarks/README.md)
     assert res["planner_s"] == pytest.approx(res["replay_s"], rel=0.02)
+
+
+@pytest.mark.parametrize("name", ["gpipe", "zb-h1"])
+def test_the_closed_form_of_gpipe_and_zb_h1_is_their_replay(name):
+    model, hw = model_preset("gpt3-175b"), preset("dgx-a100")
+    for rc in ("none", "full"):
+        layout = Layout(tp=8, pp=8, recompute=rc)
+        closed = StepCosts(model, hw, layout, 8).step_terms(32, name)["step"]
+        replayed = step_time(scaleup(SCHEDULES[name](8, 32), model, hw, layout))
+        assert closed == pytest.approx(replayed, rel=0.01)          # measured: 0.1-0.2% (fill and drain order)
+    with pytest.raises(ValueError, match="no closed form for schedule 'naive'"):
+        StepCosts(model, hw, Layout(tp=8, pp=8), 8).step_terms(32, "naive")
+
+
+def test_the_planner_knows_the_schedules_memory_and_bubble():
+    from parlab.cluster.costs import Cluster
+    from parlab.cluster.planner import estimate
+    model, cluster = model_preset("gpt3-175b"), Cluster(nodes=8)
+    one = estimate(model, cluster, 64, tp=8, pp=8, recompute="selective")
+    gp = estimate(model, cluster, 64, tp=8, pp=8, recompute="selective", schedule="gpipe")
+    zb = estimate(model, cluster, 64, tp=8, pp=8, recompute="selective", schedule="zb-h1")
+    assert gp.activation_bytes == pytest.approx(one.activation_bytes * 64 / 8)   # m = 64 in flight, not pp = 8
+    assert gp.bubble_s == pytest.approx(one.bubble_s) and zb.bubble_s < one.bubble_s / 2
+    assert zb.activation_bytes == one.activation_bytes and "zb-h1" in zb.layout
+    with pytest.raises(ValueError, match="schedule must be '1f1b'"):
+        estimate(model, cluster, 64, tp=8, pp=8, schedule="1F1B")
+    with pytest.raises(ValueError, match="zb-h1 runs one chunk per rank"):
+        estimate(model, cluster, 64, tp=8, pp=8, schedule="zb-h1", virtual=2)

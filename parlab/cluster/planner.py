@@ -112,11 +112,12 @@ class Estimate:
     selective: bool = False   # selective recomputation (the attention scores; [2] section 5)
     sequence_parallel: bool = True
     virtual: int = 1          # model chunks per pipeline rank (interleaved 1F1B [3] section 2.2.2; 1: plain 1F1B)
+    schedule: str = "1f1b"    # the pipeline schedule: 1f1b (interleaved when virtual > 1), gpipe or zb-h1
 
     @property
     def layout(self) -> str:
         return (f"tp{self.tp} pp{self.pp} dp{self.dp} cp{self.cp} b{self.micro_batch} m{self.micro_batches}"
-                f"{f' v{self.virtual}' if self.virtual > 1 else ''}"
+                f"{f' v{self.virtual}' if self.virtual > 1 else ''}{'' if self.schedule == '1f1b' else ' ' + self.schedule}"
                 f" Z{self.zero}{' rc' if self.recompute else ''}{' sel' if self.selective else ''}"
                 f"{'' if self.sequence_parallel or self.tp == 1 else ' no-sp'}")
 
@@ -139,14 +140,16 @@ def crossing(world: int, tp: int, pp: int, cp: int, gpus_per_node: int) -> dict[
 def estimate(model: ModelSpec, cluster: Cluster, global_batch: int, *, tp: int = 1, pp: int = 1, cp: int = 1,
              micro_batch: int = 1, zero: int = 0, recompute: bool | str = False,
              sequence_parallel: bool = True, virtual: int = 1, hardware=None, tp_overlap: bool = False,
-             dp_overlap: bool = False) -> Estimate:
+             dp_overlap: bool = False, schedule: str = "1f1b") -> Estimate:
     """Memory and step time of one layout (see the module docstring for every formula). `recompute`: False or
     "none", "selective", True or "full"; `sequence_parallel`: Megatron's SP with tensor parallelism [2];
     `virtual`: chunks per pipeline rank of the interleaved schedule [3] (1: plain 1F1B). `hardware`: a
     `parlab.cluster.hardware.Hardware` (e.g. preset("dgx-a100")); given, the time is the closed form of the
     replay's own cost model (`step_costs.StepCosts.step_terms`: GEMMs by shape at the kernel-level efficiency,
     memory-bound ops, exposed TP communication, the slowest rank, fill and drain), not `cluster.mfu`; with it,
-    `tp_overlap` and `dp_overlap` are those of `step_costs.Layout`."""
+    `tp_overlap` and `dp_overlap` are those of `step_costs.Layout`. `schedule`: "1f1b" (interleaved with
+    `virtual` > 1), "gpipe" (every micro-batch's activations held until the backwards: m in flight, the same
+    bubble) or "zb-h1" (Qi et al.: 1F1B's memory, the bubble (pp - 1)(F + B_input - W))."""
     rc = T.recompute_mode(recompute)
     world = cluster.world
     dp, rest = divmod(world, tp * pp * cp)
@@ -155,6 +158,10 @@ def estimate(model: ModelSpec, cluster: Cluster, global_batch: int, *, tp: int =
     m, rest = divmod(global_batch, dp * micro_batch)
     if rest or m < 1:
         raise ValueError(f"global batch {global_batch} is not divisible by dp * micro_batch = {dp * micro_batch}")
+    if schedule not in ("1f1b", "gpipe", "zb-h1"):
+        raise ValueError(f"schedule must be '1f1b' (interleaved with virtual > 1), 'gpipe' or 'zb-h1', got {schedule!r}")
+    if schedule != "1f1b" and virtual != 1:
+        raise ValueError(f"virtual={virtual} interleaves 1F1B; {schedule} runs one chunk per rank (virtual=1)")
     if isinstance(virtual, bool) or not isinstance(virtual, int) or virtual < 1:
         raise ValueError(f"virtual must be a positive integer (model chunks per pipeline rank), got {virtual!r}")
     if virtual > 1 and (pp < 2 or m % pp or model.layers % (pp * virtual)):
@@ -169,6 +176,8 @@ def estimate(model: ModelSpec, cluster: Cluster, global_batch: int, *, tp: int =
     # min(pp, m) micro-batches in flight, (1 + (pp - 1)/(pp v)) times more when interleaved ([2] eq. 6)
     act = T.first_stage_activation_bytes(model, micro_batch, tp, pp, virtual, m, sequence_parallel, rc, cp,
                                          stage_layers=layers)
+    if schedule == "gpipe":            # all m micro-batches' activations live until the first backward
+        act *= m / min(pp, m)
     if rc == "full":   # the layer being recomputed holds its full set for a moment
         act += T.activation_bytes_per_layer(model, micro_batch, tp, sequence_parallel, "none", cp)
     buffers = 2 * BYTES_16BIT * model.layer_params(tp) if zero == 3 else 0.0
@@ -180,7 +189,7 @@ def estimate(model: ModelSpec, cluster: Cluster, global_batch: int, *, tp: int =
     tokens = global_batch * s
     flops = T.hardware_flops(model, global_batch, rc)          # what the GPUs execute, recomputation included
     compute = flops / (world * cluster.peak_tflops * 1e12 * cluster.mfu)
-    f = bubble_formula("interleaved", pp, m, virtual)  # (pp - 1)/(v m + pp - 1) of the step; v = 1: 1F1B's
+    f = bubble_formula("interleaved" if schedule == "1f1b" else schedule, pp, m, virtual)   # v = 1: 1F1B's
     bubble = f / (1 - f) * compute                    # (pp - 1) / (v m) relative to the ideal step
     act_msg = BYTES_16BIT * s * micro_batch * h / cp  # one micro-batch's activations of one layer, on a CP rank
     vol = {
@@ -197,23 +206,23 @@ def estimate(model: ModelSpec, cluster: Cluster, global_batch: int, *, tp: int =
     if hardware is not None:           # the replay's cost model in closed form (step_costs.StepCosts.step_terms)
         compute, bubble, t["tp"], t["pp"], dp_exposed, t["dp"] = _closed_form(
             model, hardware, tp, pp, dp, cp, micro_batch, m, zero, rc, sequence_parallel, virtual, t["dp"], window,
-            tp_overlap, dp_overlap)
+            tp_overlap, dp_overlap, schedule)
     step = compute + bubble + t["tp"] + t["cp"] + dp_exposed + t["pp"]
     return Estimate(tp, pp, dp, cp, micro_batch, m, zero, rc == "full", states["params"], states["grads"],
                     states["optimizer"], act, buffers, total, compute, bubble, t["tp"], t["cp"], dp_exposed,
                     t["dp"], t["pp"], step, vol, cross, fits, reason, tokens / step,
                     T.model_flops(model, global_batch) / step / world / 1e12, rc == "selective", sequence_parallel,
-                    virtual)
+                    virtual, schedule)
 
 
 def _closed_form(model, hardware, tp, pp, dp, cp, b, m, zero, rc, sp, virtual, dp_planner, window, tp_overlap,
-                 dp_overlap) -> tuple:
+                 dp_overlap, schedule) -> tuple:
     """(compute incl. Adam, bubble, tp, pp, dp exposed, dp total) from `StepCosts.step_terms`; ZeRO 0/1 take its
     gradient sync (ZeRO-1: the distributed optimizer), ZeRO 2/3 keep the planner's own traffic and overlap."""
     from parlab.cluster.step_costs import Layout, StepCosts
     layout = Layout(tp=tp, pp=pp, dp=dp, cp=cp, micro_batch=b, recompute=rc, sequence_parallel=sp and tp > 1,
                     virtual=virtual, distributed_optimizer=zero >= 1, tp_overlap=tp_overlap, dp_overlap=dp_overlap)
-    terms = StepCosts(model, hardware, layout, pp * virtual).step_terms(m)
+    terms = StepCosts(model, hardware, layout, pp * virtual).step_terms(m, schedule)
     compute = terms["compute"] + terms["tp"]                 # what ZeRO-2/3 traffic can hide behind, as above
     window = {3: compute, 2: compute * 2 / 3}.get(zero, window)
     dp_total = dp_planner if zero >= 2 else terms["dp"]

@@ -261,25 +261,35 @@ class StepCosts:
         exposed = max(0.0, comm - self.t_wgrad) if self.layout.tp_overlap else comm
         return n * (exposed + (self.tp_forward() if self.layout.recompute == "full" else 0.0))
 
-    def step_terms(self, m: int) -> dict[str, float]:
-        """The step of 1F1B (interleaved with `layout.virtual` chunks) over m micro-batches in closed form, the
-        reading of the same costs the replay runs: rank r holds stages r, r + pp, ...; per micro-batch it
-        works W_r = its forwards + backwards.
+    def step_terms(self, m: int, schedule: str = "1f1b") -> dict[str, float]:
+        """The step of `schedule` over m micro-batches in closed form, the reading of the same costs the replay
+        runs: rank r holds stages r, r + pp, ...; per micro-batch it works W_r = its forwards + backwards.
 
             compute + tp  m x max_r W_r            the slowest rank sets the steady state (the last, with the logits)
-            bubble        (pp - 1) / v x mean_r W_r   fill and drain: pp - 1 chunk-times of forward + backward
+            bubble        1f1b, gpipe: (pp - 1) / v x mean_r W_r   fill and drain, pp - 1 chunk-times of F + B
+                          zb-h1: (pp - 1) x mean_r (F_r + B_input,r - W_r)   the weight gradients fill the drain
+                          (Qi et al., arXiv:2401.10241, section 3: (p - 1)(T_F + T_B - T_W))
             pp            2 (pp v - 1) messages      the first micro-batch's activations through every stage
                                                     boundary forward, the last one's gradients backward
             dp            max_r exposed gradient sync, + Adam of the rank's stages (the "optimizer" term)
 
-        tp is the exposed TP communication inside the slowest rank's work (`tp_part`), compute the rest."""
+        "1f1b" is interleaved when the layout has virtual > 1. tp is the exposed TP communication inside the
+        slowest rank's work (`tp_part`), compute the rest."""
+        if schedule not in ("1f1b", "gpipe", "zb-h1"):
+            raise ValueError(f"no closed form for schedule {schedule!r}; known: 1f1b (interleaved with virtual > "
+                             f"1), gpipe, zb-h1")
         pp, v = self.layout.pp, self.layout.virtual
         held = [[s for s in range(self.stages) if s % pp == r] for r in range(pp)]
-        work = [sum(self.action("forward", s) + self.action("backward", s) for s in st) for st in held]
+        per = lambda op, st: sum(self.action(op, s) for s in st)              # noqa: E731
+        work = [per("forward", st) + per("backward", st) for st in held]
         comm = [sum(self.tp_part("forward", s) + self.tp_part("backward", s) for s in st) for st in held]
         slow = max(range(pp), key=lambda r: work[r])
-        terms = {"compute": m * (work[slow] - comm[slow]), "tp": m * comm[slow],
-                 "bubble": (pp - 1) / v * sum(work) / pp,
+        if schedule == "zb-h1":
+            fill = sum(per("forward", st) + per("backward_input", st) - per("backward_weight", st)
+                       for st in held) / pp * (pp - 1)
+        else:
+            fill = (pp - 1) / v * sum(work) / pp
+        terms = {"compute": m * (work[slow] - comm[slow]), "tp": m * comm[slow], "bubble": fill,
                  "pp": 2 * (self.stages - 1) * self.message() if pp > 1 else 0.0,
                  "dp": max(self.exposed_grad_sync(st) for st in held),
                  "optimizer": max(self.optimizer(st) for st in held)}
