@@ -201,3 +201,30 @@ def test_the_planner_knows_the_schedules_memory_and_bubble():
         estimate(model, cluster, 64, tp=8, pp=8, schedule="1F1B")
     with pytest.raises(ValueError, match="zb-h1 runs one chunk per rank"):
         estimate(model, cluster, 64, tp=8, pp=8, schedule="zb-h1", virtual=2)
+
+
+def test_context_parallel_ring_hides_behind_the_attention_it_computes():
+    import dataclasses
+    from parlab.cluster.costs import Cluster
+    from parlab.cluster.planner import estimate
+    hw = preset("dgx-h100")
+    long = dataclasses.replace(model_preset("llama-7b"), seq=32768)
+    inside = StepCosts(long, hw, Layout(tp=2, cp=4, pp=2), 2)               # tp x cp = 8: one node
+    assert inside.cp_exposed("forward") == 0.0                                # NVLink moves a block faster than its attention
+    assert StepCosts(long, hw, Layout(tp=1, pp=2), 2).cp_exposed("forward") == 0.0   # no ring without cp
+    short = dataclasses.replace(model_preset("llama-7b"), seq=2048)
+    across = StepCosts(short, hw, Layout(tp=8, cp=4, pp=2), 2)               # cp groups cross InfiniBand
+    block = 2 * 1 * 2048 / 4 * 4096 / 8                                      # bytes of K or V on one rank
+    msg = hw.collective_time("send", 2 * block, 2, True)
+    assert across.cp_exposed("forward") == pytest.approx(3 * max(0.0, msg - (across.t_core + across.t_mem_core) / 4))
+    assert across.cp_exposed("forward") > 0 and across.cp_exposed("backward") > across.cp_exposed("forward")
+    assert across.action("forward", 0) > StepCosts(short, hw, Layout(tp=8, pp=2), 2).action("forward", 0) / 4
+    # the planner with the hardware reports the ring's exposed time as its CP term, and the replay agrees
+    layout = Layout(tp=8, cp=4, pp=2, sequence_parallel=True)                  # as the planner assumes by default
+    res_planner = estimate(short, Cluster(nodes=8, intra_gbps=450.0, inter_gbps=50.0, peak_tflops=989.0), 16, tp=8,
+                           pp=2, cp=4, hardware=hw)
+    m = 16                                                                    # 64 GPUs = tp 8 x cp 4 x pp 2: dp 1
+    assert res_planner.cp_s == pytest.approx(m * (across.comm_part("forward", 1, ("cp",))
+                                                  + across.comm_part("backward", 1, ("cp",))), rel=1e-9)
+    replayed = step_time(scaleup(sch.one_f_one_b(2, m), short, hw, layout))
+    assert res_planner.step_s == pytest.approx(replayed, rel=0.02)

@@ -22,6 +22,10 @@ Compute of one action (forward, backward, B_input, B_weight of a virtual stage h
                       overlap); with `tp_overlap` the backward's communication hides behind the weight-gradient
                       GEMMs and only what exceeds them is exposed (Megatron-LM's asynchronous TP all-reduce and
                       all-gather in the linear layers' backward).
+    CP communication  with cp > 1 (ring attention, lesson 06) each layer passes K and V around the cp ranks in
+                      cp - 1 steps beside the attention of the block each rank holds; only the part of a step's
+                      transfer longer than its block's compute is exposed (`cp_exposed`); the backward passes
+                      K, V and their gradients
 
 Memory-bound ops (`layer_forward_bytes`): the layer's layer norms, residual adds, dropouts, softmax and GeLU
 move their inputs and outputs through HBM (16-bit elements, 1-byte dropout masks). Per layer and forward, with
@@ -197,6 +201,7 @@ class StepCosts:
                             gpus_per_node=min(hardware.gpus_per_node, lay.gpus))
         nodes = lambda g: len({grid.node_of(r) for r in g})
         self.tp_nodes = nodes(grid.group_of(0, "tp"))
+        self.cp_cross = nodes(grid.group_of(0, "cp")) > 1
         self.pp_cross = nodes(grid.group_of(0, "pp")) > 1
         self.dp_nodes = nodes(grid.group_of(0, "cp-dp"))
 
@@ -230,17 +235,15 @@ class StepCosts:
     def _action(self, op: str, stage: int) -> float:
         n, last = self.layers[stage], stage == self.stages - 1
         rc = self.layout.recompute
-        fwd = n * (self.t_fwd_gemm + self.t_mem + self.tp_forward()) + (
-            self.t_head_fwd + self.t_mem_head if last else 0.0)
+        head_fwd = self.t_head_fwd + self.t_mem_head if last else 0.0
+        fwd = n * (self.t_fwd_gemm + self.t_mem) + self.comm_part("forward", stage) + head_fwd
         if op == "forward":
             return fwd
-        redo = {"none": 0.0, "full": fwd - (self.t_head_fwd + self.t_mem_head if last else 0.0),
+        redo = {"none": 0.0, "full": n * (self.t_fwd_gemm + self.t_mem),
                 "selective": n * (self.t_core + self.t_mem_core)}[rc]
-        comm = self.tp_backward()
-        wgrad = self.t_wgrad
-        exposed = max(0.0, comm - wgrad) if self.layout.tp_overlap else comm
-        t_in = n * (self.t_dgrad + self.t_mem + exposed) + (self.t_head_dgrad + self.t_mem_head if last else 0.0)
-        t_w = n * wgrad + (self.t_head_wgrad if last else 0.0)
+        t_in = (n * (self.t_dgrad + self.t_mem) + self.comm_part("backward_input", stage)
+                + (self.t_head_dgrad + self.t_mem_head if last else 0.0))
+        t_w = n * self.t_wgrad + (self.t_head_wgrad if last else 0.0)
         if op == "backward":
             return redo + t_in + t_w
         if op == "backward_input":
@@ -250,16 +253,40 @@ class StepCosts:
         raise ValueError(f"no cost for pipeline action {op!r}; actions: forward, backward, backward_input, "
                          f"backward_weight")
 
-    def tp_part(self, op: str, stage: int) -> float:
-        """The exposed TP communication inside `action(op, stage)` (for reporting it apart)."""
+    def comm_part(self, op: str, stage: int, dims=("tp", "cp")) -> float:
+        """The exposed communication of `dims` inside `action(op, stage)`: per layer the TP collectives
+        (`tp_forward`; the backward's after overlap) and the CP ring (`cp_exposed`); a full recomputation's
+        forward pays its forward's again."""
         n = self.layers[stage]
+        tp, cp = "tp" in dims, "cp" in dims
+        fwd = (self.tp_forward() if tp else 0.0) + (self.cp_exposed("forward") if cp else 0.0)
         if op == "forward":
-            return n * self.tp_forward()
+            return n * fwd
         if op == "backward_weight":
             return 0.0
         comm = self.tp_backward()
-        exposed = max(0.0, comm - self.t_wgrad) if self.layout.tp_overlap else comm
-        return n * (exposed + (self.tp_forward() if self.layout.recompute == "full" else 0.0))
+        tp_bwd = max(0.0, comm - self.t_wgrad) if self.layout.tp_overlap else comm
+        bwd = (tp_bwd if tp else 0.0) + (self.cp_exposed("backward") if cp else 0.0)
+        return n * (bwd + (fwd if self.layout.recompute == "full" else 0.0))
+
+    def tp_part(self, op: str, stage: int) -> float:
+        """The exposed TP communication inside `action(op, stage)` (for reporting it apart)."""
+        return self.comm_part(op, stage, ("tp",))
+
+    def cp_exposed(self, op: str) -> float:
+        """What the CP ring of one layer adds to its forward or backward (ring attention, lesson 06): cp - 1 steps,
+        each passing this rank's K and V block (2 b (s/cp) h/tp 16-bit values each) to the next rank while the
+        attention of the block it holds computes ((scores + values products and the softmax bytes) / cp); the
+        backward passes K, V and their gradients, twice the bytes beside twice the compute. Only a transfer
+        longer than its block's compute is exposed."""
+        cp = self.layout.cp
+        if cp == 1:
+            return 0.0
+        k = 1 if op == "forward" else 2
+        block = BYTES_16BIT * self.layout.micro_batch * self.model.seq / cp * self.model.hidden / self.layout.tp
+        msg = self.hw.collective_time("send", k * 2 * block, 2, self.cp_cross)
+        compute = k * (self.t_core + self.t_mem_core) / cp
+        return (cp - 1) * max(0.0, msg - compute)
 
     def step_terms(self, m: int, schedule: str = "1f1b") -> dict[str, float]:
         """The step of `schedule` over m micro-batches in closed form, the reading of the same costs the replay
@@ -273,8 +300,8 @@ class StepCosts:
                                                     boundary forward, the last one's gradients backward
             dp            max_r exposed gradient sync, + Adam of the rank's stages (the "optimizer" term)
 
-        "1f1b" is interleaved when the layout has virtual > 1. tp is the exposed TP communication inside the
-        slowest rank's work (`tp_part`), compute the rest."""
+        "1f1b" is interleaved when the layout has virtual > 1. tp and cp are the exposed TP and CP communication
+        inside the slowest rank's work (`comm_part`), compute the rest."""
         if schedule not in ("1f1b", "gpipe", "zb-h1"):
             raise ValueError(f"no closed form for schedule {schedule!r}; known: 1f1b (interleaved with virtual > "
                              f"1), gpipe, zb-h1")
@@ -282,14 +309,16 @@ class StepCosts:
         held = [[s for s in range(self.stages) if s % pp == r] for r in range(pp)]
         per = lambda op, st: sum(self.action(op, s) for s in st)              # noqa: E731
         work = [per("forward", st) + per("backward", st) for st in held]
-        comm = [sum(self.tp_part("forward", s) + self.tp_part("backward", s) for s in st) for st in held]
+        tp = [sum(self.comm_part(op, s, ("tp",)) for s in st for op in ("forward", "backward")) for st in held]
+        cp = [sum(self.comm_part(op, s, ("cp",)) for s in st for op in ("forward", "backward")) for st in held]
         slow = max(range(pp), key=lambda r: work[r])
         if schedule == "zb-h1":
             fill = sum(per("forward", st) + per("backward_input", st) - per("backward_weight", st)
                        for st in held) / pp * (pp - 1)
         else:
             fill = (pp - 1) / v * sum(work) / pp
-        terms = {"compute": m * (work[slow] - comm[slow]), "tp": m * comm[slow], "bubble": fill,
+        terms = {"compute": m * (work[slow] - tp[slow] - cp[slow]), "tp": m * tp[slow], "cp": m * cp[slow],
+                 "bubble": fill,
                  "pp": 2 * (self.stages - 1) * self.message() if pp > 1 else 0.0,
                  "dp": max(self.exposed_grad_sync(st) for st in held),
                  "optimizer": max(self.optimizer(st) for st in held)}
