@@ -12,7 +12,8 @@ from parlab.cluster.pipeline_program import pipeline_trace
 from parlab.cluster.published import KORTHIKANTI
 from parlab.cluster.replay import step_time
 from parlab.cluster.scaleup import Layout, scaleup
-from parlab.cluster.step_costs import OPTIMIZER_BYTES_PER_PARAM, StepCosts
+from parlab.cluster.step_costs import StepCosts
+from parlab.cluster.sync_costs import OPTIMIZER_BYTES_PER_PARAM
 from parlab.models import GPT, GPTConfig
 from parlab.parallel import pipeline as sch
 from parlab.parallel.pipeline import PipelineParallel
@@ -90,12 +91,12 @@ def test_an_interleaved_rank_pays_the_sync_and_the_optimizer_of_all_its_stages()
     out = scaleup(sch.interleaved_1f1b(2, 4, 2), model, hw, lay)
     costs = StepCosts(model, hw, lay, 4)
     opt = {e.rank: e.duration for e in out.events if e.op == "optimizer"}
-    assert opt[0] == pytest.approx(costs.optimizer({0, 2}), rel=1e-12)
-    assert opt[1] == pytest.approx(costs.optimizer({1, 3}), rel=1e-12)
-    psi = costs.stage_params(0) + costs.stage_params(2)
+    assert opt[0] == pytest.approx(costs.sync.optimizer({0, 2}), rel=1e-12)
+    assert opt[1] == pytest.approx(costs.sync.optimizer({1, 3}), rel=1e-12)
+    psi = costs.sync.stage_params(0) + costs.sync.stage_params(2)
     assert opt[0] == pytest.approx(OPTIMIZER_BYTES_PER_PARAM * psi / (hw.mem_bw * hw.mem_efficiency), rel=1e-12)
     sync = {e.rank: e.duration for e in out.events if e.label == "dp grads (virtual)"}
-    assert sync[0] == pytest.approx(costs.grad_sync({0, 2}), rel=1e-12) and sync[0] > costs.grad_sync({0})
+    assert sync[0] == pytest.approx(costs.sync.grad_sync({0, 2}), rel=1e-12) and sync[0] > costs.sync.grad_sync({0})
     # the last virtual stage (3, on rank 1) carries the logits: 24 layers each, it alone is longer
     fwd = {s: costs.action("forward", s) for s in range(4)}
     assert fwd[0] == pytest.approx(fwd[1]) and fwd[3] > fwd[2]
@@ -105,15 +106,15 @@ def test_an_interleaved_rank_pays_the_sync_and_the_optimizer_of_all_its_stages()
 def test_layout_options_change_the_costs_they_name():
     model, hw = model_preset("gpt3-175b"), preset("dgx-a100")
     base = StepCosts(model, hw, Layout(tp=8, pp=2, dp=8), 2)
-    zero1 = StepCosts(model, hw, Layout(tp=8, pp=2, dp=8, distributed_optimizer=True), 2)
-    assert zero1.optimizer({0}) == pytest.approx(base.optimizer({0}) / 8, rel=1e-12)   # each rank updates 1/dp
-    assert zero1.grad_sync({0}) > 0 and base.grad_sync({0}) > 0
+    zero1 = StepCosts(model, hw, Layout(tp=8, pp=2, dp=8, zero=1), 2)
+    assert zero1.sync.optimizer({0}) == pytest.approx(base.sync.optimizer({0}) / 8, rel=1e-12)   # each rank updates 1/dp
+    assert zero1.sync.grad_sync({0}) > 0 and base.sync.grad_sync({0}) > 0
     over = StepCosts(model, hw, Layout(tp=8, pp=2, dp=8, tp_overlap=True), 2)
     assert over.action("forward", 0) == base.action("forward", 0)       # the forward's all-reduces stay serial
     assert over.action("backward", 0) < base.action("backward", 0)      # the backward's hide behind wgrad GEMMs
     dpo = StepCosts(model, hw, Layout(tp=8, pp=2, dp=8, dp_overlap=True), 2)
-    assert dpo.exposed_grad_sync({0}) == pytest.approx(max(0.0, base.grad_sync({0}) - base.action("backward", 0)))
-    assert base.exposed_grad_sync({0}) == base.grad_sync({0})
+    assert dpo.exposed_grad_sync({0}) == pytest.approx(max(0.0, base.sync.grad_sync({0}) - base.action("backward", 0)))
+    assert base.exposed_grad_sync({0}) == base.sync.grad_sync({0})
     h100 = preset("dgx-h100")
     fp8 = StepCosts(model, h100, Layout(tp=8, pp=2, precision="fp8"), 2)
     bf16 = StepCosts(model, h100, Layout(tp=8, pp=2), 2)
@@ -165,7 +166,7 @@ def test_the_planner_is_the_closed_form_of_the_replay(case):
         "175b-sp-selective": (gpt3, a100, sch.one_f_one_b(8, 32),
                               Layout(tp=8, pp=8, recompute="selective", sequence_parallel=True), 32),
         "llama-dp-zero1": (llama, a100, sch.one_f_one_b(4, 8),
-                           Layout(tp=2, pp=4, dp=4, distributed_optimizer=True, sequence_parallel=True), 32),
+                           Layout(tp=2, pp=4, dp=4, zero=1, sequence_parallel=True), 32),
         "gpt3-h100-tp-overlap": (gpt3, h100, sch.one_f_one_b(4, 8),
                                  Layout(tp=8, pp=4, recompute="full", tp_overlap=True), 8),
     }[case]
@@ -228,3 +229,32 @@ def test_context_parallel_ring_hides_behind_the_attention_it_computes():
                                                   + across.comm_part("backward", 1, ("cp",))), rel=1e-9)
     replayed = step_time(scaleup(sch.one_f_one_b(2, m), short, hw, layout))
     assert res_planner.step_s == pytest.approx(replayed, rel=0.02)
+
+
+def test_zero_stages_move_their_traffic_where_zero_puts_it():
+    model, hw = model_preset("llama-7b"), preset("dgx-a100")
+    lay = {z: Layout(tp=2, pp=2, dp=16, zero=z) for z in range(4)}
+    c = {z: StepCosts(model, hw, lay[z], 2) for z in range(4)}
+    ag, rs, ar = (c[0].sync._dp(op, [0]) for op in ("all_gather", "reduce_scatter", "all_reduce"))
+    assert c[0].sync.grad_sync([0]) == ar and c[1].sync.grad_sync([0]) == pytest.approx(rs + ag)
+    assert c[2].sync.grad_sync([0]) == ag and c[3].sync.grad_sync([0]) == 0.0        # ZeRO-3 keeps the weights sharded
+    assert c[1].sync.optimizer([0]) == pytest.approx(c[0].sync.optimizer([0]) / 16)   # each replica updates its 1/16
+    # per micro-batch: ZeRO-2 reduce-scatters after the backward, ZeRO-3 also gathers before forward and backward;
+    # what the compute beside it hides is not charged (dp 16 crosses nodes: 25 GB/s)
+    for z, op, traffic in ((2, "forward", 0.0), (2, "backward", rs), (3, "forward", ag), (3, "backward", ag + rs)):
+        base = c[0].action(op, 0)
+        assert c[z].zero_part(op, 0) == pytest.approx(max(0.0, traffic - base))
+        assert c[z].action(op, 0) == pytest.approx(base + c[z].zero_part(op, 0))
+    terms = c[3].step_terms(8)
+    assert terms["dp"] == pytest.approx(8 * (c[3].zero_part("forward", 1) + c[3].zero_part("backward", 1)))
+    moved = [8 * (2 * c[3].sync._dp("all_gather", [s]) + c[3].sync._dp("reduce_scatter", [s])) for s in (0, 1)]
+    assert terms["dp_traffic"] == pytest.approx(max(moved))                 # the rank that moves the most
+    with pytest.raises(ValueError, match="layout zero is a ZeRO stage 0, 1, 2 or 3"):
+        Layout(zero=4)
+    # the planner with the hardware reads the same: its DP term is the closed form's
+    from parlab.cluster.costs import Cluster
+    from parlab.cluster.planner import estimate
+    est = estimate(model, Cluster(nodes=8), 256, tp=2, pp=2, zero=3, micro_batch=2, hardware=hw,
+                   sequence_parallel=False)
+    closed = StepCosts(model, hw, Layout(tp=2, pp=2, dp=16, zero=3, micro_batch=2), 2).step_terms(8)
+    assert est.dp_s == pytest.approx(closed["dp"]) and est.step_s == pytest.approx(closed["step"])

@@ -205,8 +205,8 @@ def estimate(model: ModelSpec, cluster: Cluster, global_batch: int, *, tp: int =
     dp_exposed = max(0.0, t["dp"] - window)
     if hardware is not None:           # the replay's cost model in closed form (step_costs.StepCosts.step_terms)
         compute, bubble, t["tp"], t["cp"], t["pp"], dp_exposed, t["dp"] = _closed_form(
-            model, hardware, tp, pp, dp, cp, micro_batch, m, zero, rc, sequence_parallel, virtual, t["dp"], window,
-            tp_overlap, dp_overlap, schedule)
+            model, hardware, tp, pp, dp, cp, micro_batch, m, zero, rc, sequence_parallel, virtual, tp_overlap,
+            dp_overlap, schedule)
     step = compute + bubble + t["tp"] + t["cp"] + dp_exposed + t["pp"]
     return Estimate(tp, pp, dp, cp, micro_batch, m, zero, rc == "full", states["params"], states["grads"],
                     states["optimizer"], act, buffers, total, compute, bubble, t["tp"], t["cp"], dp_exposed,
@@ -215,20 +215,16 @@ def estimate(model: ModelSpec, cluster: Cluster, global_batch: int, *, tp: int =
                     virtual, schedule)
 
 
-def _closed_form(model, hardware, tp, pp, dp, cp, b, m, zero, rc, sp, virtual, dp_planner, window, tp_overlap,
-                 dp_overlap, schedule) -> tuple:
-    """(compute incl. Adam, bubble, tp, cp, pp, dp exposed, dp total) from `StepCosts.step_terms`; ZeRO 0/1 take its
-    gradient sync (ZeRO-1: the distributed optimizer), ZeRO 2/3 keep the planner's own traffic and overlap."""
+def _closed_form(model, hardware, tp, pp, dp, cp, b, m, zero, rc, sp, virtual, tp_overlap, dp_overlap,
+                 schedule) -> tuple:
+    """(compute incl. Adam, bubble, tp, cp, pp, dp exposed, dp total) from `StepCosts.step_terms`, ZeRO stage
+    included (its per micro-batch traffic beside the compute it overlaps)."""
     from parlab.cluster.step_costs import Layout, StepCosts
     layout = Layout(tp=tp, pp=pp, dp=dp, cp=cp, micro_batch=b, recompute=rc, sequence_parallel=sp and tp > 1,
-                    virtual=virtual, distributed_optimizer=zero >= 1, tp_overlap=tp_overlap, dp_overlap=dp_overlap)
+                    virtual=virtual, zero=zero, tp_overlap=tp_overlap, dp_overlap=dp_overlap)
     terms = StepCosts(model, hardware, layout, pp * virtual).step_terms(m, schedule)
-    compute = terms["compute"] + terms["tp"] + terms["cp"]   # what ZeRO-2/3 traffic can hide behind, as above
-    window = {3: compute, 2: compute * 2 / 3}.get(zero, window)
-    dp_total = dp_planner if zero >= 2 else terms["dp"]
-    dp_exposed = max(0.0, dp_planner - window) if zero >= 2 else terms["dp"]
-    return (terms["compute"] + terms["optimizer"], terms["bubble"], terms["tp"], terms["cp"], terms["pp"], dp_exposed,
-            dp_total)
+    return (terms["compute"] + terms["optimizer"], terms["bubble"], terms["tp"], terms["cp"], terms["pp"], terms["dp"],
+            terms["dp_traffic"])
 
 
 def _divisors(n: int) -> list[int]:

@@ -28,8 +28,8 @@ from parlab.cluster.costs import Cluster, ModelSpec
 from parlab.cluster.hardware import Hardware
 from parlab.cluster.pipeline_program import pipeline_trace
 from parlab.cluster.replay import replay, step_time
-from parlab.cluster.step_costs import (OPTIMIZER_BYTES_PER_PARAM, Layout, StepCosts, attention_core_bytes,
-                                       layer_forward_bytes, layer_forward_flops)
+from parlab.cluster.step_costs import Layout, StepCosts, attention_core_bytes, layer_forward_bytes, layer_forward_flops
+from parlab.cluster.sync_costs import OPTIMIZER_BYTES_PER_PARAM
 from parlab.parallel.pipeline.schedules import Schedule
 from parlab.trace import Event, Trace
 
@@ -84,7 +84,7 @@ def scaleup(program: Trace | Schedule, model: ModelSpec, hardware: Hardware, lay
 
     def compute_time(e: Event) -> float:
         if e.label == _OPT_LABEL:                                 # the virtual Adam step
-            return costs.optimizer(held[e.rank])
+            return costs.sync.optimizer(held[e.rank])
         hit = _LABEL.search(e.label)
         if e.op not in _ACTIONS or not hit:
             return 0.0                                            # anything else the tiny run did: not the model's
@@ -132,7 +132,7 @@ def compare(program: Trace | Schedule, model: ModelSpec, hardware: Hardware, lay
                       intra_gbps=hardware.intra_bw / 1e9, inter_gbps=hardware.inter_bw / 1e9,
                       peak_tflops=hardware.peak_flops / 1e12, mfu=hardware.end_to_end_mfu)
     est = estimate(model, cluster, global_batch, tp=layout.tp, pp=layout.pp, cp=layout.cp,
-                   micro_batch=layout.micro_batch, zero=1 if layout.distributed_optimizer else 0,
+                   micro_batch=layout.micro_batch, zero=layout.zero,
                    recompute=layout.recompute, sequence_parallel=layout.sequence_parallel, virtual=layout.virtual,
                    hardware=hardware, tp_overlap=layout.tp_overlap, dp_overlap=layout.dp_overlap)
     out = {"replay_s": rep, "planner_s": est.step_s}

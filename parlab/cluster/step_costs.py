@@ -50,16 +50,9 @@ softmax and attention dropout only, 4A + 5A). The last stage adds its final norm
 Messages: a pipeline message is 2 b s h / (tp cp) bytes (Megatron's scatter/gather between stages, Narayanan et
 al. 2021 section 4.1) on the link the pp group crosses; the tied-embedding gradient exchange 2 V h / tp bytes.
 
-Data parallelism and the optimizer, per rank and step, over the parameters psi of the stages it holds (/ tp):
-
-    gradient sync     an all-reduce of 2 psi bytes over dp x cp ranks; with `distributed_optimizer` (ZeRO-1 over
-                      dp, Megatron's distributed optimizer) a reduce-scatter of the gradients and an all-gather of
-                      the updated 16-bit weights instead (the same bytes); with `dp_overlap` it runs beside the
-                      rank's last backward and only what exceeds it is exposed
-    Adam              a memory-bound pass: per parameter the fp32 gradient read (4 B), the fp32 master weight,
-                      momentum and variance read and written (3 x 8 B), the 16-bit weight written (2 B):
-                      OPTIMIZER_BYTES_PER_PARAM = 30 (Rajbhandari et al., ZeRO, section 3.1: 2 + 2 + 12 bytes of
-                      state); / dp with the distributed optimizer
+Data parallelism and the optimizer (the gradient sync of each ZeRO stage, ZeRO-2/3's traffic per micro-batch, the
+Adam step): `parlab.cluster.sync_costs.SyncCosts` (`StepCosts.sync`); ZeRO-2/3's per micro-batch traffic runs
+beside the action it belongs to and only what exceeds that action's compute is charged to it.
 
 Number format: `precision` "bf16" (the default: the hardware's peak_flops) or another the hardware lists
 (`Hardware.at`, e.g. "fp8" on H100) for the matrix products; activations and messages stay 16-bit.
@@ -72,13 +65,12 @@ from dataclasses import dataclass
 from parlab.cluster import transformer as T
 from parlab.cluster.costs import BYTES_16BIT, ModelSpec
 from parlab.cluster.hardware import Hardware
+from parlab.cluster.closed_form import step_terms
+from parlab.cluster.sync_costs import SyncCosts
 from parlab.parallel.pipeline.schedules import split_layers
 
-__all__ = ["Layout", "StepCosts", "layer_forward_flops", "layer_forward_bytes", "attention_core_bytes",
-           "OPTIMIZER_BYTES_PER_PARAM"]
+__all__ = ["Layout", "StepCosts", "layer_forward_flops", "layer_forward_bytes", "attention_core_bytes"]
 
-#: bytes one mixed-precision Adam step moves per parameter (module docstring)
-OPTIMIZER_BYTES_PER_PARAM = 30
 _MASK_BYTES = 1                      # a dropout mask element (Korthikanti et al. 2022, section 4.1)
 _WEIGHTS = ("qkv", "proj", "mlp_in", "mlp_out")   # the layer's products with a weight matrix (`transformer.layer_gemms`)
 
@@ -86,8 +78,8 @@ _WEIGHTS = ("qkv", "proj", "mlp_in", "mlp_out")   # the layer's products with a 
 @dataclass(frozen=True)
 class Layout:
     """How the big model is laid out: tp x cp x dp x pp GPUs, `virtual` model chunks per pipeline rank
-    (interleaved 1F1B), b sequences per micro-batch, recomputation, sequence parallelism, the distributed
-    optimizer, communication overlap and the number format of the products (module docstring)."""
+    (interleaved 1F1B), b sequences per micro-batch, recomputation, sequence parallelism, the ZeRO stage (1: the
+    distributed optimizer), communication overlap and the number format of the products (module docstring)."""
 
     tp: int = 1
     pp: int = 1
@@ -97,7 +89,7 @@ class Layout:
     recompute: str = "none"          # "none" | "full" | "selective"
     sequence_parallel: bool = False
     virtual: int = 1                 # model chunks per pipeline rank (1: plain 1F1B / GPipe / ZB-H1)
-    distributed_optimizer: bool = False
+    zero: int = 0                    # ZeRO stage over the dp x cp replicas (1: Megatron's distributed optimizer)
     tp_overlap: bool = False         # the backward's TP communication hidden behind weight-gradient GEMMs
     dp_overlap: bool = False         # the gradient sync beside the rank's last backward
     precision: str = "bf16"
@@ -109,7 +101,10 @@ class Layout:
                 raise ValueError(f"layout {k} must be a positive integer, got {v!r}")
         if self.recompute not in T.RECOMPUTE:
             raise ValueError(f"recompute must be 'none', 'full' or 'selective', got {self.recompute!r}")
-        for k in ("sequence_parallel", "distributed_optimizer", "tp_overlap", "dp_overlap"):
+        if self.zero not in (0, 1, 2, 3) or isinstance(self.zero, bool):
+            raise ValueError(f"layout zero is a ZeRO stage 0, 1, 2 or 3 (1: Megatron's distributed optimizer), "
+                             f"got {self.zero!r}")
+        for k in ("sequence_parallel", "tp_overlap", "dp_overlap"):
             if not isinstance(getattr(self, k), bool):
                 raise ValueError(f"layout {k} must be True or False, got {getattr(self, k)!r}")
         if not isinstance(self.precision, str) or not self.precision:
@@ -189,7 +184,9 @@ class StepCosts:
         self.t_mem_head = (2 * BYTES_16BIT * b * s * h / (cp * (tp if sp else 1))
                            + 2 * BYTES_16BIT * b * s * model.vocab / (tp * cp)) / mem if memory_ops else 0.0
         self._placement(hardware)
+        self.sync = SyncCosts(model, self.hw, layout, self.layers, self.dp_nodes)
         self._actions: dict[tuple[str, int], float] = {}
+        self._zero_parts: dict[tuple[str, int], float] = {}
 
     # ------------------------------------------------------------------ placement and links
     def _placement(self, hardware: Hardware) -> None:
@@ -238,18 +235,18 @@ class StepCosts:
         head_fwd = self.t_head_fwd + self.t_mem_head if last else 0.0
         fwd = n * (self.t_fwd_gemm + self.t_mem) + self.comm_part("forward", stage) + head_fwd
         if op == "forward":
-            return fwd
+            return fwd + self._zero_exposed(op, stage, fwd)
         redo = {"none": 0.0, "full": n * (self.t_fwd_gemm + self.t_mem),
                 "selective": n * (self.t_core + self.t_mem_core)}[rc]
         t_in = (n * (self.t_dgrad + self.t_mem) + self.comm_part("backward_input", stage)
                 + (self.t_head_dgrad + self.t_mem_head if last else 0.0))
         t_w = n * self.t_wgrad + (self.t_head_wgrad if last else 0.0)
         if op == "backward":
-            return redo + t_in + t_w
+            return redo + t_in + t_w + self._zero_exposed(op, stage, redo + t_in + t_w)
         if op == "backward_input":
-            return redo + t_in
+            return redo + t_in + self._zero_exposed(op, stage, redo + t_in)
         if op == "backward_weight":
-            return t_w
+            return t_w + self._zero_exposed(op, stage, t_w)
         raise ValueError(f"no cost for pipeline action {op!r}; actions: forward, backward, backward_input, "
                          f"backward_weight")
 
@@ -289,41 +286,8 @@ class StepCosts:
         return (cp - 1) * max(0.0, msg - compute)
 
     def step_terms(self, m: int, schedule: str = "1f1b") -> dict[str, float]:
-        """The step of `schedule` over m micro-batches in closed form, the reading of the same costs the replay
-        runs: rank r holds stages r, r + pp, ...; per micro-batch it works W_r = its forwards + backwards.
-
-            compute + tp  m x max_r W_r            the slowest rank sets the steady state (the last, with the logits)
-            bubble        1f1b, gpipe: (pp - 1) / v x mean_r W_r   fill and drain, pp - 1 chunk-times of F + B
-                          zb-h1: (pp - 1) x mean_r (F_r + B_input,r - W_r)   the weight gradients fill the drain
-                          (Qi et al., arXiv:2401.10241, section 3: (p - 1)(T_F + T_B - T_W))
-            pp            2 (pp v - 1) messages      the first micro-batch's activations through every stage
-                                                    boundary forward, the last one's gradients backward
-            dp            max_r exposed gradient sync, + Adam of the rank's stages (the "optimizer" term)
-
-        "1f1b" is interleaved when the layout has virtual > 1. tp and cp are the exposed TP and CP communication
-        inside the slowest rank's work (`comm_part`), compute the rest."""
-        if schedule not in ("1f1b", "gpipe", "zb-h1"):
-            raise ValueError(f"no closed form for schedule {schedule!r}; known: 1f1b (interleaved with virtual > "
-                             f"1), gpipe, zb-h1")
-        pp, v = self.layout.pp, self.layout.virtual
-        held = [[s for s in range(self.stages) if s % pp == r] for r in range(pp)]
-        per = lambda op, st: sum(self.action(op, s) for s in st)              # noqa: E731
-        work = [per("forward", st) + per("backward", st) for st in held]
-        tp = [sum(self.comm_part(op, s, ("tp",)) for s in st for op in ("forward", "backward")) for st in held]
-        cp = [sum(self.comm_part(op, s, ("cp",)) for s in st for op in ("forward", "backward")) for st in held]
-        slow = max(range(pp), key=lambda r: work[r])
-        if schedule == "zb-h1":
-            fill = sum(per("forward", st) + per("backward_input", st) - per("backward_weight", st)
-                       for st in held) / pp * (pp - 1)
-        else:
-            fill = (pp - 1) / v * sum(work) / pp
-        terms = {"compute": m * (work[slow] - tp[slow] - cp[slow]), "tp": m * tp[slow], "cp": m * cp[slow],
-                 "bubble": fill,
-                 "pp": 2 * (self.stages - 1) * self.message() if pp > 1 else 0.0,
-                 "dp": max(self.exposed_grad_sync(st) for st in held),
-                 "optimizer": max(self.optimizer(st) for st in held)}
-        terms["step"] = sum(terms.values())
-        return terms
+        """The step of `schedule` over m micro-batches in closed form (`parlab.cluster.closed_form.step_terms`)."""
+        return step_terms(self, m, schedule)
 
     def message(self, tied: bool = False) -> float:
         """One pipeline message (2 b s h / (tp cp) bytes), or the tied-embedding gradient (2 V h / tp)."""
@@ -332,36 +296,24 @@ class StepCosts:
         return self.hw.collective_time("send", nbytes, 2, self.pp_cross)
 
     # ------------------------------------------------------------------ per rank, once per step
-    def stage_params(self, stage: int) -> float:
-        """Parameters of virtual stage `stage` on one of its tp GPUs: its layers, the embedding on the first
-        stage, the output layer's own parameters (the final norm; the tied head shares the embedding) on the last."""
-        tp, m = self.layout.tp, self.model
-        return (self.layers[stage] * m.layer_params(tp) + (m.embedding_params(tp) if stage == 0 else 0.0)
-                + (m.head_params(tp) if stage == self.stages - 1 else 0.0))
 
-    def grad_sync(self, stages) -> float:
-        """The gradient sync of a rank holding virtual `stages` over its dp x cp replicas (module docstring),
-        before any overlap."""
-        n = self.layout.dp * self.layout.cp
-        if n == 1:
-            return 0.0
-        psi = sum(self.stage_params(s) for s in stages)
-        cross = self.dp_nodes > 1
-        if self.layout.distributed_optimizer:
-            return (self.hw.collective_time("reduce_scatter", BYTES_16BIT * psi, n, cross, self.dp_nodes)
-                    + self.hw.collective_time("all_gather", BYTES_16BIT * psi, n, cross, self.dp_nodes))
-        return self.hw.collective_time("all_reduce", BYTES_16BIT * psi, n, cross, self.dp_nodes)
+    def zero_part(self, op: str, stage: int) -> float:
+        """The exposed ZeRO-2/3 traffic inside `action(op, stage)` (for reporting it apart)."""
+        self.action(op, stage)
+        return self._zero_parts[(op, stage)]
+
+    def _zero_exposed(self, op: str, stage: int, compute: float) -> float:
+        """The exposed ZeRO-2/3 traffic of one micro-batch's action `op` on `stage`, run beside `compute`
+        seconds of it: ZeRO-3 gathers the stage's weights before its forward and before its backward, ZeRO-2 and 3
+        reduce-scatter its gradients after the backward; only what exceeds the compute is exposed."""
+        t = self.sync.zero_traffic(op, stage)
+        self._zero_parts[(op, stage)] = exposed = max(0.0, t - compute)
+        return exposed
 
     def exposed_grad_sync(self, stages) -> float:
         """What the step waits for of the gradient sync: all of it, or with `dp_overlap` what exceeds the rank's
         last backward (of its first virtual stage, the last it runs)."""
-        t = self.grad_sync(stages)
+        t = self.sync.grad_sync(stages)
         if not self.layout.dp_overlap or not t:
             return t
         return max(0.0, t - self.action("backward", min(stages)))
-
-    def optimizer(self, stages) -> float:
-        """Adam over the parameters of `stages` on one GPU (/ dp with the distributed optimizer)."""
-        psi = sum(self.stage_params(s) for s in stages)
-        share = self.layout.dp if self.layout.distributed_optimizer else 1
-        return self.hw.compute_time(0.0, OPTIMIZER_BYTES_PER_PARAM * psi / share)

@@ -1,0 +1,84 @@
+"""Data parallelism and the optimizer in a big model's step: the gradient sync over the replicas per ZeRO stage,
+and the Adam step, per pipeline rank (`parlab.cluster.step_costs.StepCosts` charges them to its program).
+
+Per rank and step, over the parameters psi of the virtual stages it holds (on one of its tp GPUs), with
+N = dp x cp replicas:
+
+    ZeRO-0    an all-reduce of 2 psi bytes at the end of the step
+    ZeRO-1    (Megatron's distributed optimizer) a reduce-scatter of the gradients and an all-gather of the
+              updated 16-bit weights at the end (the same bytes as the all-reduce); Adam on psi / N
+    ZeRO-2    only a gradient shard is kept, so the reduce-scatter runs after every micro-batch's backward,
+              beside it; the all-gather at the end
+    ZeRO-3    the weights too are sharded: all-gathered before every micro-batch's forward and again before its
+              backward (prefetched, beside the compute), the gradients reduce-scattered after it; nothing at the end
+    Adam      a memory-bound pass: per parameter the fp32 gradient read (4 B), the fp32 master weight, momentum
+              and variance read and written (3 x 8 B), the 16-bit weight written (2 B):
+              OPTIMIZER_BYTES_PER_PARAM = 30 (the 2 + 2 + 12 bytes of state of mixed-precision Adam; Megatron
+              keeps fp32 main gradients, hence 4 B for the gradient)
+
+Collectives are timed by `Hardware.collective_time` on the link the dp group crosses.
+
+    S. Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models", SC 2020,
+    arXiv:1910.02054, sections 3.1 (the bytes of mixed-precision Adam), 5 and 7 (what each stage moves).
+Pure Python: no torch.
+"""
+from __future__ import annotations
+
+from parlab.cluster.costs import BYTES_16BIT, ModelSpec
+from parlab.cluster.hardware import Hardware
+
+__all__ = ["SyncCosts", "OPTIMIZER_BYTES_PER_PARAM"]
+
+#: bytes one mixed-precision Adam step moves per parameter (module docstring)
+OPTIMIZER_BYTES_PER_PARAM = 30
+
+
+class SyncCosts:
+    """The data-parallel sync and the optimizer step of `model` on `layout` (its tp, dp, cp and zero), with
+    `layers[s]` layers in virtual stage s, over a dp group spanning `dp_nodes` nodes."""
+
+    def __init__(self, model: ModelSpec, hardware: Hardware, layout, layers: list[int], dp_nodes: int):
+        self.model, self.hw, self.layout, self.layers, self.dp_nodes = model, hardware, layout, layers, dp_nodes
+        self.stages = len(layers)
+
+    def stage_params(self, stage: int) -> float:
+        """Parameters of virtual stage `stage` on one of its tp GPUs: its layers, the embedding on the first
+        stage, the output layer's own parameters (the final norm; the tied head shares the embedding) on the last."""
+        tp, m = self.layout.tp, self.model
+        return (self.layers[stage] * m.layer_params(tp) + (m.embedding_params(tp) if stage == 0 else 0.0)
+                + (m.head_params(tp) if stage == self.stages - 1 else 0.0))
+
+    def _dp(self, op: str, stages) -> float:
+        """One collective `op` of the 16-bit parameters (or gradients) of `stages` over the dp x cp replicas."""
+        n = self.layout.dp * self.layout.cp
+        if n == 1:
+            return 0.0
+        psi = sum(self.stage_params(s) for s in stages)
+        return self.hw.collective_time(op, BYTES_16BIT * psi, n, self.dp_nodes > 1, self.dp_nodes)
+
+    def grad_sync(self, stages) -> float:
+        """The end-of-step sync of a rank holding virtual `stages` over its dp x cp replicas (module docstring),
+        before any overlap: ZeRO-0 all-reduce, ZeRO-1 reduce-scatter + all-gather, ZeRO-2 the all-gather (its
+        reduce-scatters ran with each micro-batch), ZeRO-3 nothing."""
+        z = self.layout.zero
+        if z == 0:
+            return self._dp("all_reduce", stages)
+        return (self._dp("reduce_scatter", stages) if z == 1 else 0.0) + (self._dp("all_gather", stages) if z < 3
+                                                                           else 0.0)
+
+    def zero_traffic(self, op: str, stage: int) -> float:
+        """Seconds of ZeRO-2/3 traffic one micro-batch's action `op` on `stage` moves (before overlap)."""
+        z = self.layout.zero
+        if z < 2:
+            return 0.0
+        if op == "forward":
+            return self._dp("all_gather", [stage]) if z == 3 else 0.0
+        gather = self._dp("all_gather", [stage]) if z == 3 and op != "backward_weight" else 0.0
+        scatter = self._dp("reduce_scatter", [stage]) if op != "backward_input" else 0.0
+        return gather + scatter
+
+    def optimizer(self, stages) -> float:
+        """Adam over the parameters of `stages` on one GPU (/ dp x cp from ZeRO-1 on: each updates its shard)."""
+        psi = sum(self.stage_params(s) for s in stages)
+        share = self.layout.dp * self.layout.cp if self.layout.zero >= 1 else 1
+        return self.hw.compute_time(0.0, OPTIMIZER_BYTES_PER_PARAM * psi / share)
