@@ -241,3 +241,15 @@ def test_plan_tries_interleaving_chunks_where_the_schedule_allows_them(capsys):
     assert " v " in capsys.readouterr().out
     with pytest.raises(SystemExit):
         main(["--virtual", "0"])
+
+
+def test_plan_refuses_a_broken_hardware_description(capsys, tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    assert main(["--model", "llama-7b", "--hardware", str(bad)]) == 2
+    assert "is not valid JSON" in capsys.readouterr().out
+    zero_sms = tmp_path / "sms.json"
+    zero_sms.write_text('{"name": "x", "peak_flops": 1e12, "mem_bw": 1e11, "intra_bw": 1e10, "inter_bw": 1e9, '
+                        '"sms": 0}')
+    assert main(["--model", "llama-7b", "--hardware", str(zero_sms)]) == 2
+    assert "sms must be a positive integer" in capsys.readouterr().out
