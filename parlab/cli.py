@@ -227,8 +227,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def _main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["plan"]:  # the planner owns its options (see parlab.cluster.planner.main)
-        from parlab.cluster.planner import main as plan_main
+    if argv[:1] == ["plan"]:  # the planner owns its options (see parlab.cluster.plan_cli.main)
+        from parlab.cluster.plan_cli import main as plan_main
         return plan_main(argv[1:])
     if argv[:1] == ["calibrate"]:  # the calibration owns its options (see parlab.cluster.calibrate.main)
         from parlab.cluster.calibrate import main as calibrate_main

@@ -8,7 +8,8 @@ from parlab.cluster import transformer as T
 from parlab.cluster.costs import Cluster, ModelSpec, from_gpt_config, preset
 from parlab.parallel.zero import measure, transformer_params
 from parlab.models import GPT, GPTConfig
-from parlab.cluster.planner import enumerate_layouts, estimate, explain, format_table, main, plan, tiny_state_bytes, \
+from parlab.cluster.plan_cli import main
+from parlab.cluster.planner import enumerate_layouts, estimate, explain, format_table, plan, tiny_state_bytes, \
     volume_table
 from parlab.parallel.topology import ParallelGrid
 
@@ -198,7 +199,7 @@ def test_interleaving_divides_the_bubble_by_v_and_keeps_more_activations():
 def test_plan_command_tries_the_recomputation_settings_asked_for(capsys):
     """`parlab plan --recompute selective --no-sp`: every row selective (rc column "s"); without --no-sp the activations
     shrink by sequence parallelism; a setting that does not exist is refused by argparse in one line."""
-    from parlab.cluster.planner import main
+    from parlab.cluster.plan_cli import main
     argv = ["--model", "gpt3-175b", "--nodes", "16", "--top", "3"]
 
     def rc_column():

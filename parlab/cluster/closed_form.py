@@ -21,39 +21,58 @@ def step_terms(costs, m: int, schedule: str = "1f1b") -> dict[str, float]:
 
         compute + tp  m x max_r W_r            the slowest rank sets the steady state (the last, with the logits)
         bubble        1f1b, gpipe: (pp - 1) / v x mean_r W_r   fill and drain, pp - 1 chunk-times of F + B
-                      zb-h1: (pp - 1) x mean_r (F_r + B_input,r - W_r)   the weight gradients fill the drain
-                      (Qi et al., arXiv:2401.10241, section 3: (p - 1)(T_F + T_B - T_W))
+                      zb-h1: mean_r (pp - 1)(F_r + B_input,r) - min(m - 1, pp - 1) W_r   the weight gradients
+                      still owed fill the drain (Qi et al., arXiv:2401.10241, section 3: (p - 1)(T_F + T_B - T_W)
+                      when m >= p)
         pp            2 (pp v - 1) messages      the first micro-batch's activations through every stage
-                                                boundary forward, the last one's gradients backward
+                                                boundary forward, the last one's gradients backward (+ the tied
+                                                embedding's gradient exchange, both ways)
         dp            ZeRO-2/3's exposed traffic per micro-batch (m x, in the slowest rank's work) + max_r the
                       exposed end-of-step sync; Adam of the rank's stages is the "optimizer" term
         ("dp_traffic", not in the step: the data-parallel traffic before any overlap)
 
-    "1f1b" is interleaved when the layout has virtual > 1. tp and cp are the exposed TP and CP communication
+    "1f1b" is interleaved when the layout has virtual > 1 (then m must be a multiple of pp and the layers of
+    pp x v, as the schedule needs). ZB-H1's work is its F, B_input and W actions, each with what it overlaps. tp and cp are the exposed TP and CP communication
     inside the slowest rank's work (`comm_part`), compute the rest."""
     if schedule not in ("1f1b", "gpipe", "zb-h1"):
         raise ValueError(f"no closed form for schedule {schedule!r}; known: 1f1b (interleaved with virtual > "
                          f"1), gpipe, zb-h1")
+    if isinstance(m, bool) or not isinstance(m, int) or m < 1:
+        raise ValueError(f"m is the number of micro-batches, a positive integer, got {m!r}")
     pp, v = costs.layout.pp, costs.layout.virtual
+    if v > 1 and (schedule != "1f1b" or m % pp or costs.model.layers % (pp * v)):
+        raise ValueError(f"virtual={v} is interleaved 1F1B, which needs m divisible by pp and the layers by pp x v "
+                         f"(here {schedule}, m {m}, pp {pp}, {costs.model.layers} layers); replay the schedule "
+                         f"(parlab.cluster.scaleup) for anything else")
     held = [[s for s in range(costs.stages) if s % pp == r] for r in range(pp)]
+    ops = ("forward", "backward_input", "backward_weight") if schedule == "zb-h1" else ("forward", "backward")
     per = lambda op, st: sum(costs.action(op, s) for s in st)              # noqa: E731
-    work = [per("forward", st) + per("backward", st) for st in held]
-    tp = [sum(costs.comm_part(op, s, ("tp",)) for s in st for op in ("forward", "backward")) for st in held]
-    cp = [sum(costs.comm_part(op, s, ("cp",)) for s in st for op in ("forward", "backward")) for st in held]
-    zp = [sum(costs.zero_part(op, s) for s in st for op in ("forward", "backward")) for st in held]
+    work = [sum(per(op, st) for op in ops) for st in held]
+    tp = [sum(costs.comm_part(op, s, ("tp",)) for s in st for op in ops) for st in held]
+    cp = [sum(costs.comm_part(op, s, ("cp",)) for s in st for op in ops) for st in held]
+    zp = [sum(costs.zero_part(op, s) for s in st for op in ops) for st in held]
     slow = max(range(pp), key=lambda r: work[r])
-    if schedule == "zb-h1":
-        fill = sum(per("forward", st) + per("backward_input", st) - per("backward_weight", st)
-                   for st in held) / pp * (pp - 1)
+    if schedule == "zb-h1" and any(per("backward_weight", st) > per("forward", st) + per("backward_input", st)
+                                   for st in held):
+        raise ValueError("ZB-H1's closed form holds while a rank's weight-gradient work W is at most its F + "
+                         "B_input; here the ZeRO-2/3 gradient traffic exposed after W makes it longer. Replay the "
+                         "schedule instead (parlab.cluster.scaleup), or use 1f1b with this ZeRO stage")
+    if schedule == "zb-h1":             # the drain is filled by the weight gradients still owed: min(m - 1, pp - 1)
+        fill = sum((pp - 1) * (per("forward", st) + per("backward_input", st))
+                   - min(m - 1, pp - 1) * per("backward_weight", st) for st in held) / pp
     else:
         fill = (pp - 1) / v * sum(work) / pp
+    # the messages: the first micro-batch's activations through every stage boundary, the last one's gradients
+    # back; a tied head on another rank than the embedding exchanges its gradient once more (both ways, in turn)
+    tied = costs.model.tied and (costs.stages - 1) % pp != 0
+    chain = 2 * (costs.stages - 1) * costs.message() + (2 * costs.message(tied=True) if tied else 0.0)
     terms = {"compute": m * (work[slow] - tp[slow] - cp[slow] - zp[slow]), "tp": m * tp[slow], "cp": m * cp[slow],
              "bubble": fill,
-             "pp": 2 * (costs.stages - 1) * costs.message() if pp > 1 else 0.0,
+             "pp": chain if pp > 1 else 0.0,
              "dp": m * zp[slow] + max(costs.exposed_grad_sync(st) for st in held),
              "optimizer": max(costs.sync.optimizer(st) for st in held)}
     terms["step"] = sum(terms.values())
     # not part of the step: the data-parallel traffic before overlap, of the rank that moves the most
-    terms["dp_traffic"] = max(m * sum(costs.sync.zero_traffic(op, s) for s in st for op in ("forward", "backward"))
+    terms["dp_traffic"] = max(m * sum(costs.sync.zero_traffic(op, s) for s in st for op in ops)
                               + costs.sync.grad_sync(st) for st in held)
     return terms

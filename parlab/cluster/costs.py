@@ -61,6 +61,7 @@ class ModelSpec:
     bias: bool = True               # biases in linear layers; LayerNorm (2h) if True else RMSNorm (h)
     tied: bool = True               # output head shares the embedding matrix
     learned_pos: bool = True        # a learned s x h position table (GPT); False for RoPE (LLaMA)
+    dropout: bool = True            # trains with dropout (GPT-3, Megatron's GPTs); LLaMA does not
 
     def __post_init__(self) -> None:
         for k in ("layers", "hidden", "heads", "vocab", "seq"):
@@ -119,7 +120,7 @@ def _gpt3() -> ModelSpec:
 
 def _llama(name: str, layers: int, hidden: int, heads: int, ffn: int) -> ModelSpec:
     return ModelSpec(name, layers, hidden, heads, vocab=32000, seq=2048, ffn=ffn, swiglu=True, bias=False,
-                     tied=False, learned_pos=False)
+                     tied=False, learned_pos=False, dropout=False)
 
 
 #: Named models ([1] table 2.1; [2] table 2 and the released configs' MLP widths).

@@ -3,7 +3,7 @@
 `plan(model, cluster, global_batch)` enumerates every layout the model and the cluster allow, estimates
 the memory of the fullest GPU and the time of one step with the formulas of `parlab.cluster.costs` (and of the
 lessons), rejects the layouts that do not fit, ranks the rest by step time; `explain(ranked)` says in
-words why the winner has its tp, pp and dp; `format_table` prints them; `main` is ``parlab plan``.
+words why the winner has its tp, pp and dp; `format_table` prints them; ``parlab plan`` is `plan_cli.main`.
 
 A layout is valid when tp divides the heads, pp divides the layers, cp divides the sequence, and
 tp * pp * cp divides the GPUs (dp is the rest); the global batch of B sequences is m micro-batches of
@@ -48,7 +48,7 @@ the closed form of the replay's own cost model, `parlab.cluster.step_costs.StepC
 timed by its shape at the kernel-level efficiency, the memory-bound ops, the exposed TP communication, m times
 the slowest pipeline rank's work plus (pp - 1)/v chunk-times of fill and drain, the message chain, the gradient
 sync (ZeRO-1: the distributed optimizer) and Adam; `cluster.mfu` is then not used. On Korthikanti et al.'s eight
-runs it is within 0.3% of the replay (benchmarks/README.md). Memory is the same either way.
+runs it is within 0.4% of the replay (benchmarks/README.md). Memory is the same either way.
 
 References: see `parlab.cluster.costs`; [1] ZeRO arXiv:1910.02054; [2] Korthikanti et al. arXiv:2205.05198;
 [3] Narayanan et al. arXiv:2104.04473 (1F1B, placement; their GPT-3 175B run: t = 8, p = 8 on 1024
@@ -57,12 +57,11 @@ volume, so TP stays inside a node and PP crosses nodes.
 """
 from __future__ import annotations
 
-import argparse
 import functools
 from dataclasses import dataclass
 
 from parlab.cluster import transformer as T
-from parlab.cluster.costs import BYTES_16BIT, CLUSTERS, PRESETS, Cluster, ModelSpec, from_gpt_config, preset
+from parlab.cluster.costs import BYTES_16BIT, CLUSTERS, PRESETS, Cluster, ModelSpec, from_gpt_config
 from parlab.cluster.plan_report import DIMS, GB, explain, format_table, format_volume_table
 from parlab.parallel.zero import model_state_bytes
 from parlab.parallel.pipeline import bubble_formula, split_layers
@@ -70,7 +69,7 @@ from parlab.parallel.topology import ParallelGrid
 from parlab.trace.wire import wire_bytes
 
 __all__ = ["Estimate", "estimate", "enumerate_layouts", "plan", "explain", "format_table", "volume_table",
-           "format_volume_table", "tiny_state_bytes", "main", "ModelSpec", "Cluster", "PRESETS", "CLUSTERS"]
+           "format_volume_table", "tiny_state_bytes", "ModelSpec", "Cluster", "PRESETS", "CLUSTERS"]
 
 
 
@@ -150,6 +149,19 @@ def estimate(model: ModelSpec, cluster: Cluster, global_batch: int, *, tp: int =
     `tp_overlap` and `dp_overlap` are those of `step_costs.Layout`. `schedule`: "1f1b" (interleaved with
     `virtual` > 1), "gpipe" (every micro-batch's activations held until the backwards: m in flight, the same
     bubble) or "zb-h1" (Qi et al.: 1F1B's memory, the bubble (pp - 1)(F + B_input - W))."""
+    for name, v in (("tp", tp), ("pp", pp), ("cp", cp), ("micro_batch", micro_batch)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name} must be a positive integer, got {v!r}")
+    if type(zero) is not int or zero not in (0, 1, 2, 3):
+        raise ValueError(f"zero is a ZeRO stage 0, 1, 2 or 3, got {zero!r}")
+    if model.heads % tp:
+        raise ValueError(f"tp={tp} must divide {model.name}'s {model.heads} heads (each tensor-parallel rank "
+                         f"computes whole heads)")
+    if model.seq % cp:
+        raise ValueError(f"cp={cp} must divide the sequence of {model.seq} tokens")
+    if hardware is None and (tp_overlap or dp_overlap):
+        raise ValueError("tp_overlap and dp_overlap are options of the replay's cost model: give hardware= too "
+                         "(e.g. parlab.cluster.hardware.preset('dgx-a100'))")
     rc = T.recompute_mode(recompute)
     world = cluster.world
     dp, rest = divmod(world, tp * pp * cp)
@@ -247,6 +259,10 @@ def enumerate_layouts(model: ModelSpec, cluster: Cluster, global_batch: int, *, 
     overrate CP on short sequences (Megatron-Core recommends CP for long contexts). Pass 1 to try all."""
     if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
         raise ValueError(f"global batch must be a positive number of sequences, got {global_batch!r}")
+    virtual = (virtual,) if isinstance(virtual, int) and not isinstance(virtual, bool) else tuple(virtual)
+    if not virtual or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in virtual):
+        raise ValueError(f"virtual lists the interleaving chunks to try, positive integers such as (1, 2, 4); "
+                         f"got {virtual!r}")
     world = cluster.world
     out = []
     for tp in _divisors(world):
@@ -313,82 +329,3 @@ def tiny_state_bytes(config, *, tp: int = 1, pp: int = 1, dp: int = 1, zero: int
     so it can be compared with `parlab.parallel.zero.memory.measure` on real ranks (ratio = measured / planned)."""
     psi = from_gpt_config(config).stage_params(tp, pp)
     return model_state_bytes(psi, dp, zero, param_bytes=param_bytes, grad_bytes=grad_bytes, k=k)
-
-
-# ---------------------------------------------------------------------- command line
-MAX_GPUS = 16384   # `parlab plan` answers in seconds up to here (1024 nodes x 8: ~6 s at load 27 on 2 cores)
-
-
-def main(argv=None) -> int:
-    """``parlab plan``: print the ranked layouts of a model on a cluster."""
-    p = argparse.ArgumentParser(prog="parlab plan", description="rank training layouts by estimated step time")
-    p.add_argument("--model", default="gpt3-175b", choices=[*PRESETS, "custom"])
-    for k in ("layers", "hidden", "heads", "vocab", "seq"):
-        p.add_argument(f"--{k}", type=int, help=f"custom model {k} (overrides the preset)")
-    c = Cluster()
-    p.add_argument("--nodes", type=int, default=1)
-    p.add_argument("--gpus-per-node", type=int, default=c.gpus_per_node)
-    p.add_argument("--gpu-mem-gb", type=float, default=c.gpu_mem_gb)
-    p.add_argument("--intra-gbps", type=float, default=c.intra_gbps, help="GB/s per GPU inside a node")
-    p.add_argument("--inter-gbps", type=float, default=c.inter_gbps, help="GB/s per GPU between nodes")
-    p.add_argument("--tflops", type=float, default=c.peak_tflops, help="peak dense 16-bit TFLOP/s per GPU")
-    p.add_argument("--mfu", type=float, default=c.mfu, help="fraction of peak the matmuls reach")
-    p.add_argument("--hardware", default=None, metavar="PRESET_OR_JSON",
-                   help="time the layouts with the replay's cost model on this hardware (dgx-a100, dgx-h100, or a "
-                        "JSON from parlab calibrate): GEMMs by shape, exposed TP communication, the slowest "
-                        "pipeline rank; its GPUs per node, bandwidths and peak replace the flags above")
-    p.add_argument("--global-batch", type=int, default=None, help="sequences per step (default 2 x GPUs)")
-    p.add_argument("--recompute", nargs="+", choices=T.RECOMPUTE, default=list(T.RECOMPUTE),
-                   help="activation recomputation settings to try (rc column: n, s, y)")
-    p.add_argument("--no-sp", action="store_true", help="tensor parallelism without sequence parallelism")
-    p.add_argument("--virtual", nargs="+", type=int, default=[1], metavar="V",
-                   help="interleaving chunks per pipeline rank to try, e.g. 1 2 4 (default 1: plain 1F1B)")
-    p.add_argument("--top", type=int, default=10)
-    a = p.parse_args(argv)
-    for k in ("layers", "hidden", "heads", "vocab", "seq", "global_batch", "top", "nodes", "gpus_per_node"):
-        if getattr(a, k) is not None and getattr(a, k) < 1:
-            p.error(f"--{k.replace('_', '-')} must be a positive integer, got {getattr(a, k)}")
-    if a.nodes * a.gpus_per_node > MAX_GPUS:   # every layout is enumerated: a huge cluster would take minutes
-        p.error(f"at most {MAX_GPUS} GPUs (--nodes x --gpus-per-node), got {a.nodes * a.gpus_per_node}")
-    try:
-        custom = {k: getattr(a, k) for k in ("layers", "hidden", "heads", "vocab", "seq") if getattr(a, k) is not None}
-        if a.model == "custom":
-            missing = [k for k in ("layers", "hidden", "heads", "vocab", "seq") if k not in custom]
-            if missing:
-                p.error(f"--model custom needs --{' --'.join(missing)}")
-            model = ModelSpec("custom", **custom)
-        else:
-            base = preset(a.model)
-            model = ModelSpec(**{**base.__dict__, **custom}) if custom else base
-        hw = None
-        if a.hardware is not None:
-            from parlab.cluster.hardware import load
-            hw = load(a.hardware)
-            cluster = Cluster(a.nodes, hw.gpus_per_node, a.gpu_mem_gb, hw.intra_bw / 1e9, hw.inter_bw / 1e9,
-                              hw.peak_flops / 1e12, hw.end_to_end_mfu)
-        else:
-            cluster = Cluster(a.nodes, a.gpus_per_node, a.gpu_mem_gb, a.intra_gbps, a.inter_gbps, a.tflops, a.mfu)
-        batch = a.global_batch or 2 * cluster.world
-        if any(v < 1 for v in a.virtual):
-            p.error(f"--virtual takes positive chunk counts, got {a.virtual}")
-        options = dict(recompute=tuple(dict.fromkeys(a.recompute)), sequence_parallel=not a.no_sp, hardware=hw,
-                       virtual=tuple(dict.fromkeys(a.virtual)))
-        every = enumerate_layouts(model, cluster, batch, **options)
-        ranked = plan(model, cluster, batch, **options)
-    except ValueError as err:
-        print(f"error: {err}")
-        return 2
-    print(f"{model.name}: {model.param_count() / 1e9:.2f}B parameters, {model.layers} layers, h={model.hidden}, "
-          f"{model.heads} heads, seq {model.seq}; {cluster.nodes} x {cluster.gpus_per_node} GPUs "
-          f"({cluster.gpu_mem_gb:g} GB, {cluster.peak_tflops:g} TFLOP/s, "
-          + (f"timed on {hw.name} by the replay's cost model" if hw else f"MFU {cluster.mfu:g}")
-          + f"); global batch {batch}")
-    print(f"{len(every)} valid layouts, {len(ranked)} fit.\n")
-    print(format_table(ranked, a.top))
-    print()
-    print(explain(ranked, every))
-    return 0
-
-
-if __name__ == "__main__":  # pragma: no cover
-    raise SystemExit(main())

@@ -42,10 +42,11 @@ _OPT_LABEL = "optimizer (virtual)"
 _DP_LABEL = "dp grads (virtual)"
 
 
-def program_of(program: Trace | Schedule) -> Trace:
-    """A pipeline program as a trace: a traced run as it is, a `Schedule` built (`pipeline_trace`)."""
+def program_of(program: Trace | Schedule, tied_embedding: bool = True) -> Trace:
+    """A pipeline program as a trace: a traced run as it is, a `Schedule` built (`pipeline_trace`; with the tied
+    embedding's gradient exchange when `tied_embedding`)."""
     if isinstance(program, Schedule):
-        return pipeline_trace(program)
+        return pipeline_trace(program, tied_embedding)
     if isinstance(program, Trace):
         return program
     raise ValueError(f"scale-up replays a pipeline program: a parlab.Trace of a PipelineParallel step or a "
@@ -53,15 +54,22 @@ def program_of(program: Trace | Schedule) -> Trace:
 
 
 def scaleup(program: Trace | Schedule, model: ModelSpec, hardware: Hardware, layout: Layout, *,
-            memory_ops: bool = True, optimizer: bool = True, dropout: bool = True) -> Trace:
+            memory_ops: bool = True, optimizer: bool = True, dropout: bool | None = None) -> Trace:
     """Replay the pipeline `program` (a traced tiny run, one rank per pipeline rank, or a `Schedule`) as `model`
     laid out as `layout` on `hardware`. Returns the replayed `Trace`, labelled "<hardware> as <model>".
     memory_ops: cost the memory-bound ops' bytes; optimizer: add each rank's Adam step; dropout: the model
-    trains with dropout (Megatron's GPT; LLaMA does not). Costs: `parlab.cluster.step_costs`."""
+    trains with dropout (None: `model.dropout`: Megatron's GPT does, LLaMA does not). A `Schedule` is built with
+    the tied embedding's exchange only when `model.tied`. Costs: `parlab.cluster.step_costs`."""
     if not isinstance(model, ModelSpec):
         raise ValueError(f"model must be a parlab.cluster.costs.ModelSpec (e.g. parlab.cluster.costs.preset('gpt3-175b')), "
                          f"got {type(model).__name__}")
-    trace = program_of(program)
+    if not isinstance(layout, Layout):
+        raise ValueError(f"layout must be a parlab.cluster.step_costs.Layout (e.g. Layout(tp=8, pp=8)), "
+                         f"got {type(layout).__name__}")
+    if not isinstance(hardware, Hardware):
+        raise ValueError(f"hardware must be a parlab.cluster.hardware.Hardware (e.g. parlab.cluster.hardware."
+                         f"preset('dgx-a100')), got {type(hardware).__name__}")
+    trace = program_of(program, model.tied)
     ranks = trace.ranks
     if len(ranks) != layout.pp:
         raise ValueError(f"the program has {len(ranks)} ranks but the layout has pp={layout.pp}: scale-up replays a "
@@ -123,10 +131,23 @@ def compare(program: Trace | Schedule, model: ModelSpec, hardware: Hardware, lay
     """The replayed step time next to the planner's estimate (`parlab.cluster.planner.estimate`) for the same layout,
     model, batch and hardware (and, when given, a published step time; errors are relative to it). The planner is
     given the hardware, so it reads the same cost model in closed form (`StepCosts.step_terms`); the two differ
-    by what the closed form leaves out (the order of each rank's steps in the fill and drain). `options` go to
-    `scaleup` (memory_ops, optimizer, dropout)."""
+    by what the closed form leaves out (the order of each rank's steps in the fill and drain). The schedule is
+    the program's (ZB-H1 when it splits the backward); `global_batch` must be dp x micro-batch x the program's
+    micro-batches. `options` go to `scaleup` only (memory_ops, optimizer, dropout): the planner always counts the
+    memory-bound ops and Adam, and the model's own dropout."""
     from parlab.cluster.planner import estimate
-    rep = step_time(scaleup(program, model, hardware, layout, **options))
+    trace = program_of(program, model.tied)
+    mbs = {int(hit[2]) for e in trace.events if e.kind == "compute" for hit in [_LABEL.search(e.label)] if hit}
+    m = len(mbs)
+    if global_batch != layout.dp * layout.micro_batch * m:
+        raise ValueError(f"global batch {global_batch} is not the program's: dp {layout.dp} x micro-batch "
+                         f"{layout.micro_batch} x {m} micro-batches = {layout.dp * layout.micro_batch * m}")
+    ops = {e.op for e in trace.events if e.kind == "compute"}
+    if isinstance(program, Schedule) and program.name.startswith("gpipe"):
+        schedule = "gpipe"
+    else:
+        schedule = "zb-h1" if "backward_weight" in ops else "1f1b"   # GPipe and 1F1B: the same step time
+    rep = step_time(scaleup(trace, model, hardware, layout, **options))
     nodes = max(1, layout.gpus // hardware.gpus_per_node)
     cluster = Cluster(nodes=nodes, gpus_per_node=min(hardware.gpus_per_node, layout.gpus),
                       intra_gbps=hardware.intra_bw / 1e9, inter_gbps=hardware.inter_bw / 1e9,
@@ -134,7 +155,7 @@ def compare(program: Trace | Schedule, model: ModelSpec, hardware: Hardware, lay
     est = estimate(model, cluster, global_batch, tp=layout.tp, pp=layout.pp, cp=layout.cp,
                    micro_batch=layout.micro_batch, zero=layout.zero,
                    recompute=layout.recompute, sequence_parallel=layout.sequence_parallel, virtual=layout.virtual,
-                   hardware=hardware, tp_overlap=layout.tp_overlap, dp_overlap=layout.dp_overlap)
+                   hardware=hardware, tp_overlap=layout.tp_overlap, dp_overlap=layout.dp_overlap, schedule=schedule)
     out = {"replay_s": rep, "planner_s": est.step_s}
     if published_s is not None:
         out.update(published_s=published_s, replay_error=rep / published_s - 1, planner_error=est.step_s / published_s - 1)

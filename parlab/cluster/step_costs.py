@@ -69,7 +69,8 @@ from parlab.cluster.closed_form import step_terms
 from parlab.cluster.sync_costs import SyncCosts
 from parlab.parallel.pipeline.schedules import split_layers
 
-__all__ = ["Layout", "StepCosts", "layer_forward_flops", "layer_forward_bytes", "attention_core_bytes"]
+__all__ = ["Layout", "StepCosts", "check_inputs", "layer_forward_flops", "layer_forward_bytes",
+           "attention_core_bytes"]
 
 _MASK_BYTES = 1                      # a dropout mask element (Korthikanti et al. 2022, section 4.1)
 _WEIGHTS = ("qkv", "proj", "mlp_in", "mlp_out")   # the layer's products with a weight matrix (`transformer.layer_gemms`)
@@ -101,7 +102,7 @@ class Layout:
                 raise ValueError(f"layout {k} must be a positive integer, got {v!r}")
         if self.recompute not in T.RECOMPUTE:
             raise ValueError(f"recompute must be 'none', 'full' or 'selective', got {self.recompute!r}")
-        if self.zero not in (0, 1, 2, 3) or isinstance(self.zero, bool):
+        if type(self.zero) is not int or self.zero not in (0, 1, 2, 3):
             raise ValueError(f"layout zero is a ZeRO stage 0, 1, 2 or 3 (1: Megatron's distributed optimizer), "
                              f"got {self.zero!r}")
         for k in ("sequence_parallel", "tp_overlap", "dp_overlap"):
@@ -143,21 +144,42 @@ def layer_forward_bytes(m: ModelSpec, b: int, tp: int = 1, cp: int = 1, sequence
     return norms + residual + drops + act + attention_core_bytes(m, b, tp, cp, dropout)
 
 
+def check_inputs(model, hardware, layout) -> None:
+    """What a big model's layout must satisfy before it can be costed: the right types, tp dividing the heads and
+    the MLP width (Megatron splits both), cp dividing the sequence."""
+    if not isinstance(model, ModelSpec):
+        raise ValueError(f"model must be a parlab.cluster.costs.ModelSpec (e.g. parlab.cluster.costs.preset("
+                         f"'gpt3-175b')), got {type(model).__name__}")
+    if not isinstance(hardware, Hardware):
+        raise ValueError(f"hardware must be a parlab.cluster.hardware.Hardware (e.g. parlab.cluster.hardware.preset("
+                         f"'dgx-a100')), got {type(hardware).__name__}")
+    if not isinstance(layout, Layout):
+        raise ValueError(f"layout must be a parlab.cluster.step_costs.Layout, got {type(layout).__name__}")
+    if model.heads % layout.tp or model.ffn % layout.tp:
+        raise ValueError(f"tp={layout.tp} must divide {model.name}'s {model.heads} heads and its MLP width "
+                         f"{model.ffn} (tensor parallelism splits both)")
+    if model.seq % layout.cp:
+        raise ValueError(f"cp={layout.cp} must divide the sequence of {model.seq} tokens")
+
+
 class StepCosts:
     """Seconds of every step of `model`'s pipeline program, laid out as `layout` on `hardware`, with the layers
     split over `stages` virtual stages (`split_layers`): `action(op, stage)` for a forward / backward /
     backward_input / backward_weight, `message(tied)`, and per rank `grad_sync(stages)` and `optimizer(stages)`.
-    memory_ops: cost the memory-bound ops' bytes; dropout: the model trains with dropout (Megatron's GPT)."""
+    memory_ops: cost the memory-bound ops' bytes; dropout: the model trains with dropout (None: `model.dropout`,
+    True for Megatron's GPTs, False for LLaMA)."""
 
     def __init__(self, model: ModelSpec, hardware: Hardware, layout: Layout, stages: int, *,
-                 memory_ops: bool = True, dropout: bool = True):
-        if not isinstance(model, ModelSpec):
-            raise ValueError(f"model must be a parlab.cluster.costs.ModelSpec (e.g. parlab.cluster.costs.preset("
-                             f"'gpt3-175b')), got {type(model).__name__}")
-        if not isinstance(layout, Layout):
-            raise ValueError(f"layout must be a parlab.cluster.step_costs.Layout, got {type(layout).__name__}")
+                 memory_ops: bool = True, dropout: bool | None = None):
+        check_inputs(model, hardware, layout)
+        if isinstance(stages, bool) or not isinstance(stages, int) or stages < 1:
+            raise ValueError(f"stages is the number of virtual pipeline stages, a positive integer, got {stages!r}")
         if stages > model.layers:
             raise ValueError(f"the pipeline has {stages} stages but {model.name} has {model.layers} layers")
+        if stages != layout.pp * layout.virtual:
+            raise ValueError(f"{stages} virtual stages do not fit the layout: pp={layout.pp} x virtual="
+                             f"{layout.virtual} = {layout.pp * layout.virtual}")
+        dropout = model.dropout if dropout is None else dropout
         self.model, self.layout, self.stages = model, layout, stages
         self.hw = hardware if layout.precision == "bf16" else hardware.at(layout.precision)
         self.layers = [len(r) for r in split_layers(model.layers, stages)]
@@ -230,6 +252,8 @@ class StepCosts:
         return self._actions[key]
 
     def _action(self, op: str, stage: int) -> float:
+        if isinstance(stage, bool) or not isinstance(stage, int) or not 0 <= stage < self.stages:
+            raise ValueError(f"stage must be a virtual stage 0..{self.stages - 1}, got {stage!r}")
         n, last = self.layers[stage], stage == self.stages - 1
         rc = self.layout.recompute
         head_fwd = self.t_head_fwd + self.t_mem_head if last else 0.0
@@ -238,7 +262,8 @@ class StepCosts:
             return fwd + self._zero_exposed(op, stage, fwd)
         redo = {"none": 0.0, "full": n * (self.t_fwd_gemm + self.t_mem),
                 "selective": n * (self.t_core + self.t_mem_core)}[rc]
-        t_in = (n * (self.t_dgrad + self.t_mem) + self.comm_part("backward_input", stage)
+        t_in = (n * (self.t_dgrad + self.t_mem) + self.comm_part("backward" if op == "backward" else "backward_input",
+                                                                 stage)
                 + (self.t_head_dgrad + self.t_mem_head if last else 0.0))
         t_w = n * self.t_wgrad + (self.t_head_wgrad if last else 0.0)
         if op == "backward":
@@ -262,7 +287,8 @@ class StepCosts:
         if op == "backward_weight":
             return 0.0
         comm = self.tp_backward()
-        tp_bwd = max(0.0, comm - self.t_wgrad) if self.layout.tp_overlap else comm
+        # overlap hides the TP traffic behind the weight-gradient GEMMs: not in B_input, which runs without them
+        tp_bwd = max(0.0, comm - self.t_wgrad) if self.layout.tp_overlap and op == "backward" else comm
         bwd = (tp_bwd if tp else 0.0) + (self.cp_exposed("backward") if cp else 0.0)
         return n * (bwd + (fwd if self.layout.recompute == "full" else 0.0))
 

@@ -43,10 +43,13 @@ class SyncCosts:
 
     def stage_params(self, stage: int) -> float:
         """Parameters of virtual stage `stage` on one of its tp GPUs: its layers, the embedding on the first
-        stage, the output layer's own parameters (the final norm; the tied head shares the embedding) on the last."""
-        tp, m = self.layout.tp, self.model
+        stage, the output layer on the last; with a tied head on another rank than the first stage, the last
+        stage keeps its own copy of the embedding (Megatron's embedding group, Narayanan et al. 2021)."""
+        tp, m, pp = self.layout.tp, self.model, self.layout.pp
+        last = stage == self.stages - 1
+        copy = m.vocab * m.hidden / tp if last and m.tied and (self.stages - 1) % pp != 0 else 0.0
         return (self.layers[stage] * m.layer_params(tp) + (m.embedding_params(tp) if stage == 0 else 0.0)
-                + (m.head_params(tp) if stage == self.stages - 1 else 0.0))
+                + (m.head_params(tp) if last else 0.0) + copy)
 
     def _dp(self, op: str, stages) -> float:
         """One collective `op` of the 16-bit parameters (or gradients) of `stages` over the dp x cp replicas."""
