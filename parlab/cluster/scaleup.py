@@ -28,7 +28,8 @@ from parlab.cluster.costs import Cluster, ModelSpec
 from parlab.cluster.hardware import Hardware
 from parlab.cluster.pipeline_program import pipeline_trace
 from parlab.cluster.replay import replay, step_time
-from parlab.cluster.step_costs import Layout, StepCosts, attention_core_bytes, layer_forward_bytes, layer_forward_flops
+from parlab.cluster.step_costs import (Layout, StepCosts, attention_core_bytes, check_inputs, layer_forward_bytes,
+                                       layer_forward_flops)
 from parlab.cluster.sync_costs import OPTIMIZER_BYTES_PER_PARAM
 from parlab.parallel.pipeline.schedules import Schedule
 from parlab.trace import Event, Trace
@@ -60,15 +61,7 @@ def scaleup(program: Trace | Schedule, model: ModelSpec, hardware: Hardware, lay
     memory_ops: cost the memory-bound ops' bytes; optimizer: add each rank's Adam step; dropout: the model
     trains with dropout (None: `model.dropout`: Megatron's GPT does, LLaMA does not). A `Schedule` is built with
     the tied embedding's exchange only when `model.tied`. Costs: `parlab.cluster.step_costs`."""
-    if not isinstance(model, ModelSpec):
-        raise ValueError(f"model must be a parlab.cluster.costs.ModelSpec (e.g. parlab.cluster.costs.preset('gpt3-175b')), "
-                         f"got {type(model).__name__}")
-    if not isinstance(layout, Layout):
-        raise ValueError(f"layout must be a parlab.cluster.step_costs.Layout (e.g. Layout(tp=8, pp=8)), "
-                         f"got {type(layout).__name__}")
-    if not isinstance(hardware, Hardware):
-        raise ValueError(f"hardware must be a parlab.cluster.hardware.Hardware (e.g. parlab.cluster.hardware."
-                         f"preset('dgx-a100')), got {type(hardware).__name__}")
+    check_inputs(model, hardware, layout)          # types, and tp / cp dividing what they split
     trace = program_of(program, model.tied)
     ranks = trace.ranks
     if len(ranks) != layout.pp:
