@@ -61,7 +61,7 @@ import functools
 from dataclasses import dataclass
 
 from parlab.cluster import transformer as T
-from parlab.cluster.costs import BYTES_16BIT, CLUSTERS, PRESETS, Cluster, ModelSpec, from_gpt_config
+from parlab.cluster.costs import BYTES_16BIT, CLUSTERS, PRESETS, Cluster, ModelSpec, from_gpt_config, preset
 from parlab.cluster.plan_report import DIMS, GB, explain, format_table, format_volume_table
 from parlab.parallel.zero import model_state_bytes
 from parlab.parallel.pipeline import bubble_formula, split_layers
@@ -69,7 +69,7 @@ from parlab.parallel.topology import ParallelGrid
 from parlab.trace.wire import wire_bytes
 
 __all__ = ["Estimate", "estimate", "enumerate_layouts", "plan", "explain", "format_table", "volume_table",
-           "format_volume_table", "tiny_state_bytes", "ModelSpec", "Cluster", "PRESETS", "CLUSTERS"]
+           "format_volume_table", "tiny_state_bytes", "ModelSpec", "Cluster", "PRESETS", "CLUSTERS", "preset"]
 
 
 
