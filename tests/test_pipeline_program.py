@@ -328,3 +328,19 @@ def test_bad_layouts_and_arguments_are_refused_with_what_to_fix():
         scaleup(sch.one_f_one_b(2, 4), gpt3, hw, {"tp": 8, "pp": 2})
     with pytest.raises(ValueError, match="global batch 32 is not the program's: dp 1 x micro-batch 1 x 16"):
         compare(sch.one_f_one_b(2, 16), gpt3, hw, Layout(tp=8, pp=2), 32)
+
+
+def test_selective_recomputation_under_context_parallelism_passes_the_ring_again():
+    import dataclasses
+    hw = preset("dgx-h100")
+    short = dataclasses.replace(model_preset("llama-7b"), seq=2048)
+    sel = StepCosts(short, hw, Layout(tp=8, cp=4, pp=2, recompute="selective"), 2)
+    none = StepCosts(short, hw, Layout(tp=8, cp=4, pp=2), 2)
+    ring = sel.cp_exposed("forward")
+    assert ring > 0
+    assert sel.comm_part("backward", 0, ("cp",)) == pytest.approx(none.comm_part("backward", 0, ("cp",))
+                                                                   + 16 * ring)     # 16 layers on stage 0
+    # ZB-H1 with dp_overlap: the end-of-step sync overlaps the rank's last action, its W
+    zb = StepCosts(model_preset("gpt3-175b"), hw, Layout(tp=8, pp=4, dp=2, dp_overlap=True), 4)
+    t = zb.sync.grad_sync([0])
+    assert zb.exposed_grad_sync([0], "backward_weight") == pytest.approx(max(0.0, t - zb.action("backward_weight", 0)))

@@ -69,7 +69,7 @@ def step_terms(costs, m: int, schedule: str = "1f1b") -> dict[str, float]:
     terms = {"compute": m * (work[slow] - tp[slow] - cp[slow] - zp[slow]), "tp": m * tp[slow], "cp": m * cp[slow],
              "bubble": fill,
              "pp": chain if pp > 1 else 0.0,
-             "dp": m * zp[slow] + max(costs.exposed_grad_sync(st) for st in held),
+             "dp": m * zp[slow] + max(costs.exposed_grad_sync(st, ops[-1]) for st in held),
              "optimizer": max(costs.sync.optimizer(st) for st in held)}
     terms["step"] = sum(terms.values())
     # not part of the step: the data-parallel traffic before overlap, of the rank that moves the most

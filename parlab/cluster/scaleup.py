@@ -82,6 +82,7 @@ def scaleup(program: Trace | Schedule, model: ModelSpec, hardware: Hardware, lay
                          f"{layout.virtual} = {layout.pp * layout.virtual}; give the layout the program's virtual "
                          f"stages per rank")
     costs = StepCosts(model, hardware, layout, S, memory_ops=memory_ops, dropout=dropout)
+    last = "backward_weight" if any(e.op == "backward_weight" for e in trace.events) else "backward"  # ZB-H1 ends on W
 
     def compute_time(e: Event) -> float:
         if e.label == _OPT_LABEL:                                 # the virtual Adam step
@@ -95,7 +96,7 @@ def scaleup(program: Trace | Schedule, model: ModelSpec, hardware: Hardware, lay
         if e.kind == "p2p":
             return costs.message(tied="tied" in e.label)
         if e.op == "all_reduce" and (e.label.startswith("dp grads") or len(e.group) <= 1):
-            return costs.exposed_grad_sync(held[e.rank])
+            return costs.exposed_grad_sync(held[e.rank], last)
         return 0.0                                                # other collectives of the tiny run: free
 
     events = list(trace.events)

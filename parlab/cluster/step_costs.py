@@ -290,7 +290,10 @@ class StepCosts:
         # overlap hides the TP traffic behind the weight-gradient GEMMs: not in B_input, which runs without them
         tp_bwd = max(0.0, comm - self.t_wgrad) if self.layout.tp_overlap and op == "backward" else comm
         bwd = (tp_bwd if tp else 0.0) + (self.cp_exposed("backward") if cp else 0.0)
-        return n * (bwd + (fwd if self.layout.recompute == "full" else 0.0))
+        # full recomputation runs the forward again, its communication with it; selective recomputes the
+        # attention core, which under context parallelism needs the K/V blocks around the ring once more
+        redo = {"full": fwd, "selective": self.cp_exposed("forward") if cp else 0.0}.get(self.layout.recompute, 0.0)
+        return n * (bwd + redo)
 
     def tp_part(self, op: str, stage: int) -> float:
         """The exposed TP communication inside `action(op, stage)` (for reporting it apart)."""
@@ -336,10 +339,11 @@ class StepCosts:
         self._zero_parts[(op, stage)] = exposed = max(0.0, t - compute)
         return exposed
 
-    def exposed_grad_sync(self, stages) -> float:
+    def exposed_grad_sync(self, stages, last: str = "backward") -> float:
         """What the step waits for of the gradient sync: all of it, or with `dp_overlap` what exceeds the rank's
-        last backward (of its first virtual stage, the last it runs)."""
+        last action, `last` of its first virtual stage (the last it runs: "backward", or ZB-H1's
+        "backward_weight")."""
         t = self.sync.grad_sync(stages)
         if not self.layout.dp_overlap or not t:
             return t
-        return max(0.0, t - self.action("backward", min(stages)))
+        return max(0.0, t - self.action(last, min(stages)))
