@@ -18,6 +18,7 @@ Screenshots are left in the test's temporary folder (``start.png``, ``lesson.png
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -49,8 +50,9 @@ def lab(tmp_path_factory):
     nbformat.write(_explorer_only(nbformat.read(root / LESSON, as_version=4)), str(root / LESSON))
     env = dict(os.environ, JUPYTERLAB_SETTINGS_DIR=str(tmp / "settings"), JUPYTER_RUNTIME_DIR=str(tmp / "runtime"),
                JUPYTERLAB_WORKSPACES_DIR=str(tmp / "workspaces"))       # none of this user's JupyterLab state
+    port = free_port()
     cmd = [sys.executable, "-m", "parlab.cli", "course", "open", "--root", str(root), "--no-browser", "--",
-           f"--port={free_port()}", "--ServerApp.port_retries=0"]
+           f"--port={port}", "--ServerApp.port_retries=0"]
     proc = subprocess.Popen(cmd, cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url, seen = None, []
     deadline = time.monotonic() + 120
@@ -63,12 +65,36 @@ def lab(tmp_path_factory):
         assert url, "".join(seen)[-3000:]
         yield url, root, tmp
     finally:
-        proc.terminate()
+        proc.terminate()                     # `parlab course open` passes it on: JupyterLab stops its kernels
         try:
             proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+        left = _left_running(tmp / "runtime", port)
+        for pid in left:                     # JupyterLab first (it would restart a killed kernel), then kernels
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        assert not left, f"still running after `parlab course open` was stopped (JupyterLab, kernels): {left}"
+
+
+def _left_running(runtime: Path, port: int) -> list[int]:
+    """Processes (Linux /proc) that are this lab's JupyterLab server (its --port) or one of its kernels (a
+    connection file in `runtime`), the server first."""
+    server, kernels = [], []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            args = cmdline.read_bytes().split(b"\0")
+        except OSError:
+            continue
+        pid = int(cmdline.parent.name)
+        if b"jupyterlab" in b" ".join(args) and f"--port={port}".encode() in args:
+            server.append(pid)
+        elif any(str(runtime).encode() in a and b"kernel-" in a for a in args):
+            kernels.append(pid)
+    return server + kernels
 
 
 def _explorer_only(nb):

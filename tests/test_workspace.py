@@ -141,9 +141,36 @@ def test_open_as_root_adds_allow_root_and_says_so(tmp_path, monkeypatch, capsys,
     root = _course(tmp_path)
     calls = []
     monkeypatch.setattr(workspace.os, "geteuid", lambda: euid)
-    monkeypatch.setattr(workspace.subprocess, "call", lambda cmd, cwd=None: calls.append(cmd) or 0)
+    monkeypatch.setattr(workspace, "_run_lab", lambda cmd, cwd: calls.append(cmd) or 0)
     monkeypatch.setattr(workspace.shutil, "which", lambda name: "/usr/bin/" + name)
     assert workspace.open_course(root, browser=False) == 0
     assert ("--allow-root" in calls[0]) is added
     assert "--LabApp.default_url=/lab/tree/START.ipynb" in calls[0]   # the printed URL opens START (served: my-course/)
     assert ("JupyterLab starts only with --allow-root" in capsys.readouterr().out) is added
+
+
+def test_stopping_course_open_stops_jupyterlab_too(tmp_path):
+    """`parlab course open` waits for JupyterLab and passes a SIGTERM on to it (JupyterLab then stops its kernels);
+    before, the parent died alone and JupyterLab with its kernels kept running. Here a stand-in for JupyterLab that
+    exits 7 on SIGTERM; the parent must report its exit status."""
+    import signal
+    import subprocess
+    import sys
+    import textwrap
+    import time
+    ready = tmp_path / "ready"
+    child = (f"import signal, sys, time, pathlib; signal.signal(signal.SIGTERM, lambda *a: sys.exit(7)); "
+             f"pathlib.Path({str(ready)!r}).write_text('up'); time.sleep(60)")
+    parent = textwrap.dedent(f"""
+        import sys
+        from pathlib import Path
+        from parlab.course import workspace
+        sys.exit(workspace._run_lab([sys.executable, "-c", {child!r}], Path(".")))
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", parent], cwd=tmp_path)
+    deadline = time.monotonic() + 60
+    while not ready.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert ready.exists(), "the stand-in never started"
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 7          # the child got the SIGTERM and its status came back

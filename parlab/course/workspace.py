@@ -30,6 +30,7 @@ import hashlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -186,4 +187,21 @@ def open_course(root: str | Path = ROOT, browser: bool = True, lab_args: list[st
         extra.append("--allow-root")          # JupyterLab refuses root without it (Docker, WSL); say so
         print("running as root (a container?): JupyterLab starts only with --allow-root, added; run as an "
               "ordinary user where you can")
-    return subprocess.call(cmd + extra, cwd=root)
+    return _run_lab(cmd + extra, root)
+
+
+def _run_lab(cmd: list[str], cwd: Path) -> int:
+    """Run JupyterLab until it exits, so that it always shuts down its own kernels. Ctrl+C reaches JupyterLab
+    itself (same terminal, same process group): it asks whether to stop, and a second Ctrl+C stops it, kernels
+    included, so this process only waits (`subprocess.call` would SIGKILL it on the first Ctrl+C and leave its
+    kernels running). A SIGTERM sent to this process (a `kill`, a job scheduler) is passed on to JupyterLab."""
+    proc = subprocess.Popen(cmd, cwd=cwd)
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: proc.send_signal(signum))
+    try:
+        while True:
+            try:
+                return proc.wait()
+            except KeyboardInterrupt:
+                continue
+    finally:
+        signal.signal(signal.SIGTERM, previous)
