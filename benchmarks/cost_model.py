@@ -13,14 +13,11 @@ import argparse
 import time
 
 from parlab.cluster import transformer as T
-from parlab.cluster.costs import Cluster
 from parlab.cluster.hardware import preset
-from parlab.cluster.planner import estimate
-from parlab.cluster.published import (CALCULON_TABLE5, KORTHIKANTI, KORTHIKANTI_MODELS, KORTHIKANTI_VIRTUAL,
-                                      SELENE_PEAK_FLOPS)
+from parlab.cluster.planner import cluster_for, estimate
+from parlab.cluster.published import CALCULON_TABLE5, KORTHIKANTI, KORTHIKANTI_MODELS, SELENE_PEAK_FLOPS
 from parlab.cluster.replay import step_time
-from parlab.cluster.scaleup import Layout, scaleup
-from parlab.parallel import pipeline as sch
+from parlab.cluster.scaleup import scaleup
 
 ROWS = [("no parallelism", 1, False, "none", "sbh(34 + 5as/h)"),
         ("tensor parallel", None, False, "none", "sbh(10 + 24/t + 5as/ht)"),
@@ -57,21 +54,10 @@ def table5() -> str:
     return "\n".join(lines)
 
 
-def layout_of(run) -> tuple:
-    """The schedule and Layout table 5's run used: micro-batch 1, m = global batch / dp, its interleaving."""
-    lay, v = run.layout, KORTHIKANTI_VIRTUAL[run.model_name]
-    m = lay["global_batch"] // lay["dp"]
-    schedule = sch.interleaved_1f1b(lay["pp"], m, v) if v > 1 else sch.one_f_one_b(lay["pp"], m)
-    return schedule, Layout(tp=lay["tp"], pp=lay["pp"], dp=lay["dp"], recompute=run.recompute,
-                            sequence_parallel=run.sequence_parallel, virtual=v)
-
-
 def planner_step(run, hw) -> float:
     lay = run.layout
-    _, layout = layout_of(run)
-    cluster = Cluster(nodes=max(1, lay["gpus"] // hw.gpus_per_node), gpus_per_node=min(hw.gpus_per_node, lay["gpus"]),
-                      intra_gbps=hw.intra_bw / 1e9, inter_gbps=hw.inter_bw / 1e9, peak_tflops=hw.peak_flops / 1e12,
-                      mfu=hw.end_to_end_mfu)
+    _, layout = run.replay_inputs()
+    cluster = cluster_for(hw, lay["gpus"])
     return estimate(run.model, cluster, lay["global_batch"], tp=layout.tp, pp=layout.pp, micro_batch=1, zero=0,
                     recompute=run.recompute, sequence_parallel=run.sequence_parallel, virtual=layout.virtual,
                     hardware=hw).step_s
@@ -87,12 +73,13 @@ def table5_replay() -> str:
              "replay run time |", "|---|---|---|---|---|---|---|---|---|"]
     errs = {k: [] for k in (*variants, "Calculon", "planner")}
     for run in KORTHIKANTI:
-        schedule, layout = layout_of(run)
+        schedule, layout = run.replay_inputs()
         cells = []
         for name, hw in variants.items():
             t0 = time.perf_counter()
             t = step_time(scaleup(schedule, run.model, hw, layout))
-            secs = time.perf_counter() - t0 if name == "replay" else secs
+            if name == "replay":
+                secs = time.perf_counter() - t0
             errs[name].append(t / run.step_s - 1)
             cells.append(f"{t:.2f} ({t / run.step_s - 1:+.1%})")
         calc = CALCULON_TABLE5[run.model_name][0 if run.recompute == "full" else 1]

@@ -144,12 +144,7 @@ def test_the_replay_of_korthikanti_table_5_is_within_ten_percent(run):
     # the 22B and 175B rows (the 530B and 1T ones take seconds each: benchmarks/cost_model.py replays all 8);
     # the paper's layouts, the interleaving Megatron ran (3 chunks per rank for 175B, Calculon's validation
     # configuration), nothing fitted to these rows: the acceptance bound of issue 31, not a tolerance of ours
-    lay = run.layout
-    v = 3 if run.model_name == "175B" else 1
-    m = lay["global_batch"] // lay["dp"]
-    schedule = sch.interleaved_1f1b(lay["pp"], m, v) if v > 1 else sch.one_f_one_b(lay["pp"], m)
-    layout = Layout(tp=lay["tp"], pp=lay["pp"], dp=lay["dp"], recompute=run.recompute,
-                    sequence_parallel=run.sequence_parallel, virtual=v)
+    schedule, layout = run.replay_inputs()
     t = step_time(scaleup(schedule, run.model, preset("dgx-a100"), layout))
     assert abs(t / run.step_s - 1) <= 0.10
     assert math.isfinite(t)

@@ -8,7 +8,7 @@ import argparse
 from parlab.cluster import transformer as T
 from parlab.cluster.costs import PRESETS, Cluster, ModelSpec, preset
 from parlab.cluster.plan_report import explain, format_table
-from parlab.cluster.planner import enumerate_layouts, plan
+from parlab.cluster.planner import cluster_for, enumerate_layouts, plan
 
 __all__ = ["main", "MAX_GPUS"]
 
@@ -60,8 +60,7 @@ def main(argv=None) -> int:
         if a.hardware is not None:
             from parlab.cluster.hardware import load
             hw = load(a.hardware)
-            cluster = Cluster(a.nodes, hw.gpus_per_node, a.gpu_mem_gb, hw.intra_bw / 1e9, hw.inter_bw / 1e9,
-                              hw.peak_flops / 1e12, hw.end_to_end_mfu)
+            cluster = cluster_for(hw, a.nodes * hw.gpus_per_node, a.gpu_mem_gb)
         else:
             cluster = Cluster(a.nodes, a.gpus_per_node, a.gpu_mem_gb, a.intra_gbps, a.inter_gbps, a.tflops, a.mfu)
         batch = a.global_batch or 2 * cluster.world

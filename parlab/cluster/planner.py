@@ -69,7 +69,8 @@ from parlab.parallel.topology import ParallelGrid
 from parlab.trace.wire import wire_bytes
 
 __all__ = ["Estimate", "estimate", "enumerate_layouts", "plan", "explain", "format_table", "volume_table",
-           "format_volume_table", "tiny_state_bytes", "ModelSpec", "Cluster", "PRESETS", "CLUSTERS", "preset"]
+           "format_volume_table", "tiny_state_bytes", "cluster_for", "ModelSpec", "Cluster", "PRESETS", "CLUSTERS",
+           "preset"]
 
 
 
@@ -225,6 +226,15 @@ def estimate(model: ModelSpec, cluster: Cluster, global_batch: int, *, tp: int =
                     t["dp"], t["pp"], step, vol, cross, fits, reason, tokens / step,
                     T.model_flops(model, global_batch) / step / world / 1e12, rc == "selective", sequence_parallel,
                     virtual, schedule)
+
+
+def cluster_for(hardware, gpus: int, gpu_mem_gb: float = 80.0) -> Cluster:
+    """The `Cluster` of `gpus` GPUs described by `hardware`: its GPUs per node (fewer when all fit in one),
+    link bandwidths, peak and end-to-end MFU; for `estimate(..., hardware=hardware)` on that machine."""
+    per_node = min(hardware.gpus_per_node, gpus)
+    return Cluster(nodes=max(1, gpus // per_node), gpus_per_node=per_node, gpu_mem_gb=gpu_mem_gb,
+                   intra_gbps=hardware.intra_bw / 1e9, inter_gbps=hardware.inter_bw / 1e9,
+                   peak_tflops=hardware.peak_flops / 1e12, mfu=hardware.end_to_end_mfu)
 
 
 def _closed_form(model, hardware, tp, pp, dp, cp, b, m, zero, rc, sp, virtual, tp_overlap, dp_overlap,

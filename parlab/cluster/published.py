@@ -61,6 +61,22 @@ class PublishedRun:
                 "micro_batch": 1}
 
     @property
+    def virtual(self) -> int:
+        """Model chunks per pipeline rank the run interleaved (`KORTHIKANTI_VIRTUAL`)."""
+        return KORTHIKANTI_VIRTUAL[self.model_name]
+
+    def replay_inputs(self) -> tuple:
+        """(Schedule, step_costs.Layout) of the run as parlab replays it: micro-batch 1, m = global batch / dp
+        micro-batches, 1F1B interleaved with `virtual` chunks when > 1."""
+        from parlab.cluster.step_costs import Layout
+        from parlab.parallel.pipeline import interleaved_1f1b, one_f_one_b
+        lay, v = self.layout, self.virtual
+        m = lay["global_batch"] // lay["dp"]
+        schedule = interleaved_1f1b(lay["pp"], m, v) if v > 1 else one_f_one_b(lay["pp"], m)
+        return schedule, Layout(tp=lay["tp"], pp=lay["pp"], dp=lay["dp"], recompute=self.recompute,
+                                sequence_parallel=self.sequence_parallel, virtual=v)
+
+    @property
     def label(self) -> str:
         return f"{self.model_name}, " + ("full recomputation" if self.recompute == "full"
                                          else "sequence parallel + selective recomputation")

@@ -24,7 +24,7 @@ import dataclasses
 import re
 from collections import defaultdict
 
-from parlab.cluster.costs import Cluster, ModelSpec
+from parlab.cluster.costs import ModelSpec
 from parlab.cluster.hardware import Hardware
 from parlab.cluster.pipeline_program import pipeline_trace
 from parlab.cluster.replay import replay, step_time
@@ -129,7 +129,7 @@ def compare(program: Trace | Schedule, model: ModelSpec, hardware: Hardware, lay
     the program's (ZB-H1 when it splits the backward); `global_batch` must be dp x micro-batch x the program's
     micro-batches. `options` go to `scaleup` only (memory_ops, optimizer, dropout): the planner always counts the
     memory-bound ops and Adam, and the model's own dropout."""
-    from parlab.cluster.planner import estimate
+    from parlab.cluster.planner import cluster_for, estimate
     trace = program_of(program, model.tied)
     mbs = {int(hit[2]) for e in trace.events if e.kind == "compute" for hit in [_LABEL.search(e.label)] if hit}
     m = len(mbs)
@@ -142,11 +142,7 @@ def compare(program: Trace | Schedule, model: ModelSpec, hardware: Hardware, lay
     else:
         schedule = "zb-h1" if "backward_weight" in ops else "1f1b"   # GPipe and 1F1B: the same step time
     rep = step_time(scaleup(trace, model, hardware, layout, **options))
-    nodes = max(1, layout.gpus // hardware.gpus_per_node)
-    cluster = Cluster(nodes=nodes, gpus_per_node=min(hardware.gpus_per_node, layout.gpus),
-                      intra_gbps=hardware.intra_bw / 1e9, inter_gbps=hardware.inter_bw / 1e9,
-                      peak_tflops=hardware.peak_flops / 1e12, mfu=hardware.end_to_end_mfu)
-    est = estimate(model, cluster, global_batch, tp=layout.tp, pp=layout.pp, cp=layout.cp,
+    est = estimate(model, cluster_for(hardware, layout.gpus), global_batch, tp=layout.tp, pp=layout.pp, cp=layout.cp,
                    micro_batch=layout.micro_batch, zero=layout.zero,
                    recompute=layout.recompute, sequence_parallel=layout.sequence_parallel, virtual=layout.virtual,
                    hardware=hardware, tp_overlap=layout.tp_overlap, dp_overlap=layout.dp_overlap, schedule=schedule)

@@ -295,10 +295,6 @@ class StepCosts:
         redo = {"full": fwd, "selective": self.cp_exposed("forward") if cp else 0.0}.get(self.layout.recompute, 0.0)
         return n * (bwd + redo)
 
-    def tp_part(self, op: str, stage: int) -> float:
-        """The exposed TP communication inside `action(op, stage)` (for reporting it apart)."""
-        return self.comm_part(op, stage, ("tp",))
-
     def cp_exposed(self, op: str) -> float:
         """What the CP ring of one layer adds to its forward or backward (ring attention, lesson 06): cp - 1 steps,
         each passing this rank's K and V block (2 b (s/cp) h/tp 16-bit values each) to the next rank while the
