@@ -20,6 +20,17 @@ import os
 import sys
 from pathlib import Path
 
+from parlab.i18n import _
+
+
+def _language(code: str) -> str:
+    """argparse type for --lang: "zh", "zh-CN", "zh_CN" -> "zh_CN", "en" -> "en"; else an error naming both."""
+    from parlab.i18n import normalize
+    try:
+        return normalize(code) or "en"
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
 
 # ---------------------------------------------------------------------- parlab course ...
 def _unreadable(paths) -> str | None:
@@ -102,24 +113,68 @@ def _course_scorecard(args) -> int:
 
 
 def _course_html(args) -> int:
+    import tempfile
+
     from parlab import course
+    from parlab.course.translated import translated_lesson
     paths = args.notebooks or sorted((course.ROOT / "lessons").glob("*.ipynb"))
     missing = [p for p in paths if not Path(p).is_file()]
     if missing:
-        print(f"parlab course html: no such notebook: {', '.join(map(str, missing))}", file=sys.stderr)
+        print(_("parlab course html: no such notebook: {paths}").format(paths=", ".join(map(str, missing))),
+              file=sys.stderr)
         return 2
-    for page in course.export_html(paths, args.out, timeout=args.timeout):
-        print(f"wrote {page}")
+    with tempfile.TemporaryDirectory(prefix="parlab-html-") as tmp:
+        if args.lang != "en":           # a lesson of the course in that language, run where the lesson sits
+            folder = Path(tmp) / "lessons"
+            folder.mkdir()
+            for p in paths:
+                (folder / Path(p).name).write_text(course.dumps(translated_lesson(Path(p), args.lang)),
+                                                   encoding="utf-8")
+            paths = [folder / Path(p).name for p in paths]
+        for page in course.export_html(paths, args.out, timeout=args.timeout, lang=args.lang):
+            print(_("wrote {page}").format(page=page))
     return 0
 
 
 def _course_open(args) -> int:
     from parlab.course.workspace import open_course
     try:
-        return open_course(args.root, browser=not args.no_browser, lab_args=args.lab_args)
+        return open_course(args.root, browser=not args.no_browser, lab_args=args.lab_args, lang=args.lang)
     except FileNotFoundError as err:
         print(f"parlab course open: {err}", file=sys.stderr)
         return 2
+
+
+def _course_i18n(args) -> int:
+    """parlab course i18n update|check|build: keep the translations of the course's notebooks."""
+    from parlab.i18n import notebooks as po
+    from parlab.i18n import runtime_messages
+    from parlab.i18n.review import counts, review
+    lang = args.lang if args.lang != "en" else "zh_CN"
+    if args.action == "update":
+        from parlab.i18n.catalogue import update_catalogue
+        for nb in po.course_sources(args.root):
+            po.update(nb, lang, args.root)
+        update_catalogue(lang)
+        print(_("updated {n} translation files in {path}").format(
+            n=len(po.course_sources(args.root)), path=Path(args.root) / "translations" / lang))
+    if args.action == "build":
+        from parlab.course.translated import write_course
+        out = write_course(args.root, lang, args.out)
+        print(_("wrote the course in {lang} to {path}").format(lang=lang, path=out))
+        return 0
+    from parlab.i18n.catalogue import missing_messages
+    found = review(Path(args.root), lang)
+    messages = missing_messages(lang)
+    for problems in [*found.values(), messages]:
+        if problems:
+            print("\n".join(problems))
+    c = counts(Path(args.root), lang)
+    print(_("{translated}/{cells} prose cells and {strings_translated}/{strings} display strings translated, "
+            "{stale} stale").format(**c))
+    print(_("{n} of {total} messages of parlab itself translated").format(
+        n=len(runtime_messages()) - len(messages), total=len(runtime_messages())))
+    return 1 if (found or messages) and args.action == "check" else 0
 
 
 def add_course(sub) -> None:
@@ -135,17 +190,29 @@ def add_course(sub) -> None:
     h.add_argument("notebooks", nargs="*", type=Path)
     h.add_argument("--out", type=Path, default=Path("html"), help="folder for the pages (default: ./html)")
     h.add_argument("--timeout", type=float, default=300.0, help="seconds one cell may run (default: 300)")
+    h.add_argument("--lang", type=_language, default=None,
+                   help="the handouts' language: en or zh (default: PARLAB_LANG, else the locale, else en)")
     h.set_defaults(func=_course_html)
     o = csub.add_parser("open", help="copy the lessons and exercises to my-course/ (your own, git-ignored copy; "
                                      "re-run after git pull) and open JupyterLab on my-course/START.ipynb")
     o.add_argument("--no-browser", action="store_true", help="start JupyterLab without opening a browser")
+    o.add_argument("--lang", type=_language, default=None,
+                   help="the course's language: en or zh (default: PARLAB_LANG, else the locale, else en)")
     o.add_argument("lab_args", nargs=argparse.REMAINDER,
                    help="further options for JupyterLab after --, e.g. -- --port 8890")
     o.set_defaults(func=_course_open)
+    t = csub.add_parser("i18n", help="update, check or build the course's translations (translations/LANG/)")
+    t.add_argument("action", choices=["update", "check", "build"],
+                   help="update: merge the notebooks' English into the PO files (changed cells marked stale); "
+                        "check: list every missing or stale translation (exit 1 if any); build: write the "
+                        "translated course to --out")
+    t.add_argument("--lang", type=_language, default="zh_CN", help="the translation's language (default: zh)")
+    t.add_argument("--out", type=Path, default=Path("course-zh"), help="folder for build (default: ./course-zh)")
+    t.set_defaults(func=_course_i18n)
     c = csub.add_parser("scorecard", help="per-check results from a pytest --junitxml file")
     c.add_argument("junit_xml", type=Path)
     c.set_defaults(func=_course_scorecard)
-    for q in (b, s, o):
+    for q in (b, s, o, t):
         q.add_argument("--root", type=Path, default=None, help="repository root (default: this checkout)")
     c.add_argument("--root", type=Path, default=Path("."), help="folder the tests were run from (default: .)")
 
@@ -234,6 +301,9 @@ def _main(argv: list[str] | None = None) -> int:
         from parlab.cluster.calibrate import main as calibrate_main
         return calibrate_main(argv[1:])
     args = make_parser().parse_args(argv)
+    if getattr(args, "lang", "unset") is None:
+        from parlab.i18n import language
+        args.lang = language()
     if getattr(args, "root", "unset") is None:
         from parlab.course import ROOT
         args.root = ROOT

@@ -28,7 +28,7 @@ def _strict_comm():
 # timeouts, browsers). Files are handed out in collection order (`--no-loadscope-reorder`: xdist would otherwise
 # sort them by their number of tests), so the longest go first: started last, one of them would leave the other
 # workers idle at the end. Seconds per file measured with --durations=0 (benchmarks/README.md).
-LONGEST_FIRST = ["test_viz_browser.py", "test_faults.py", "test_labs.py", "test_slurm.py", "test_grade_redteam.py",
+LONGEST_FIRST = ["test_viz_browser.py", "test_i18n_browser.py", "test_faults.py", "test_labs.py", "test_slurm.py", "test_grade_redteam.py",
                  "test_nbgrader.py",
                  "test_notebooks.py", "test_zero.py", "test_launch.py", "test_hybrid.py"]
 

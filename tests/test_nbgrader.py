@@ -9,6 +9,9 @@ The lecturer's steps (nbgrader 0.9's documented layout, ``source/<assignment>/``
    written and one graded cell edited to pass): nbgrader's score for every graded cell equals the one
    ``parlab grade`` gives the same two notebooks. (A blank scores 0 under nbval: tests/test_notebooks.py.)
 
+3. the same in Chinese: the Chinese source notebooks (`parlab.course.translated`) released by nbgrader as a second
+   assignment are the Chinese exercises parlab builds, and the two hand-ins in Chinese get the same scores.
+
 Exercise 05 is the one autograded because its checks are pure (no ranks), so its kernels start and finish in
 seconds; the restoring of edited cells it exercises is the same for every exercise.
 """
@@ -23,7 +26,7 @@ import nbformat
 import pytest
 
 from parlab import course
-from parlab.course import grader
+from parlab.course import grader, translated
 
 nbgrader_api = pytest.importorskip("nbgrader.api", reason='nbgrader is not installed: pip install -e ".[nbgrader]" (the test command does)')
 
@@ -44,11 +47,11 @@ def _by_id(nb) -> dict:
     return {c.metadata["nbgrader"]["grade_id"]: c for c in nb.cells}
 
 
-def _submissions() -> dict[str, nbformat.NotebookNode]:
+def _submissions(lang: str = "en") -> dict[str, nbformat.NotebookNode]:
     """The two hand-ins: the solution notebook itself, and an edited partial answer (two of three functions
-    written, a graded cell edited)."""
-    solution = course.read(ROOT / "exercises" / "solutions" / f"{EX}.ipynb")
-    edited = course.read(ROOT / "exercises" / f"{EX}.ipynb")
+    written, a graded cell edited), in `lang`."""
+    solution = translated.translated_solution(ROOT / "exercises" / "solutions" / f"{EX}.ipynb", lang)
+    edited = course.make_exercise(solution, f"{EX}.ipynb")
     done, cells = _by_id(solution), _by_id(edited)
     cells["answer-bubble_of_step"].source = done["answer-bubble_of_step"].source   # two answers written
     cells["check_1f1b_valid-one_f_one_b_rank"].source = "print('all good')"   # a graded cell edited to pass
@@ -60,34 +63,42 @@ def nbgrader_course(tmp_path_factory):
     """A course directory released and autograded by nbgrader, and the same hand-ins graded by parlab."""
     root = tmp_path_factory.mktemp("nbgrader-course")
     plain = root.parent / (root.name + "-parlab")                     # parlab grade's folder: <student>/NN.ipynb
-    for student, nb in _submissions().items():
-        (root / "submitted" / student / "all").mkdir(parents=True)     # the one notebook handed in
-        nbformat.write(nb, str(root / "submitted" / student / "all" / f"{EX}.ipynb"))
-        (plain / student).mkdir(parents=True)
-        nbformat.write(nb, str(plain / student / f"{EX}.ipynb"))
+    for assignment, lang in (("all", "en"), ("all_zh", "zh_CN")):
+        for student, nb in _submissions(lang).items():
+            (root / "submitted" / student / assignment).mkdir(parents=True)     # the one notebook handed in
+            nbformat.write(nb, str(root / "submitted" / student / assignment / f"{EX}.ipynb"))
+            if lang == "en":
+                (plain / student).mkdir(parents=True)
+                nbformat.write(nb, str(plain / student / f"{EX}.ipynb"))
+    zh_course = translated.write_course(ROOT, "zh_CN", root.parent / (root.name + "-zh"))
     with ThreadPoolExecutor(1) as pool:                                 # parlab grades while nbgrader works
         parlab_grades = pool.submit(grader.grade, plain, root / "parlab-gradebook", jobs=2, progress=lambda line: None)
         (root / "source" / "all").mkdir(parents=True)
+        (root / "source" / "all_zh").mkdir(parents=True)
         for sol in sorted((ROOT / "exercises" / "solutions").glob("*.ipynb")):
             shutil.copy(sol, root / "source" / "all" / sol.name)
-        _nbgrader(root, "generate_assignment", "all", "--create")
-        _nbgrader(root, "autograde", "all", "--create")
+            shutil.copy(zh_course / "exercises" / "solutions" / sol.name, root / "source" / "all_zh" / sol.name)
+        for assignment in ("all", "all_zh"):
+            _nbgrader(root, "generate_assignment", assignment, "--create")
+            _nbgrader(root, "autograde", assignment, "--create")
         ours = {r.student: {c["grade_id"]: c["points"] * c["passed"] for c in r.checks}
                 for r in parlab_grades.result()}
-    theirs = {}
+    theirs, theirs_zh = {}, {}
     with nbgrader_api.Gradebook(f"sqlite:///{root / 'gradebook.db'}") as gb:
         for student in ("solution", "edited"):
-            nb = gb.find_submission_notebook(EX, "all", student)
-            theirs[student] = {g.name: g.score for g in nb.grades}
-    return root, theirs, ours
+            theirs[student] = {g.name: g.score for g in gb.find_submission_notebook(EX, "all", student).grades}
+            theirs_zh[student] = {g.name: g.score for g in gb.find_submission_notebook(EX, "all_zh", student).grades}
+    return root, theirs, ours, theirs_zh, zh_course
 
 
-def test_nbgrader_releases_from_the_solutions_exactly_the_exercises_parlab_builds(nbgrader_course):
-    root, _, _ = nbgrader_course
-    released = sorted((root / "release" / "all").glob("*.ipynb"))
+@pytest.mark.parametrize("assignment", ["all", "all_zh"])
+def test_nbgrader_releases_from_the_solutions_exactly_the_exercises_parlab_builds(nbgrader_course, assignment):
+    root, zh_course = nbgrader_course[0], nbgrader_course[4]
+    released = sorted((root / "release" / assignment).glob("*.ipynb"))
     assert [p.name for p in released] == sorted(p.name for p in (ROOT / "exercises").glob("*.ipynb"))
     for path in released:
-        theirs, ours = course.read(path), course.read(ROOT / "exercises" / path.name)
+        built = (ROOT if assignment == "all" else zh_course) / "exercises" / path.name
+        theirs, ours = course.read(path), course.read(built)
         for k, (a, b) in enumerate(zip(theirs.cells, ours.cells)):
             assert (a.cell_type, a.source, dict(a.metadata)) == (b.cell_type, b.source, dict(b.metadata)), \
                 f"{path.name}, cell {k}: nbgrader releases it differently"
@@ -95,8 +106,9 @@ def test_nbgrader_releases_from_the_solutions_exactly_the_exercises_parlab_build
 
 
 def test_nbgrader_autograde_scores_every_check_as_parlab_grade_does(nbgrader_course):
-    _, theirs, ours = nbgrader_course
+    _, theirs, ours, theirs_zh, _course = nbgrader_course
     assert theirs == ours
+    assert theirs_zh == theirs                                  # the same hand-ins in Chinese: the same scores
     total = {student: sum(scores.values()) for student, scores in ours.items()}
     # the edited graded cell was restored by both (it checks the unwritten one_f_one_b_rank, so it fails),
     # and the cell holding the two bubble functions passes their two checks only

@@ -4,7 +4,12 @@ Notebooks run under nbval in a subprocess (`pytest --nbval-lax --nbval-current-e
 grades them (exercises/README.md); the JUnit XML it writes is read back with `parlab.course.scorecard`. This is
 the suite's only run of the solutions; the two folders are graded at once (two nbval processes side by side: each
 mostly waits on its kernel). The lessons are executed in tests/test_viz_browser.py, which checks their figures.
+
+The Chinese course (`parlab.course.translated`) is graded the same way beside them, with parlab speaking Chinese
+(PARLAB_LANG=zh_CN): its solutions pass, its blanks fail every graded cell with Chinese feedback.
 """
+import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -18,23 +23,32 @@ SOLUTIONS = sorted((ROOT / "exercises" / "solutions").glob("*.ipynb"))
 EXERCISES = sorted((ROOT / "exercises").glob("*.ipynb"))
 
 
-def nbval(paths, junit: Path, cell_timeout: int = 300) -> subprocess.Popen:
+def nbval(paths, junit: Path, cell_timeout: int = 300, cwd: Path = ROOT, lang: str = "en") -> subprocess.Popen:
     """Grade notebooks the way exercises/README.md tells lecturers to (started, not waited for); pytest's own
     output goes to `junit` with the suffix .txt."""
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--nbval-lax", "--nbval-current-env",
            f"--nbval-cell-timeout={cell_timeout}", f"--junitxml={junit}", *map(str, paths)]
     with open(junit.with_suffix(".txt"), "w") as log:
-        return subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, text=True)
+        return subprocess.Popen(cmd, cwd=cwd, stdout=log, stderr=subprocess.STDOUT, text=True,
+                                env={**os.environ, "PARLAB_LANG": lang})
 
 
 @pytest.fixture(scope="module")
 def graded(tmp_path_factory):
-    """{"solutions"|"students": (exit code, pytest's output, JUnit XML path)}, both folders graded side by side."""
+    """{"solutions"|"students"|"solutions_zh"|"students_zh": (exit code, pytest's output, JUnit XML path)}, the four
+    folders graded side by side."""
+    from parlab.course.translated import write_course
     tmp = tmp_path_factory.mktemp("graded")
+    zh = write_course(ROOT, "zh_CN", tmp / "course-zh")
     procs = {k: nbval([p.relative_to(ROOT) for p in paths], tmp / f"{k}.xml")
              for k, paths in (("solutions", SOLUTIONS), ("students", EXERCISES))}
+    procs.update({k: nbval([Path(folder) / p.name for p in paths], tmp / f"{k}.xml", cwd=zh, lang="zh_CN")
+                  for k, folder, paths in (("solutions_zh", "exercises/solutions", SOLUTIONS),
+                                           ("students_zh", "exercises", EXERCISES))})
     try:
-        return {k: (p.wait(timeout=900), (tmp / f"{k}.txt").read_text(), tmp / f"{k}.xml") for k, p in procs.items()}
+        out = {k: (p.wait(timeout=900), (tmp / f"{k}.txt").read_text(), tmp / f"{k}.xml") for k, p in procs.items()}
+        out["zh_root"] = zh
+        return out
     finally:
         for p in procs.values():
             if p.poll() is None:
@@ -60,3 +74,19 @@ def test_student_notebooks_fail_every_graded_cell(graded):
         for r in mine:
             assert not r["passed"], f"{path.name} cell {r['cell']} passes without a solution: {r['check']}"
             assert "AssertionError" in r["message"] and "not written yet" in r["message"], r["message"]
+
+
+def test_chinese_solutions_pass_and_chinese_blanks_fail_every_graded_cell_in_chinese(graded):
+    """The same notebooks in Chinese: the same checks pass and fail, and a blank's feedback is Chinese."""
+    zh = graded["zh_root"]
+    code, out, xml = graded["solutions_zh"]
+    assert code == 0, out[-4000:]
+    rows = course.scorecard(xml, root=zh)
+    assert len(rows) == sum(len(course.graded_cells(course.read(p))) for p in SOLUTIONS)
+    assert all(r["passed"] for r in rows)
+    blanks = course.scorecard(graded["students_zh"][2], root=zh)
+    english = course.scorecard(graded["students"][2], root=ROOT)
+    assert sorted((r["file"], r["cell"]) for r in blanks) == sorted((r["file"], r["cell"]) for r in english)
+    for r in blanks:
+        assert not r["passed"] and "AssertionError" in r["message"], r
+        assert re.search(r"[\u4e00-\u9fff]", r["message"]), f"feedback not in Chinese: {r['message'][:300]}"

@@ -141,7 +141,7 @@ def test_open_as_root_adds_allow_root_and_says_so(tmp_path, monkeypatch, capsys,
     root = _course(tmp_path)
     calls = []
     monkeypatch.setattr(workspace.os, "geteuid", lambda: euid)
-    monkeypatch.setattr(workspace, "_run_lab", lambda cmd, cwd: calls.append(cmd) or 0)
+    monkeypatch.setattr(workspace, "_run_lab", lambda cmd, cwd, env=None: calls.append(cmd) or 0)
     monkeypatch.setattr(workspace.shutil, "which", lambda name: "/usr/bin/" + name)
     assert workspace.open_course(root, browser=False) == 0
     assert ("--allow-root" in calls[0]) is added

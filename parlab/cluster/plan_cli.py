@@ -9,6 +9,7 @@ from parlab.cluster import transformer as T
 from parlab.cluster.costs import PRESETS, Cluster, ModelSpec, preset
 from parlab.cluster.plan_report import explain, format_table
 from parlab.cluster.planner import cluster_for, enumerate_layouts, plan
+from parlab.i18n import _
 
 __all__ = ["main", "MAX_GPUS"]
 
@@ -17,41 +18,43 @@ MAX_GPUS = 16384   # `parlab plan` answers in seconds up to here (1024 nodes x 8
 
 def main(argv=None) -> int:
     """``parlab plan``: print the ranked layouts of a model on a cluster."""
-    p = argparse.ArgumentParser(prog="parlab plan", description="rank training layouts by estimated step time")
+    p = argparse.ArgumentParser(prog="parlab plan", description=_("rank training layouts by estimated step time"))
     p.add_argument("--model", default="gpt3-175b", choices=[*PRESETS, "custom"])
     for k in ("layers", "hidden", "heads", "vocab", "seq"):
-        p.add_argument(f"--{k}", type=int, help=f"custom model {k} (overrides the preset)")
+        p.add_argument(f"--{k}", type=int, help=_("custom model {name} (overrides the preset)").format(name=k))
     c = Cluster()
     p.add_argument("--nodes", type=int, default=1)
     p.add_argument("--gpus-per-node", type=int, default=c.gpus_per_node)
     p.add_argument("--gpu-mem-gb", type=float, default=c.gpu_mem_gb)
-    p.add_argument("--intra-gbps", type=float, default=c.intra_gbps, help="GB/s per GPU inside a node")
-    p.add_argument("--inter-gbps", type=float, default=c.inter_gbps, help="GB/s per GPU between nodes")
-    p.add_argument("--tflops", type=float, default=c.peak_tflops, help="peak dense 16-bit TFLOP/s per GPU")
-    p.add_argument("--mfu", type=float, default=c.mfu, help="fraction of peak the matmuls reach")
+    p.add_argument("--intra-gbps", type=float, default=c.intra_gbps, help=_("GB/s per GPU inside a node"))
+    p.add_argument("--inter-gbps", type=float, default=c.inter_gbps, help=_("GB/s per GPU between nodes"))
+    p.add_argument("--tflops", type=float, default=c.peak_tflops, help=_("peak dense 16-bit TFLOP/s per GPU"))
+    p.add_argument("--mfu", type=float, default=c.mfu, help=_("fraction of peak the matmuls reach"))
     p.add_argument("--hardware", default=None, metavar="PRESET_OR_JSON",
-                   help="time the layouts with the replay's cost model on this hardware (dgx-a100, dgx-h100, or a "
-                        "JSON from parlab calibrate): GEMMs by shape, exposed TP communication, the slowest "
-                        "pipeline rank; its GPUs per node, bandwidths and peak replace the flags above")
-    p.add_argument("--global-batch", type=int, default=None, help="sequences per step (default 2 x GPUs)")
+                   help=_("time the layouts with the replay's cost model on this hardware (dgx-a100, dgx-h100, or a "
+                          "JSON from parlab calibrate): GEMMs by shape, exposed TP communication, the slowest "
+                          "pipeline rank; its GPUs per node, bandwidths and peak replace the flags above"))
+    p.add_argument("--global-batch", type=int, default=None, help=_("sequences per step (default 2 x GPUs)"))
     p.add_argument("--recompute", nargs="+", choices=T.RECOMPUTE, default=list(T.RECOMPUTE),
-                   help="activation recomputation settings to try (rc column: n, s, y)")
-    p.add_argument("--no-sp", action="store_true", help="tensor parallelism without sequence parallelism")
+                   help=_("activation recomputation settings to try (rc column: n, s, y)"))
+    p.add_argument("--no-sp", action="store_true", help=_("tensor parallelism without sequence parallelism"))
     p.add_argument("--virtual", nargs="+", type=int, default=[1], metavar="V",
-                   help="interleaving chunks per pipeline rank to try, e.g. 1 2 4 (default 1: plain 1F1B)")
+                   help=_("interleaving chunks per pipeline rank to try, e.g. 1 2 4 (default 1: plain 1F1B)"))
     p.add_argument("--top", type=int, default=10)
     a = p.parse_args(argv)
     for k in ("layers", "hidden", "heads", "vocab", "seq", "global_batch", "top", "nodes", "gpus_per_node"):
         if getattr(a, k) is not None and getattr(a, k) < 1:
-            p.error(f"--{k.replace('_', '-')} must be a positive integer, got {getattr(a, k)}")
+            p.error(_("--{option} must be a positive integer, got {value}").format(option=k.replace("_", "-"),
+                                                                                    value=getattr(a, k)))
     if a.nodes * a.gpus_per_node > MAX_GPUS:   # every layout is enumerated: a huge cluster would take minutes
-        p.error(f"at most {MAX_GPUS} GPUs (--nodes x --gpus-per-node), got {a.nodes * a.gpus_per_node}")
+        p.error(_("at most {most} GPUs (--nodes x --gpus-per-node), got {gpus}").format(
+            most=MAX_GPUS, gpus=a.nodes * a.gpus_per_node))
     try:
         custom = {k: getattr(a, k) for k in ("layers", "hidden", "heads", "vocab", "seq") if getattr(a, k) is not None}
         if a.model == "custom":
             missing = [k for k in ("layers", "hidden", "heads", "vocab", "seq") if k not in custom]
             if missing:
-                p.error(f"--model custom needs --{' --'.join(missing)}")
+                p.error(_("--model custom needs {options}").format(options="--" + " --".join(missing)))
             model = ModelSpec("custom", **custom)
         else:
             base = preset(a.model)
@@ -65,20 +68,22 @@ def main(argv=None) -> int:
             cluster = Cluster(a.nodes, a.gpus_per_node, a.gpu_mem_gb, a.intra_gbps, a.inter_gbps, a.tflops, a.mfu)
         batch = a.global_batch or 2 * cluster.world
         if any(v < 1 for v in a.virtual):
-            p.error(f"--virtual takes positive chunk counts, got {a.virtual}")
+            p.error(_("--virtual takes positive chunk counts, got {virtual}").format(virtual=a.virtual))
         options = dict(recompute=tuple(dict.fromkeys(a.recompute)), sequence_parallel=not a.no_sp, hardware=hw,
                        virtual=tuple(dict.fromkeys(a.virtual)))
         every = enumerate_layouts(model, cluster, batch, **options)
         ranked = plan(model, cluster, batch, **options)
     except ValueError as err:
-        print(f"error: {err}")
+        print(_("error: {error}").format(error=err))
         return 2
-    print(f"{model.name}: {model.param_count() / 1e9:.2f}B parameters, {model.layers} layers, h={model.hidden}, "
-          f"{model.heads} heads, seq {model.seq}; {cluster.nodes} x {cluster.gpus_per_node} GPUs "
-          f"({cluster.gpu_mem_gb:g} GB, {cluster.peak_tflops:g} TFLOP/s, "
-          + (f"timed on {hw.name} by the replay's cost model" if hw else f"MFU {cluster.mfu:g}")
-          + f"); global batch {batch}")
-    print(f"{len(every)} valid layouts, {len(ranked)} fit.\n")
+    timing = (_("timed on {hardware} by the replay's cost model").format(hardware=hw.name) if hw
+              else f"MFU {cluster.mfu:g}")
+    print(_("{model}: {params:.2f}B parameters, {layers} layers, h={hidden}, {heads} heads, seq {seq}; {nodes} x "
+            "{gpus_per_node} GPUs ({gpu_mem:g} GB, {tflops:g} TFLOP/s, {timing}); global batch {batch}").format(
+        model=model.name, params=model.param_count() / 1e9, layers=model.layers, hidden=model.hidden,
+        heads=model.heads, seq=model.seq, nodes=cluster.nodes, gpus_per_node=cluster.gpus_per_node,
+        gpu_mem=cluster.gpu_mem_gb, tflops=cluster.peak_tflops, timing=timing, batch=batch))
+    print(_("{valid} valid layouts, {fit} fit.").format(valid=len(every), fit=len(ranked)) + "\n")
     print(format_table(ranked, a.top))
     print()
     print(explain(ranked, every))

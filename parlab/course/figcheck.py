@@ -19,7 +19,9 @@ a JupyterLab notebook, and `check.js` measures from the drawn page:
 * no text is smaller than 10 px (plotly shrinks bar labels to fit; ``<sup>`` is 70% of its font);
 * an animation (``parlab.viz.comm_animation``) has at least as many frames as its calls' algorithms have
   steps, and its frames are checked too (first, last and the one with the longest heading);
-* every ipywidgets description fits its 80 px label box (longer ones are cut to "microbatc...").
+* every ipywidgets description fits its 80 px label box (longer ones are cut to "microbatc...");
+* every character of a figure's text has a glyph in an installed font (`missing_glyphs`): without a CJK font
+  a Chinese title is drawn as empty boxes, which no layout check sees.
 
 A PNG of every figure is written to ``OUT/<notebook>/cell<NN>_<k>.png`` for a person to look through,
 and the problems to ``OUT/report.txt``; the exit status is 1 when there are any.
@@ -29,16 +31,19 @@ The figures are drawn offline (plotly.js from the plotly package); nothing is fe
 from __future__ import annotations
 
 import argparse
+import bisect
+import functools
 import json
 import re
 import shutil
+import subprocess
 import sys
 import tempfile
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["Figure", "collect", "check_pages", "main", "CHROMIUM_ARGS", "chromium_path"]
+__all__ = ["Figure", "collect", "check_pages", "main", "CHROMIUM_ARGS", "chromium_path", "missing_glyphs"]
 
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
                  "--disable-component-update", "--disable-sync", "--no-first-run"]
@@ -61,6 +66,49 @@ class Figure:
     @property
     def name(self) -> str:
         return f"{self.notebook}/cell{self.cell:02d}_{self.k}"
+
+
+@functools.lru_cache(maxsize=1)
+def _font_coverage() -> tuple[tuple[int, int], ...]:
+    """The code points some installed font draws, as sorted merged (first, last) ranges, from fontconfig
+    (``fc-list``), which Chromium on Linux asks for a fallback font; () when fontconfig is absent."""
+    try:
+        listing = subprocess.run(["fc-list", "--format", "%{charset}\\n"], capture_output=True, text=True,
+                                 timeout=60).stdout
+    except (OSError, subprocess.SubprocessError):
+        return ()
+    ranges = []
+    for part in listing.split():
+        a, _, b = part.partition("-")
+        try:
+            ranges.append((int(a, 16), int(b or a, 16)))
+        except ValueError:
+            continue
+    merged: list[list[int]] = []
+    for a, b in sorted(ranges):
+        if merged and a <= merged[-1][1] + 1:
+            merged[-1][1] = max(merged[-1][1], b)
+        else:
+            merged.append([a, b])
+    return tuple((a, b) for a, b in merged)
+
+
+def missing_glyphs(text: str) -> list[str]:
+    """The characters of `text` that no installed font draws (empty boxes on the page), each once, in order;
+    [] where fontconfig cannot say (then nothing is claimed)."""
+    cover = _font_coverage()
+    if not cover:
+        return []
+    starts = [a for a, _b in cover]
+    out = []
+    for ch in dict.fromkeys(text):
+        cp = ord(ch)
+        if cp < 0x80 or ch.isspace():
+            continue
+        i = bisect.bisect_right(starts, cp) - 1
+        if i < 0 or cp > cover[i][1]:
+            out.append(ch)
+    return out
 
 
 def chromium_path() -> str | None:
@@ -197,6 +245,10 @@ def check_pages(figs: list[Figure], labels: list[dict], out: Path, width: int = 
                 fig.problems += _animation_problems(fig.spec)
                 page.evaluate(_DRAW, fig.spec)
                 found = page.evaluate("() => parlabCheck(document.getElementById('fig'))")
+                missing = missing_glyphs(page.evaluate("() => document.getElementById('fig').textContent"))
+                if missing:
+                    found.append(f"no installed font draws {''.join(missing[:20])!r} (empty boxes on the page): "
+                                 f"install a CJK font, e.g. Debian's fonts-noto-cjk")
                 png = out / (fig.name + ".png")
                 png.parent.mkdir(parents=True, exist_ok=True)
                 page.locator("#fig").screenshot(path=str(png))
@@ -217,7 +269,7 @@ def check_pages(figs: list[Figure], labels: list[dict], out: Path, width: int = 
 
 
 # ---------------------------------------------------------------------- command line
-def _executed(path: str, timeout: float):
+def _executed(path: str, timeout: float, lang: str | None = None):
     """(notebook with outputs, error or None): as it is when it has outputs, else executed in its own folder.
     A cell that fails leaves the outputs up to it (still checked) and the error's last line."""
     from parlab import course
@@ -225,7 +277,7 @@ def _executed(path: str, timeout: float):
     nb = course.read(path)
     if not any(c.get("outputs") for c in nb.cells if c.cell_type == "code"):
         try:
-            course.execute(nb, Path(path).resolve().parent, timeout=timeout)
+            course.execute(nb, Path(path).resolve().parent, timeout=timeout, lang=lang)
         except Exception as err:                      # CellExecutionError, CellTimeoutError, a dead kernel
             text = re.sub(r"\x1b\[[0-9;]*m", "", str(err))          # the traceback's colour codes
             last = [ln for ln in text.splitlines() if ln.strip()][-1:] or [type(err).__name__]
@@ -233,11 +285,13 @@ def _executed(path: str, timeout: float):
     return nb, None
 
 
-def run(paths: list[Path], out: Path, jobs: int = 1, width: int = WIDTH, timeout: float = 300.0) -> list[str]:
-    """Execute, collect, draw and check; returns every problem as 'notebook/cellNN_k: what'."""
+def run(paths: list[Path], out: Path, jobs: int = 1, width: int = WIDTH, timeout: float = 300.0,
+        lang: str | None = None) -> list[str]:
+    """Execute (parlab speaking `lang`, default this process's language), collect, draw and check; returns
+    every problem as 'notebook/cellNN_k: what'."""
     out.mkdir(parents=True, exist_ok=True)
     with ProcessPoolExecutor(max_workers=max(1, jobs)) as pool:
-        done = list(pool.map(_executed, map(str, paths), [timeout] * len(paths)))
+        done = list(pool.map(_executed, map(str, paths), [timeout] * len(paths), [lang] * len(paths)))
     figs, labels, failed = [], [], []
     for path, (nb, error) in zip(paths, done):
         f, lb = collect(nb, Path(path).stem)

@@ -277,7 +277,7 @@ def strip(root: str | Path = ROOT, check: bool = False) -> list[Path]:
 
 # ---------------------------------------------------------------------- executing and exporting
 def execute(nb: nbformat.NotebookNode, cwd: str | Path, timeout: float = 300.0,
-            poll: float = 0.5) -> nbformat.NotebookNode:
+            poll: float = 0.5, lang: str | None = None) -> nbformat.NotebookNode:
     """Run every cell of `nb` in a fresh kernel started in `cwd`, in place (outputs kept); returns `nb`.
 
     A cell that takes more than `timeout` seconds raises nbclient's CellTimeoutError. Works around
@@ -285,7 +285,10 @@ def execute(nb: nbformat.NotebookNode, cwd: str | Path, timeout: float = 300.0,
     sit unnoticed on the client's socket until the wait times out (measured here: lesson 07 under plain
     nbclient stalled a cell for the full 90 s timeout in 2 of 3 runs, and forever without a timeout).
     Waiting in slices of `poll` seconds makes every wake-up also look at the socket, so a stall lasts at
-    most `poll` seconds."""
+    most `poll` seconds. `lang` ("en", "zh_CN"): the language parlab speaks in that kernel (``PARLAB_LANG``;
+    default: this process's)."""
+    import os
+
     from nbclient import NotebookClient
 
     class _Client(NotebookClient):
@@ -297,8 +300,9 @@ def execute(nb: nbformat.NotebookNode, cwd: str | Path, timeout: float = 300.0,
 
     # the kernel's own stderr only carries jupyter_client's shutdown noise ("KeyboardInterrupt caught in
     # kernel", sent on purpose before shutdown); errors in cells come back in the notebook and raise here
+    env = {**os.environ, **({"PARLAB_LANG": lang} if lang else {})}
     _Client(nb, timeout=timeout, kernel_name="python3", resources={"metadata": {"path": str(cwd)}}).execute(
-        stderr=subprocess.DEVNULL)
+        stderr=subprocess.DEVNULL, env=env)
     return nb
 
 
@@ -319,7 +323,7 @@ def _sliced(get_msg, poll: float):
     return get
 
 
-def export_html(paths, out: str | Path, timeout: float = 300.0) -> list[Path]:
+def export_html(paths, out: str | Path, timeout: float = 300.0, lang: str | None = None) -> list[Path]:
     """Execute each notebook (in its own folder) and write NAME.html into `out`; returns the pages written.
     The pages read fully offline (`parlab.course.handout`): plotly figures carry their own plotly.js, formulas are
     typeset by the MathJax copied into ``out/mathjax/``, and each widget shows its controls' initial values and
@@ -333,7 +337,7 @@ def export_html(paths, out: str | Path, timeout: float = 300.0) -> list[Path]:
     mathjax = offline_mathjax(out)
     pages = []
     for path in map(Path, paths):
-        nb = execute(read(path), path.resolve().parent, timeout=timeout)
+        nb = execute(read(path), path.resolve().parent, timeout=timeout, lang=lang)
         static_widgets(nb)
         html, _ = HTMLExporter(mathjax_url=mathjax).from_notebook_node(nb)
         page = out / (path.stem + ".html")

@@ -33,9 +33,12 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 from parlab.course.notebooks import ROOT, dumps, read, strip_notebook
+from parlab.course.translated import write_course
+from parlab.i18n import _, language, normalize, use_language
 
 __all__ = ["WORKDIR", "working_copy", "landing_page", "open_course", "kernel_metadata"]
 
@@ -99,40 +102,65 @@ def _sources(root: Path) -> list[Path]:
     return sorted((root / "lessons").glob("*.ipynb")) + sorted((root / "exercises").glob("*.ipynb"))
 
 
-def landing_page(root: Path) -> str:
-    """START.ipynb's markdown: every lesson and exercise, linked inside the working copy."""
+def landing_page(root: Path, lang: str = "en") -> str:
+    """START.ipynb's markdown in `lang`: every lesson and exercise of `root` (the course in that language),
+    linked inside the working copy, and the glossary."""
     lessons = sorted((root / "lessons").glob("*.ipynb"))
     exercises = sorted((root / "exercises").glob("*.ipynb"))
-    lines = ["# parlab: distributed training, run live", "",
-             "Your own copy of the course: run and edit these notebooks freely, the repository's `lessons/` and",
-             "`exercises/` stay untouched. Work through the lessons in order; each ends by pointing to its exercise.",
-             "", "| # | lesson |", "|---|---|"]
-    lines += [f"| {p.stem[:2]} | [{_title(p)}](lessons/{p.name}) |" for p in lessons]
-    lines += ["", "| # | exercise |", "|---|---|"]
-    lines += [f"| {p.stem[:2]} | [{_title(p)}](exercises/{p.name}) |" for p in exercises]
-    lines += ["", "**Next week's material:** in a terminal at the repository root, `git pull`, then",
-              "`.venv/bin/parlab course open` again (`parlab course open` once the venv is activated: "
-              "`source .venv/bin/activate`). New notebooks are copied in; a notebook you edited is never overwritten",
-              "(if the course changed it too, the new version appears next to yours as `NAME.updated.ipynb`).",
-              "", "Lesson figures need nothing but this browser; each lesson runs top to bottom in about a minute."]
+    with use_language(lang):
+        lines = ["# " + _("parlab: distributed training, run live"), "",
+                 _("Your own copy of the course: run and edit these notebooks freely, the repository's `lessons/` "
+                   "and `exercises/` stay untouched. Work through the lessons in order; each ends by pointing to "
+                   "its exercise."),
+                 "", "| # | " + _("lesson") + " |", "|---|---|"]
+        lines += [f"| {p.stem[:2]} | [{_title(p)}](lessons/{p.name}) |" for p in lessons]
+        lines += ["", "| # | " + _("exercise") + " |", "|---|---|"]
+        lines += [f"| {p.stem[:2]} | [{_title(p)}](exercises/{p.name}) |" for p in exercises]
+        lines += ["", _("The terms of the course in English and Chinese: [the glossary](GLOSSARY.md)."),
+                  "", _("**Next week's material:** in a terminal at the repository root, `git pull`, then "
+                        "`.venv/bin/parlab course open` again (`parlab course open` once the venv is activated: "
+                        "`source .venv/bin/activate`). New notebooks are copied in; a notebook you edited is never "
+                        "overwritten (if the course changed it too, the new version appears next to yours as "
+                        "`NAME.updated.ipynb`)."),
+                  "", _("The course in Chinese: `parlab course open --lang zh`; in English: "
+                        "`parlab course open --lang en`."),
+                  "", _("Lesson figures need nothing but this browser; each lesson runs top to bottom in about a "
+                        "minute.")]
     return "\n".join(lines)
 
 
-def working_copy(root: str | Path = ROOT, dest: str | Path | None = None) -> dict[str, list[str]]:
-    """Create or refresh the student's copy (default ``root/my-course``); returns what happened to each
-    notebook: {"added": [...], "updated": [...], "kept": [...], "conflicts": [...]} (paths relative to dest)."""
+def working_copy(root: str | Path = ROOT, dest: str | Path | None = None,
+                 lang: str = "en") -> dict[str, list[str]]:
+    """Create or refresh the student's copy (default ``root/my-course``) in `lang` ("en", "zh", ...); returns
+    what happened to each notebook: {"added": [...], "updated": [...], "kept": [...], "conflicts": [...]}
+    (paths relative to dest). Switching language follows the same rule as a new week's material: a notebook
+    the student has not edited becomes the other language's, an edited one stays and gets the other language's
+    beside it as ``NAME.updated.ipynb``."""
     root = Path(root)
+    lang = normalize(lang) or "en"
     dest = Path(dest) if dest is not None else root / WORKDIR
     if not (root / "lessons").is_dir():
         raise FileNotFoundError(f"{root} has no lessons/ folder: run `parlab course open` at the repository root "
                                 f"or pass --root PATH_TO_REPOSITORY")
     dest.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="parlab-course-") as tmp:
+        source = root if lang == "en" else write_course(root, lang, Path(tmp))
+        report = _refresh(source, dest, lang)
+    glossary = root / "translations" / "GLOSSARY.md"
+    if glossary.is_file():
+        shutil.copyfile(glossary, dest / "GLOSSARY.md")
+    return report
+
+
+def _refresh(root: Path, dest: Path, lang: str) -> dict[str, list[str]]:
+    """`working_copy`'s copy rule, from the course in `root` (the repository, or its translation)."""
     origin_file = dest / ORIGIN
     origin = json.loads(origin_file.read_text()) if origin_file.exists() else {}
     # copies recorded before the fingerprint ignored kernel metadata are compared the way they were recorded
     legacy = bool(origin) and origin.get(FINGERPRINT_KEY) != FINGERPRINT_VERSION
     recorded = (lambda p: _fingerprint(p, kernel_keys=True)) if legacy else _fingerprint
     origin[FINGERPRINT_KEY] = FINGERPRINT_VERSION
+    origin["lang"] = lang
     report: dict[str, list[str]] = {"added": [], "updated": [], "kept": [], "conflicts": []}
     kernel = kernel_metadata()
     for src in _sources(root):
@@ -156,7 +184,7 @@ def working_copy(root: str | Path = ROOT, dest: str | Path | None = None) -> dic
         origin[rel] = new
     start = dest / "START.ipynb"
     import nbformat
-    page = nbformat.v4.new_notebook(cells=[nbformat.v4.new_markdown_cell(landing_page(root), id="start")])
+    page = nbformat.v4.new_notebook(cells=[nbformat.v4.new_markdown_cell(landing_page(root, lang), id="start")])
     page.metadata.update(kernel or {"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}})
     if not (start.exists() and start.read_text(encoding="utf-8") == dumps(page)):
         start.write_text(dumps(page), encoding="utf-8")         # rewritten only when it changed (an open tab stays clean)
@@ -164,38 +192,65 @@ def working_copy(root: str | Path = ROOT, dest: str | Path | None = None) -> dic
     return report
 
 
-def open_course(root: str | Path = ROOT, browser: bool = True, lab_args: list[str] | None = None) -> int:
-    """Refresh the working copy and start JupyterLab at the repository root on my-course/START.ipynb."""
+def open_course(root: str | Path = ROOT, browser: bool = True, lab_args: list[str] | None = None,
+                lang: str | None = None) -> int:
+    """Refresh the working copy in `lang` (default: ``PARLAB_LANG``, else the locale, else English) and start
+    JupyterLab at the repository root on my-course/START.ipynb. The server runs with ``PARLAB_LANG`` set, so its
+    kernels (and their ranks) print and draw in the course's language; in Chinese, JupyterLab's own menus are
+    Chinese too where its language pack is installed (`lab_settings`)."""
     root = Path(root)
-    report = working_copy(root)
-    for what, names in report.items():
-        if names and what != "kept":
-            print(f"{what}: {', '.join(names)}")
-    for rel in report["conflicts"]:
-        print(f"  {rel}: you edited it and the course changed it; the course's version is next to it as "
-              f"{rel.removesuffix('.ipynb')}.updated.ipynb")
-    if shutil.which("jupyter") is None and not (Path(sys.executable).parent / "jupyter").exists():
-        print("JupyterLab is not installed in this environment: pip install jupyterlab", file=sys.stderr)
-        return 2
-    # JupyterLab serves the folder of the file it is given (my-course/). default_url: the URL it prints (and `/`)
-    # opens START too, not the Launcher (with --no-browser, the printed URL is all a student has)
-    cmd = [sys.executable, "-m", "jupyterlab", f"{WORKDIR}/START.ipynb",
-           "--LabApp.default_url=/lab/tree/START.ipynb"] + ([] if browser else ["--no-browser"])
-    print(f"course copy: {root / WORKDIR}; starting: {' '.join(cmd[1:])}")
-    extra = [a for a in (lab_args or []) if a != "--"]
-    if hasattr(os, "geteuid") and os.geteuid() == 0 and "--allow-root" not in extra:
-        extra.append("--allow-root")          # JupyterLab refuses root without it (Docker, WSL); say so
-        print("running as root (a container?): JupyterLab starts only with --allow-root, added; run as an "
-              "ordinary user where you can")
-    return _run_lab(cmd + extra, root)
+    lang = normalize(lang) if lang else language()
+    report = working_copy(root, lang=lang)
+    with use_language(lang):
+        said = {"added": _("added"), "updated": _("updated"), "conflicts": _("conflicts")}
+        for what, names in report.items():
+            if names and what != "kept":
+                print(f"{said[what]}: {', '.join(names)}")
+        for rel in report["conflicts"]:
+            print("  " + _("{rel}: you edited it and the course changed it; the course's version is next to it as "
+                           "{new}").format(rel=rel, new=rel.removesuffix(".ipynb") + ".updated.ipynb"))
+        if shutil.which("jupyter") is None and not (Path(sys.executable).parent / "jupyter").exists():
+            print(_("JupyterLab is not installed in this environment: pip install jupyterlab"), file=sys.stderr)
+            return 2
+        # JupyterLab serves the folder of the file it is given (my-course/). default_url: the URL it prints (and
+        # `/`) opens START too, not the Launcher (with --no-browser, the printed URL is all a student has)
+        cmd = [sys.executable, "-m", "jupyterlab", f"{WORKDIR}/START.ipynb",
+               "--LabApp.default_url=/lab/tree/START.ipynb"] + ([] if browser else ["--no-browser"])
+        print(_("course copy: {path}; starting: {cmd}").format(path=root / WORKDIR, cmd=" ".join(cmd[1:])))
+        extra = [a for a in (lab_args or []) if a != "--"]
+        if hasattr(os, "geteuid") and os.geteuid() == 0 and "--allow-root" not in extra:
+            extra.append("--allow-root")          # JupyterLab refuses root without it (Docker, WSL); say so
+            print(_("running as root (a container?): JupyterLab starts only with --allow-root, added; run as an "
+                    "ordinary user where you can"))
+    env = {**os.environ, "PARLAB_LANG": lang, **lab_settings(root / WORKDIR, lang)}
+    return _run_lab(cmd + extra, root, env)
 
 
-def _run_lab(cmd: list[str], cwd: Path) -> int:
+LANGUAGE_PACKS = {"zh_CN": "jupyterlab_language_pack_zh_CN"}    # the [zh] extra installs it
+
+
+def lab_settings(workdir: Path, lang: str) -> dict[str, str]:
+    """Environment for a JupyterLab whose interface speaks `lang`: for a language other than English whose
+    JupyterLab language pack is installed, a settings folder of this working copy (``.jupyterlab-settings``)
+    that selects the pack's locale, given to that server alone through ``JUPYTERLAB_SETTINGS_DIR``; {} otherwise
+    (the student's own JupyterLab settings are left alone)."""
+    import importlib.util
+    pack = LANGUAGE_PACKS.get(lang)
+    if not pack or importlib.util.find_spec(pack) is None:
+        return {}
+    folder = Path(workdir) / ".jupyterlab-settings"
+    plugin = folder / "@jupyterlab" / "translation-extension" / "plugin.jupyterlab-settings"
+    plugin.parent.mkdir(parents=True, exist_ok=True)
+    plugin.write_text(json.dumps({"locale": lang}), encoding="utf-8")
+    return {"JUPYTERLAB_SETTINGS_DIR": str(folder.resolve())}
+
+
+def _run_lab(cmd: list[str], cwd: Path, env: dict | None = None) -> int:
     """Run JupyterLab until it exits, so that it always shuts down its own kernels. Ctrl+C reaches JupyterLab
     itself (same terminal, same process group): it asks whether to stop, and a second Ctrl+C stops it, kernels
     included, so this process only waits (`subprocess.call` would SIGKILL it on the first Ctrl+C and leave its
     kernels running). A SIGTERM sent to this process (a `kill`, a job scheduler) is passed on to JupyterLab."""
-    proc = subprocess.Popen(cmd, cwd=cwd)
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env)
     previous = signal.signal(signal.SIGTERM, lambda signum, frame: proc.send_signal(signum))
     try:
         while True:

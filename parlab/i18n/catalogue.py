@@ -21,7 +21,8 @@ from pathlib import Path
 
 from parlab.i18n.language import language
 
-__all__ = ["_", "gettext", "LOCALE_DIR", "DOMAIN", "catalogue_path", "translations", "runtime_messages"]
+__all__ = ["_", "gettext", "LOCALE_DIR", "DOMAIN", "catalogue_path", "translations", "runtime_messages",
+           "update_catalogue", "missing_messages"]
 
 LOCALE_DIR = Path(__file__).resolve().parent / "locale"
 DOMAIN = "parlab"
@@ -72,4 +73,44 @@ def runtime_messages(package: str | Path = PACKAGE) -> dict[str, list[str]]:
         if isinstance(message, tuple):      # plural forms: the course has none yet
             message = message[0]
         out.setdefault(message, []).append(f"{package.name}/{filename}:{lineno}")
+    return out
+
+
+def update_catalogue(lang: str, package: str | Path = PACKAGE):
+    """Merge the package's current messages into `lang`'s PO file (``pybabel update``: a new message gets an
+    empty entry, a changed one keeps its old translation marked fuzzy, a gone one is dropped); returns the
+    catalogue."""
+    from babel.messages.catalog import Catalog
+    from babel.messages.pofile import read_po, write_po
+    template = Catalog(project="parlab")
+    for message, where in runtime_messages(package).items():
+        template.add(message, locations=[(w.rsplit(":", 1)[0], int(w.rsplit(":", 1)[1])) for w in where])
+    path = catalogue_path(lang)
+    if path.is_file():
+        with path.open("rb") as f:
+            catalog = read_po(f, locale=lang)
+    else:
+        catalog = Catalog(locale=lang, project="parlab", fuzzy=False)
+    catalog.update(template)
+    catalog.obsolete.clear()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    buf = io.BytesIO()
+    write_po(buf, catalog, width=0, include_previous=True, sort_output=False, include_lineno=False)
+    path.write_bytes(buf.getvalue())
+    translations.cache_clear()
+    return catalog
+
+
+def missing_messages(lang: str, package: str | Path = PACKAGE) -> list[str]:
+    """The package's messages with no current translation in `lang` ("where: message (missing|stale)")."""
+    from babel.messages.pofile import read_po
+    path = catalogue_path(lang)
+    catalog = read_po(path.open("rb"), locale=lang) if path.is_file() else None
+    out = []
+    for message, where in runtime_messages(package).items():
+        m = catalog.get(message) if catalog is not None else None
+        if m is None or not m.string:
+            out.append(f"{where[0]}: {message[:70]!r} missing")
+        elif m.fuzzy:
+            out.append(f"{where[0]}: {message[:70]!r} stale (its English changed)")
     return out

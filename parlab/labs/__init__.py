@@ -56,6 +56,7 @@ import torch
 import torch.distributed as dist
 
 from parlab.data import BatchSampler, CharTokenizer, load_corpus
+from parlab.i18n import _
 from parlab.labs.options import DTYPES, MIXED, parser, positive_float, positive_int
 from parlab.launch import Context, init
 from parlab.parallel.zero import measure
@@ -172,9 +173,10 @@ class Lab:
                    "loss": loss_value, "tokens_per_s": tps}
         if self.ctx.is_main:
             key = "max_allocated" if cuda else "total"
-            self.log("memory per rank (" + ("torch.cuda.max_memory_allocated: peak of construction, peak of training "
-                     "steps, the larger" if cuda else "params + grads + optimizer state held, parlab.parallel.zero.memory.measure; "
-                     "process peak RSS (incl. the runtime) after construction and at the end") + "):")
+            self.log(_("memory per rank (torch.cuda.max_memory_allocated: peak of construction, peak of training "
+                       "steps, the larger):") if cuda else
+                     _("memory per rank (params + grads + optimizer state held, parlab.parallel.zero.memory.measure; "
+                       "process peak RSS (incl. the runtime) after construction and at the end):"))
             for r in reports:
                 self.log(f"  rank {r['rank']:>3}: " + ", ".join(f"{k} {_mb(v)}" for k, v in r["memory"].items()))
             summary["max_mem_per_rank"] = max(r["memory"].get(key, 0) for r in reports)
@@ -183,7 +185,8 @@ class Lab:
                 trace.to_chrome(a.trace)
                 self.trace = trace
                 summary["trace"] = os.path.abspath(a.trace)
-                self.log(f"trace: {len(trace.comm())} messages, {len(trace)} events from {len(trace.ranks)} ranks")
+                self.log(_("trace: {messages} messages, {events} events from {ranks} ranks").format(
+                    messages=len(trace.comm()), events=len(trace), ranks=len(trace.ranks)))
                 if trace_report is not None:
                     trace_report(trace)
             self.log(f"summary: lab={self.name} world={self.world_size} backend={self.ctx.backend} steps={a.steps} "
@@ -241,9 +244,9 @@ class Watch:
         while not self._stop.wait(self.interval):
             silent = time.monotonic() - self._answered
             if silent > self.timeout:
-                print(f"[rank {self.rank}] the rendezvous store has not answered for {silent:.0f} s: the process "
-                      f"hosting it stopped, froze or died (under srun: rank 0's; under torchrun: the node's agent); "
-                      f"rank {self.rank} stops now", file=sys.stderr, flush=True)
+                print(_("[rank {rank}] the rendezvous store has not answered for {silent:.0f} s: the process "
+                        "hosting it stopped, froze or died (under srun: rank 0's; under torchrun: the node's agent); "
+                        "rank {rank} stops now").format(rank=self.rank, silent=silent), file=sys.stderr, flush=True)
                 os._exit(1)
 
     def at_step(self, step: int) -> None:
@@ -270,19 +273,22 @@ class Watch:
         second, steps = self._read("alive"), self._read("step")
         silent = [r for r in range(self.world) if r != self.rank and (second[r] is None or second[r] == first[r])]
         head = str(error).strip().splitlines()[-1][:300] if str(error).strip() else type(error).__name__
-        where = ", ".join(f"rank {r}: {'?' if steps[r] is None else 'setting up' if steps[r] < 0 else f'step {steps[r]}'}"
+        where = ", ".join(f"rank {r}: " + ("?" if steps[r] is None else _("setting up") if steps[r] < 0
+                                             else _("step {step}").format(step=steps[r]))
                           for r in range(self.world))
-        lines = [f"[rank {self.rank}] a collective failed: {head}"]
+        lines = [_("[rank {rank}] a collective failed: {error}").format(rank=self.rank, error=head)]
         if silent:
-            who = ", ".join(map(str, silent))
-            lines.append(f"[rank {self.rank}] rank{'s' if len(silent) > 1 else ''} {who} stopped answering: no "
-                         f"heartbeat in {wait_beats * self.interval:g} s (stopped, e.g. by SIGSTOP, frozen, or "
-                         f"dead); the other ranks are alive")
+            who, quiet = ", ".join(map(str, silent)), wait_beats * self.interval
+            lines.append((_("[rank {rank}] ranks {who} stopped answering: no heartbeat in {seconds:g} s (stopped, "
+                            "e.g. by SIGSTOP, frozen, or dead); the other ranks are alive") if len(silent) > 1 else
+                          _("[rank {rank}] rank {who} stopped answering: no heartbeat in {seconds:g} s (stopped, "
+                            "e.g. by SIGSTOP, frozen, or dead); the other ranks are alive")
+                          ).format(rank=self.rank, who=who, seconds=quiet))
         else:
-            lines.append(f"[rank {self.rank}] every rank still answers: a rank is stuck in the program (waiting "
-                         f"in a collective that its peers never enter?)")
-        lines.append(f"[rank {self.rank}] where each rank was: {where} (at its last heartbeat, every "
-                     f"{self.interval:g} s)")
+            lines.append(_("[rank {rank}] every rank still answers: a rank is stuck in the program (waiting "
+                           "in a collective that its peers never enter?)").format(rank=self.rank))
+        lines.append(_("[rank {rank}] where each rank was: {where} (at its last heartbeat, every "
+                       "{interval:g} s)").format(rank=self.rank, where=where, interval=self.interval))
         return "\n".join(lines)
 
 
@@ -336,7 +342,8 @@ def start(name: str, description: str, add_args: Callable[[argparse.ArgumentPars
     args = p.parse_args(argv)
     tok = CharTokenizer()
     if args.vocab < tok.vocab_size:
-        p.error(f"--vocab {args.vocab} is smaller than the corpus alphabet ({tok.vocab_size} characters)")
+        p.error(_("--vocab {vocab} is smaller than the corpus alphabet ({n} characters)").format(
+            vocab=args.vocab, n=tok.vocab_size))
     try:
         config = GPTConfig(vocab_size=args.vocab, seq_len=args.seq_len, n_layer=args.layers, n_head=args.heads,
                            n_embd=args.hidden)
@@ -345,8 +352,10 @@ def start(name: str, description: str, add_args: Callable[[argparse.ArgumentPars
     if not args.no_trace:                    # found now, not after the training (rank 0 writes it at the end)
         folder = os.path.dirname(os.path.abspath(args.trace))
         if os.path.isdir(args.trace) or not os.path.isdir(folder):
-            p.error(f"--trace {args.trace}: " + ("that is a folder; name a file in it" if os.path.isdir(args.trace)
-                    else f"the folder {folder} does not exist; create it, or pass --no-trace"))
+            p.error(_("--trace {trace}: that is a folder; name a file in it").format(trace=args.trace)
+                    if os.path.isdir(args.trace) else
+                    _("--trace {trace}: the folder {folder} does not exist; create it, or pass --no-trace").format(
+                        trace=args.trace, folder=folder))
     ctx = init(args.backend, timeout=args.timeout)
     watch = None
     if ctx.world_size > 1:
@@ -360,9 +369,11 @@ def start(name: str, description: str, add_args: Callable[[argparse.ArgumentPars
     torch.manual_seed(args.seed)
     tokens = load_corpus(n_chars=max(20_000, 4 * args.batch * args.seq_len), seed=args.seed)
     lab = Lab(name, args, ctx, config, BatchSampler(tokens, args.batch, args.seq_len, seed=args.seed), watch=watch)
-    lab.log(f"[{name}] world {ctx.world_size} ({ctx.backend}, {ctx.device.type}); model: {args.layers} layers, "
-            f"hidden {args.hidden}, {args.heads} heads, seq {args.seq_len}, vocab {args.vocab}, "
-            f"{config.param_count() / 1e6:.2f}M params, "
-            f"{args.dtype + ' autocast, fp32 master weights' if args.dtype in MIXED else args.dtype}; "
-            f"global batch {args.batch} x {args.seq_len}")
+    precision = (_("{dtype} autocast, fp32 master weights").format(dtype=args.dtype) if args.dtype in MIXED
+                 else args.dtype)
+    lab.log(_("[{name}] world {world} ({backend}, {device}); model: {layers} layers, hidden {hidden}, {heads} heads, "
+              "seq {seq_len}, vocab {vocab}, {params:.2f}M params, {precision}; global batch {batch} x {seq_len}").format(
+        name=name, world=ctx.world_size, backend=ctx.backend, device=ctx.device.type, layers=args.layers,
+        hidden=args.hidden, heads=args.heads, seq_len=args.seq_len, vocab=args.vocab,
+        params=config.param_count() / 1e6, precision=precision, batch=args.batch))
     return lab

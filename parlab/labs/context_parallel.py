@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from parlab.i18n import _
 from parlab.labs import start
 from parlab.parallel.context import ContextParallelGPT
 
@@ -24,7 +25,7 @@ def main(argv=None):
         cp = ContextParallelGPT(lab.model(), attention=lab.args.attention, layout=lab.args.layout)
         cp.shard(torch.zeros(1, lab.args.seq_len))              # checks that the sequence splits evenly
     except ValueError as e:
-        raise SystemExit(f"error: {e}") from None
+        raise SystemExit(_("error: {error}").format(error=e)) from None
     opt = torch.optim.AdamW(cp.parameters(), lr=lab.args.lr)
 
     def step(i):

@@ -9,22 +9,25 @@ from __future__ import annotations
 import torch
 
 from parlab import comm
+from parlab.i18n import _
 from parlab.parallel.data import DistributedDataParallel
 from parlab.parallel.data import global_mean_loss
 from parlab.labs import positive_float, start
 
 
 def add_args(p):
-    p.add_argument("--bucket-mb", type=positive_float, default=25.0, help="gradient bucket size in MiB")
+    p.add_argument("--bucket-mb", type=positive_float, default=25.0, help=_("gradient bucket size in MiB"))
 
 
 def main(argv=None):
     lab = start("data_parallel", __doc__, add_args, argv)
     if lab.args.batch % lab.world_size:
-        raise SystemExit(f"--batch {lab.args.batch} must be a multiple of the {lab.world_size} ranks")
+        raise SystemExit(_("--batch {batch} must be a multiple of the {ranks} ranks").format(
+            batch=lab.args.batch, ranks=lab.world_size))
     model = DistributedDataParallel(lab.model(), bucket_cap_mb=lab.args.bucket_mb)
     opt = torch.optim.AdamW(model.parameters(), lr=lab.args.lr)
-    lab.log(f"{len(model.buckets)} gradient bucket(s); {lab.args.batch // lab.world_size} rows per rank")
+    lab.log(_("{buckets} gradient bucket(s); {rows} rows per rank").format(
+        buckets=len(model.buckets), rows=lab.args.batch // lab.world_size))
 
     def step(i):
         opt.zero_grad(set_to_none=True)            # at the start: the last step's grads stay for the report

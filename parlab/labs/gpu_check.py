@@ -31,6 +31,8 @@ import sys
 import time
 from dataclasses import dataclass, field
 
+from parlab.i18n import _
+
 __all__ = ["parser", "plan", "LabRun", "check_cuda", "parse_summary", "table", "main"]
 
 SIZES = {   # model and batch per preset; layers are raised to 2 N for the interleaved pipeline
@@ -60,15 +62,15 @@ class LabRun:
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m parlab.labs.gpu_check", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--gpus", type=int, default=None, help="GPUs (ranks) per lab; default: all of this node's")
-    p.add_argument("--size", choices=sorted(SIZES), default="small", help="model and batch preset")
-    p.add_argument("--steps", type=int, default=20, help="training steps per lab")
-    p.add_argument("--only", nargs="+", default=None, metavar="LAB", help="run only these labs")
-    p.add_argument("--no-tests", action="store_true", help="skip the pytest part")
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds per lab before it is stopped")
-    p.add_argument("--out", default="gpu_first_run.md", help="the results table (markdown)")
-    p.add_argument("--logdir", default="gpu_first_run_logs", help="one log and one trace per lab run")
-    p.add_argument("--dry-run", action="store_true", help="print the commands and stop (no GPU needed)")
+    p.add_argument("--gpus", type=int, default=None, help=_("GPUs (ranks) per lab; default: all of this node's"))
+    p.add_argument("--size", choices=sorted(SIZES), default="small", help=_("model and batch preset"))
+    p.add_argument("--steps", type=int, default=20, help=_("training steps per lab"))
+    p.add_argument("--only", nargs="+", default=None, metavar="LAB", help=_("run only these labs"))
+    p.add_argument("--no-tests", action="store_true", help=_("skip the pytest part"))
+    p.add_argument("--timeout", type=float, default=600.0, help=_("seconds per lab before it is stopped"))
+    p.add_argument("--out", default="gpu_first_run.md", help=_("the results table (markdown)"))
+    p.add_argument("--logdir", default="gpu_first_run_logs", help=_("one log and one trace per lab run"))
+    p.add_argument("--dry-run", action="store_true", help=_("print the commands and stop (no GPU needed)"))
     return p
 
 
@@ -78,13 +80,15 @@ def plan(gpus: int, size: str = "small", steps: int = 20, only: list[str] | None
     ZeRO 1/2/3, bf16 mixed precision), and a hybrid layout that uses every dimension the GPU count allows."""
     from parlab.labs import LABS
     if gpus not in GPU_COUNTS:
-        raise ValueError(f"--gpus must be one of {GPU_COUNTS} (the layouts split heads, vocabulary and layers "
-                         f"by it), got {gpus}")
+        raise ValueError(_("--gpus must be one of {counts} (the layouts split heads, vocabulary and layers "
+                           "by it), got {gpus}").format(counts=GPU_COUNTS, gpus=gpus))
     if steps < 2:
-        raise ValueError(f"--steps must be at least 2 (tokens/s is timed from the second step), got {steps}")
+        raise ValueError(_("--steps must be at least 2 (tokens/s is timed from the second step), got {steps}").format(
+            steps=steps))
     unknown = sorted(set(only or ()) - set(LABS))
     if unknown:
-        raise ValueError(f"--only: unknown labs {unknown}; the labs are {list(LABS)}")
+        raise ValueError(_("--only: unknown labs {unknown}; the labs are {labs}").format(unknown=unknown,
+                                                                                       labs=list(LABS)))
     s = SIZES[size]
     n = gpus
     layers = max(s["layers"], 2 * n)
@@ -118,14 +122,16 @@ def check_cuda(gpus: int | None) -> int:
     """The number of GPUs to use; SystemExit with the reason when CUDA is missing or has too few devices."""
     import torch
     if not torch.cuda.is_available():
-        built = torch.version.cuda or "none (a CPU-only build)"
-        raise SystemExit(f"no CUDA device: torch.cuda.is_available() is False (torch {torch.__version__}, CUDA "
-                         f"{built}). Run this on a node with GPUs and a CUDA build of torch; on a CPU the labs "
-                         f"run with gloo (see parlab/labs/README.md), and --dry-run prints the plan.")
+        built = torch.version.cuda or _("none (a CPU-only build)")
+        raise SystemExit(_("no CUDA device: torch.cuda.is_available() is False (torch {torch}, CUDA {cuda}). Run "
+                           "this on a node with GPUs and a CUDA build of torch; on a CPU the labs run with gloo (see "
+                           "parlab/labs/README.md), and --dry-run prints the plan.").format(
+            torch=torch.__version__, cuda=built))
     count = torch.cuda.device_count()
     gpus = count if gpus is None else gpus
     if gpus > count:
-        raise SystemExit(f"--gpus {gpus} but this node has {count} CUDA device(s); pass --gpus {count} or fewer")
+        raise SystemExit(_("--gpus {gpus} but this node has {count} CUDA device(s); pass --gpus {count} or "
+                           "fewer").format(gpus=gpus, count=count))
     return gpus
 
 
@@ -166,11 +172,11 @@ def _run(argv: list[str], log: str, timeout: float) -> tuple[int | str, str, flo
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     try:
-        out, _ = proc.communicate(timeout=timeout)
+        out, _err = proc.communicate(timeout=timeout)
         code = proc.returncode
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
+        out, _err = proc.communicate()
         code = f"timeout {timeout:g} s"
     with open(log, "w") as f:
         f.write(shlex.join(argv) + "\n\n" + out)
@@ -181,9 +187,9 @@ def main(argv: list[str] | None = None) -> int:
     p = parser()
     args = p.parse_args(argv)
     if args.gpus is not None and args.gpus < 1:
-        p.error(f"--gpus must be a positive number of GPUs, got {args.gpus}")
+        p.error(_("--gpus must be a positive number of GPUs, got {gpus}").format(gpus=args.gpus))
     if not args.timeout > 0:
-        p.error(f"--timeout must be a positive number of seconds, got {args.timeout}")
+        p.error(_("--timeout must be a positive number of seconds, got {timeout}").format(timeout=args.timeout))
     try:
         runs = plan(args.gpus or 1, args.size, args.steps, args.only) if args.dry_run else None
     except ValueError as e:
@@ -209,7 +215,8 @@ def main(argv: list[str] | None = None) -> int:
         rows.append({"lab (options)": f"`{r.title}`", "exit": code, "backend": s.get("backend", "-"),
                      "loss": s.get("loss", "-"), "tokens/s": s.get("tps", "-"),
                      "max mem/rank (MB)": s.get("mem", "-"), "wall (s)": f"{wall:.1f}", "log": stem + ".log"})
-        print(f"[{i + 1}/{len(runs)}] {r.title}: exit {code}, {wall:.1f} s", flush=True)
+        print(_("[{i}/{n}] {title}: exit {code}, {wall:.1f} s").format(i=i + 1, n=len(runs), title=r.title,
+                                                                        code=code, wall=wall), flush=True)
     test_rows = []
     if not args.no_tests:
         for t in TESTS:
@@ -217,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
             code, out, wall = _run([sys.executable, "-m", "pytest", "-q", t], log, 4 * args.timeout)
             last = [ln for ln in out.strip().splitlines() if ln.strip()][-1:] or ["(no output)"]
             test_rows.append({"tests": t, "exit": code, "summary": last[0].strip("= "), "wall (s)": f"{wall:.1f}"})
-            print(f"pytest {t}: exit {code}, {last[0]}", flush=True)
+            print(_("pytest {tests}: exit {code}, {summary}").format(tests=t, code=code, summary=last[0]), flush=True)
     size = SIZES[args.size]
     doc = [f"### First run on GPUs ({_environment()})", "",
            f"`python -m parlab.labs.gpu_check --gpus {gpus} --size {args.size} --steps {args.steps}`: "
@@ -228,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
         doc += ["", table(test_rows, ["tests", "exit", "summary", "wall (s)"])]
     with open(args.out, "w") as f:
         f.write("\n".join(doc) + "\n")
-    print(f"results table: {args.out}")
+    print(_("results table: {path}").format(path=args.out))
     failed = [r for r in rows if r["exit"] != 0] + [r for r in test_rows if r["exit"] != 0]
     return 1 if failed else 0
 

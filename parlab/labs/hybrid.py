@@ -9,6 +9,7 @@ dp-cp. The report shows the bytes each dimension moved: TP > DP > PP in volume.
 from __future__ import annotations
 
 
+from parlab.i18n import _
 from parlab.parallel.groups import build_groups
 from parlab.parallel.hybrid import build_hybrid, check_layout, make_schedule, traffic_by_dim
 from parlab.labs import positive_int, start
@@ -18,18 +19,19 @@ from parlab.parallel.topology import ParallelGrid
 
 
 def add_args(p):
-    g = p.add_argument_group("layout (dp = world / (tp * pp * cp))")
+    g = p.add_argument_group(_("layout (dp = world / (tp * pp * cp))"))
     g.add_argument("--tp", type=positive_int, default=1)
     g.add_argument("--pp", type=positive_int, default=1)
     g.add_argument("--cp", type=positive_int, default=1)
-    g.add_argument("--zero", type=int, choices=(0, 1, 2), default=0, help="ZeRO stage over the dp-cp group")
-    g.add_argument("--sp", action="store_true", help="Megatron sequence parallelism (seq-len divisible by cp x tp)")
+    g.add_argument("--zero", type=int, choices=(0, 1, 2), default=0, help=_("ZeRO stage over the dp-cp group"))
+    g.add_argument("--sp", action="store_true", help=_("Megatron sequence parallelism (seq-len divisible by cp x tp)"))
     g.add_argument("--schedule", choices=sorted(SCHEDULES), default="1f1b")
-    g.add_argument("--microbatches", type=positive_int, default=None, help="per step (default: 2 x pp)")
-    g.add_argument("--chunks", type=positive_int, default=1, help="model chunks per rank (interleaved schedule)")
+    g.add_argument("--microbatches", type=positive_int, default=None, help=_("per step (default: 2 x pp)"))
+    g.add_argument("--chunks", type=positive_int, default=1, help=_("model chunks per rank (interleaved schedule)"))
     g.add_argument("--cp-attention", choices=("ring", "ulysses"), default="ring")
     g.add_argument("--cp-layout", choices=("zigzag", "contiguous"), default="zigzag")
-    g.add_argument("--gpus-per-node", type=positive_int, default=None, help="for the layout printout (default: torchrun's LOCAL_WORLD_SIZE or srun's tasks per node)")
+    g.add_argument("--gpus-per-node", type=positive_int, default=None,
+                   help=_("for the layout printout (default: torchrun's LOCAL_WORLD_SIZE or srun's tasks per node)"))
 
 
 def main(argv=None):
@@ -43,7 +45,7 @@ def main(argv=None):
         check_layout(lab.config, grid, schedule, batch_size=a.batch, seq_len=a.seq_len, sequence_parallel=a.sp,
                      cp_attention=a.cp_attention, cp_layout=a.cp_layout, zero_stage=a.zero)
     except ValueError as e:
-        raise SystemExit(f"error: {e}") from None
+        raise SystemExit(_("error: {error}").format(error=e)) from None
     lab.log(grid.describe())
     groups = build_groups(grid)
     # built on the meta device and handed over: only this rank's stage, TP-sharded, is materialised, on the
@@ -57,9 +59,10 @@ def main(argv=None):
             return model.train_step(*lab.batch(i))  # global batch in, global mean loss out (every rank)
 
     def traffic(trace):
-        lab.log("bytes sent per dimension (all ranks, all steps):")
+        lab.log(_("bytes sent per dimension (all ranks, all steps):"))
         for dim, row in sorted(traffic_by_dim(trace, grid).items(), key=lambda kv: -kv[1]["bytes"]):
-            lab.log(f"  {dim:>6}: {row['messages']:>7} messages {row['bytes'] / 1e6:10.2f} MB")
+            lab.log("  " + _("{dim:>6}: {messages:>7} messages {mb:10.2f} MB").format(
+                dim=dim, messages=row["messages"], mb=row["bytes"] / 1e6))
 
     lab.train(step, model.parameters, model.optimizer, trace_report=traffic,
               extra=f"dp={grid.dp} tp={grid.tp} pp={grid.pp} cp={grid.cp} zero={a.zero}")

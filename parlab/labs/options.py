@@ -11,6 +11,8 @@ import math
 
 import torch
 
+from parlab.i18n import _
+
 __all__ = ["parser", "positive_int", "positive_float", "DTYPES", "MIXED"]
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
@@ -22,9 +24,9 @@ def positive_int(text: str) -> int:
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
+        raise argparse.ArgumentTypeError(_("must be a positive integer, got {value}").format(value=repr(text))) from None
     if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+        raise argparse.ArgumentTypeError(_("must be a positive integer, got {value}").format(value=value))
     return value
 
 
@@ -33,9 +35,9 @@ def positive_float(text: str) -> float:
     try:
         value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}") from None
+        raise argparse.ArgumentTypeError(_("must be a positive number, got {value}").format(value=repr(text))) from None
     if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
+        raise argparse.ArgumentTypeError(_("must be a positive number, got {value}").format(value=text))
     return value
 
 
@@ -43,27 +45,29 @@ def parser(name: str, description: str) -> argparse.ArgumentParser:
     """The options every lab shares; a lab adds its own with ``add_args(parser)``."""
     p = argparse.ArgumentParser(prog=f"torchrun --nproc_per_node=N -m parlab.labs.{name}", description=description,
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    m = p.add_argument_group("model (the tiny GPT of parlab.models; the vocabulary is the shipped alphabet)")
-    m.add_argument("--layers", type=positive_int, default=4, help="transformer blocks")
+    m = p.add_argument_group(_("model (the tiny GPT of parlab.models; the vocabulary is the shipped alphabet)"))
+    m.add_argument("--layers", type=positive_int, default=4, help=_("transformer blocks"))
     m.add_argument("--hidden", type=positive_int, default=64, help="n_embd")
-    m.add_argument("--heads", type=positive_int, default=4, help="attention heads")
-    m.add_argument("--seq-len", type=positive_int, default=32, help="tokens per sequence")
-    m.add_argument("--vocab", type=positive_int, default=64, help="vocabulary size (>= 43 characters; padded ids unused)")
-    t = p.add_argument_group("training")
-    t.add_argument("--batch", type=positive_int, default=16, help="global batch (sequences per step, all ranks together)")
+    m.add_argument("--heads", type=positive_int, default=4, help=_("attention heads"))
+    m.add_argument("--seq-len", type=positive_int, default=32, help=_("tokens per sequence"))
+    m.add_argument("--vocab", type=positive_int, default=64,
+                   help=_("vocabulary size (>= 43 characters; padded ids unused)"))
+    t = p.add_argument_group(_("training"))
+    t.add_argument("--batch", type=positive_int, default=16,
+                   help=_("global batch (sequences per step, all ranks together)"))
     t.add_argument("--steps", type=positive_int, default=20)
-    t.add_argument("--lr", type=positive_float, default=1e-3, help="AdamW learning rate")
+    t.add_argument("--lr", type=positive_float, default=1e-3, help=_("AdamW learning rate"))
     t.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
-                   help="float32/float64: parameters, gradients, optimizer state and compute in that dtype; "
-                        "bfloat16: mixed precision, fp32 parameters, gradients and AdamW state (master "
-                        "weights) with the forward under torch.autocast(bfloat16)")
+                   help=_("float32/float64: parameters, gradients, optimizer state and compute in that dtype; "
+                          "bfloat16: mixed precision, fp32 parameters, gradients and AdamW state (master "
+                          "weights) with the forward under torch.autocast(bfloat16)"))
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto")
     t.add_argument("--timeout", type=positive_float, default=300.0,
-                   help="seconds a collective waits for the other ranks; then the lab stops and names the "
-                        "rank that stopped answering")
-    o = p.add_argument_group("output")
-    o.add_argument("--trace", default=f"trace_{name}.json", help="merged Chrome trace file written by rank 0")
-    o.add_argument("--no-trace", action="store_true", help="record and write no trace")
-    o.add_argument("--quiet", action="store_true", help="no progress bar")
+                   help=_("seconds a collective waits for the other ranks; then the lab stops and names the "
+                          "rank that stopped answering"))
+    o = p.add_argument_group(_("output"))
+    o.add_argument("--trace", default=f"trace_{name}.json", help=_("merged Chrome trace file written by rank 0"))
+    o.add_argument("--no-trace", action="store_true", help=_("record and write no trace"))
+    o.add_argument("--quiet", action="store_true", help=_("no progress bar"))
     return p

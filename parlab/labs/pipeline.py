@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from parlab import comm
+from parlab.i18n import _
 from parlab.parallel.hybrid import make_schedule
 from parlab.labs import positive_int, start
 from parlab.parallel.pipeline import PipelineParallel
@@ -19,8 +20,8 @@ from parlab.parallel.pipeline import SCHEDULES
 
 def add_args(p):
     p.add_argument("--schedule", choices=sorted(SCHEDULES), default="1f1b")
-    p.add_argument("--microbatches", type=positive_int, default=None, help="per step (default: 2 x ranks)")
-    p.add_argument("--chunks", type=positive_int, default=1, help="model chunks per rank (interleaved schedule)")
+    p.add_argument("--microbatches", type=positive_int, default=None, help=_("per step (default: 2 x ranks)"))
+    p.add_argument("--chunks", type=positive_int, default=1, help=_("model chunks per rank (interleaved schedule)"))
 
 
 def main(argv=None):
@@ -33,13 +34,15 @@ def main(argv=None):
         # the device, with the dense model's values (parlab.meta_init.materialize); the rest never exists
         pipe = PipelineParallel(lab.model(meta=True), schedule, copy=False, device=lab.device)
     except ValueError as e:
-        raise SystemExit(f"error: {e}") from None
+        raise SystemExit(_("error: {error}").format(error=e)) from None
     if a.batch % m:
-        raise SystemExit(f"--batch {a.batch} must be a multiple of --microbatches {m}")
+        raise SystemExit(_("--batch {batch} must be a multiple of --microbatches {microbatches}").format(
+            batch=a.batch, microbatches=m))
     opt = torch.optim.AdamW(pipe.parameters(), lr=a.lr)
     last = schedule.placement[-1]
-    lab.log(f"schedule {schedule.name}: {schedule.stages} stages, {m} micro-batches; rank 0 holds layers "
-            f"{[list(pipe.layers[s]) for s in pipe.my_stages]}")
+    lab.log(_("schedule {schedule}: {stages} stages, {microbatches} micro-batches; rank 0 holds layers "
+              "{layers}").format(schedule=schedule.name, stages=schedule.stages, microbatches=m,
+                                 layers=[list(pipe.layers[s]) for s in pipe.my_stages]))
 
     def step(i):
         opt.zero_grad(set_to_none=True)            # at the start: the last step's grads stay for the report

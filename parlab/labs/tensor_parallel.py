@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import torch
 
+from parlab.i18n import _
 from parlab.labs import start
 from parlab.meta_init import materialize
 from parlab.parallel.tensor import parallelize_gpt, sync_sequence_parallel_grads
 
 
 def add_args(p):
-    p.add_argument("--sp", action="store_true", help="sequence parallelism")
+    p.add_argument("--sp", action="store_true", help=_("sequence parallelism"))
 
 
 def main(argv=None):
@@ -25,7 +26,7 @@ def main(argv=None):
         # (each dense weight drawn on the CPU one at a time for its slice: the dense model never exists)
         model = materialize(parallelize_gpt(lab.model(meta=True), sequence_parallel=lab.args.sp), lab.device)
     except ValueError as e:
-        raise SystemExit(f"error: {e}") from None
+        raise SystemExit(_("error: {error}").format(error=e)) from None
     opt = torch.optim.AdamW(model.parameters(), lr=lab.args.lr)
 
     def step(i):

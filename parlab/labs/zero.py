@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from parlab import comm
+from parlab.i18n import _
 from parlab.parallel.data import global_mean_loss
 from parlab.parallel.zero import FullyShardedDataParallel
 from parlab.labs import start
@@ -18,13 +19,14 @@ from parlab.parallel.zero import ShardedOptimizer
 
 
 def add_args(p):
-    p.add_argument("--stage", type=int, choices=(1, 2, 3), default=1, help="ZeRO stage")
+    p.add_argument("--stage", type=int, choices=(1, 2, 3), default=1, help=_("ZeRO stage"))
 
 
 def main(argv=None):
     lab = start("zero", __doc__, add_args, argv)
     if lab.args.batch % lab.world_size:
-        raise SystemExit(f"--batch {lab.args.batch} must be a multiple of the {lab.world_size} ranks")
+        raise SystemExit(_("--batch {batch} must be a multiple of the {ranks} ranks").format(
+            batch=lab.args.batch, ranks=lab.world_size))
     stage = lab.args.stage
     if stage == 3:
         # built on the meta device: only this rank's flat shards are drawn, on the device (dense values)

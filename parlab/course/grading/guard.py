@@ -45,6 +45,7 @@ import time
 import traceback
 import types
 
+from parlab.i18n import _
 from parlab.course.grading.unavailable import (PARLAB_DIR, UNTRACED_PREFIX, ReferenceUsed, references, student_call,
     student_cells, student_namespaces)
 
@@ -68,7 +69,7 @@ class CheckFailed(AssertionError):
     def _render_traceback_(self) -> list[str]:        # IPython's hook: these lines replace the traceback
         lines = str(self).splitlines() or [""]
         return [f"\x1b[0;31mAssertionError\x1b[0m: {lines[0]}", *lines[1:],
-                "(the grader's own frames are hidden here; the message above is what went wrong)"]
+                _("(the grader's own frames are hidden here; the message above is what went wrong)")]
 
 
 class CpuTimeExceeded(BaseException):
@@ -76,7 +77,8 @@ class CpuTimeExceeded(BaseException):
 
 
 def not_written(what: str) -> str:
-    return f"{what} is not written yet: replace the `raise NotImplementedError` line with your code."
+    return _("{what} is not written yet: replace the `raise NotImplementedError` line with your code.").format(
+        what=what)
 
 
 def install_ipython_hooks() -> None:
@@ -88,9 +90,11 @@ def install_ipython_hooks() -> None:
     def handler(shell, etype, value, tb, tb_offset=None):
         where = ""
         for frame, line in traceback.walk_tb(tb):
-            where = f" (line {line} of this cell)" if frame.f_code.co_filename.startswith(("<", "/tmp")) else where
-        stb = [f"\x1b[0;31mNotImplementedError\x1b[0m: not written yet{where}: replace "
-               f"`raise NotImplementedError` with your code."]
+            where = (_(" (line {line} of this cell)").format(line=line)
+                     if frame.f_code.co_filename.startswith(("<", "/tmp")) else where)
+        stb = ["\x1b[0;31mNotImplementedError\x1b[0m: " + _("not written yet{where}: replace "
+                                                              "`raise NotImplementedError` with your code.").format(
+            where=where)]
         shell._showtraceback(etype, value, stb)
         return stb
 
@@ -127,8 +131,9 @@ def cpu_limit(seconds: float | None = None):
 
 def cpu_message(what: str, seconds: float | None = None) -> str:
     seconds = _STATE["cpu_limit"] if seconds is None else seconds
-    return (f"{what} used more than {seconds:g} s of CPU time and was stopped: a loop that never ends? "
-            f"(A correct solution needs well under a second.) Check every loop's exit condition.")
+    return _("{what} used more than {seconds:g} s of CPU time and was stopped: a loop that never ends? "
+             "(A correct solution needs well under a second.) Check every loop's exit condition.").format(
+        what=what, seconds=seconds)
 
 
 # ---------------------------------------------------------------------- tamper detection
@@ -214,8 +219,9 @@ def _record(check: str, passed: bool, kind: str, message: str, tb: str) -> None:
 
 
 def _tamper_message(bad: list[str]) -> str:
-    return (f"tampered: {', '.join(bad)} no longer is parlab's own; the grading code or parlab was rebound in this "
-            f"notebook. Restart the kernel, remove the code that rebinds it, and run the notebook from the top.")
+    return _("tampered: {names} no longer is parlab's own; the grading code or parlab was rebound in this "
+             "notebook. Restart the kernel, remove the code that rebinds it, and run the notebook from the top.").format(
+        names=", ".join(bad))
 
 
 def _used_message(name: str, used: list[str]) -> str:
@@ -223,12 +229,14 @@ def _used_message(name: str, used: list[str]) -> str:
     mine = [u for u in used if not u.startswith(UNTRACED_PREFIX)]
     parts = []
     if mine:
-        parts.append(f"{name}: you called parlab's {', '.join(mine)}; write your own. This part asks you to compute "
-                     f"it yourself, so parlab's version is unavailable while the check runs.")
+        parts.append(_("{check}: you called parlab's {names}; write your own. This part asks you to compute it "
+                       "yourself, so parlab's version is unavailable while the check runs.").format(
+            check=name, names=", ".join(mine)))
     if untraced:
         ops = ", ".join(u[len(UNTRACED_PREFIX):] for u in untraced)
-        parts.append(f"{name}: you called {', '.join(untraced)} directly; communicate through parlab.comm "
-                     f"(comm.{ops.split(', ')[0]} ...), which records every message in the trace the check reads.")
+        parts.append(_("{check}: you called {names} directly; communicate through parlab.comm (comm.{op} ...), "
+                       "which records every message in the trace the check reads.").format(
+            check=name, names=", ".join(untraced), op=ops.split(", ")[0]))
     return "\n".join(parts)
 
 

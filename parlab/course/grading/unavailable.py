@@ -33,6 +33,7 @@ import tempfile
 import types
 from pathlib import Path
 
+from parlab.i18n import _
 from parlab.course.grading.codeid import _fingerprint, _key, student_cells, student_namespaces
 
 __all__ = ["ReferenceUsed", "references", "student_call", "student_namespaces", "student_cells", "PARLAB_DIR",
@@ -65,7 +66,7 @@ UNTRACED_PREFIX = "torch.distributed."
 def _resolve(target: str):
     """'parlab.parallel.topology:ParallelGrid.groups' -> (owner object, attribute name, original value)."""
     import importlib
-    mod, _, path = target.partition(":")
+    mod, _sep, path = target.partition(":")
     owner = importlib.import_module(mod)
     *parents, attr = path.split(".")
     for p in parents:
@@ -154,8 +155,9 @@ class _Usage:
 def _refuse(name: str, usage: _Usage):
     usage.add(name)
     if name.startswith(UNTRACED_PREFIX):
-        raise ReferenceUsed(f"you called {name} directly; communicate through parlab.comm so that it is traced")
-    raise ReferenceUsed(f"you called parlab's {name}; write your own")
+        raise ReferenceUsed(_("you called {name} directly; communicate through parlab.comm so that it is traced")
+                            .format(name=name))
+    raise ReferenceUsed(_("you called parlab's {name}; write your own").format(name=name))
 
 
 def _stub(original, name: str, usage: _Usage, direct: bool = False):
@@ -273,7 +275,7 @@ def _watched(targets) -> dict[tuple, str]:
     forward and backward)."""
     out = {}
     for target in targets:
-        _, _, original = _resolve(target)
+        _owner, _attr, original = _resolve(target)
         short = target.split(":")[1]
         fns = [original]
         if isinstance(original, type):          # its methods, but not the trivial ones a student's may equal

@@ -31,6 +31,7 @@ import threading
 import time
 import traceback
 
+from parlab.i18n import _
 from parlab.trace import current_recorder
 from parlab.course.grading import guard
 
@@ -57,9 +58,11 @@ def _comm_site(frame) -> str | None:
     caller = stack[first - 1] if first > 0 else None
     where = ""
     if caller is not None and not caller.filename.startswith(guard.PARLAB_DIR):
-        where = f", called from your line {caller.lineno}: {(caller.line or '').strip()}"
+        where = _(", called from your line {line}: {code}").format(line=caller.lineno,
+                                                                     code=(caller.line or "").strip())
     elif caller is not None:
-        where = f", called from parlab's {os.path.basename(caller.filename)}:{caller.lineno}"
+        where = _(", called from parlab's {file}:{line}").format(file=os.path.basename(caller.filename),
+                                                                  line=caller.lineno)
     return f"{module}.{op}{where}"
 
 
@@ -145,7 +148,7 @@ class _TraceSeal:
 
         def sealed_add(event):
             if not sys._getframe(1).f_code.co_filename.startswith(guard.PARLAB_DIR):
-                raise TraceEdited("your code added an event to the trace by hand")
+                raise TraceEdited(_("your code added an event to the trace by hand"))
             out = add(event)
             self.added.append((event, _fields(event)))
             return out
@@ -153,9 +156,9 @@ class _TraceSeal:
 
     def verify(self) -> None:
         now = self.rec.events
-        if (now is not self.events or [id(e) for e in now[self.n0:]] != [id(e) for e, _ in self.added]
+        if (now is not self.events or [id(e) for e in now[self.n0:]] != [id(e) for e, _fields_of in self.added]
                 or any(_fields(e) != f for e, f in self.added)):
-            raise TraceEdited("the trace was edited by hand (events added, removed or changed)")
+            raise TraceEdited(_("the trace was edited by hand (events added, removed or changed)"))
 
     def close(self) -> None:
         vars(self.rec).pop("add", None)
@@ -168,7 +171,7 @@ def rank_entry(folder: str, cpu_limit_s: float, fn, *args):
     rank, world = comm.get_rank(), comm.get_world_size()
     if cpu_limit_s:
         soft = int(cpu_limit_s + 10 + time.process_time())
-        _, hard = resource.getrlimit(resource.RLIMIT_CPU)
+        _soft, hard = resource.getrlimit(resource.RLIMIT_CPU)
         if hard == resource.RLIM_INFINITY or soft < hard:
             resource.setrlimit(resource.RLIMIT_CPU, (soft, hard))
     dog = _Watchdog(folder, rank, world)

@@ -1,0 +1,175 @@
+"""The course in Chinese: every prose cell and every message translated and current, numbers kept, no English
+sentence left, the same code and the same grading metadata as the English course (`parlab.i18n`).
+
+The Chinese lessons are executed and their figures checked in tests/test_viz_browser.py, the Chinese exercises
+graded in tests/test_notebooks.py, and a Chinese assignment run through nbgrader in tests/test_nbgrader.py.
+"""
+import ast
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from parlab import cli
+from parlab.course import translated, workspace
+from parlab.i18n import _, checks, language, normalize, notebooks, set_language, use_language
+from parlab.i18n.catalogue import missing_messages, runtime_messages
+from parlab.i18n.review import counts, review
+
+ROOT = Path(__file__).resolve().parents[1]
+LESSONS = sorted((ROOT / "lessons").glob("*.ipynb"))
+SOLUTIONS = sorted((ROOT / "exercises" / "solutions").glob("*.ipynb"))
+
+
+# ---------------------------------------------------------------------- completeness
+def test_every_prose_cell_and_display_string_has_a_current_checked_translation():
+    found = review(ROOT, "zh_CN")
+    assert found == {}, "\n".join(p for v in found.values() for p in v[:20])
+    c = counts(ROOT, "zh_CN")
+    assert c["cells"] >= 190 and c["translated"] == c["cells"] and c["stale"] == 0, c
+
+
+def test_every_message_parlab_prints_or_draws_is_translated():
+    assert len(runtime_messages()) >= 20
+    assert missing_messages("zh_CN") == [], "\n".join(missing_messages("zh_CN")[:30])
+
+
+def test_a_changed_english_cell_reads_stale_with_its_notebook_and_cell_id(tmp_path):
+    """The PO rule: the English of a cell changes, `update` keeps its old translation as fuzzy with the old
+    English beside it, and the check names the notebook and the cell until a translator redoes it."""
+    (tmp_path / "lessons").mkdir()
+    src = ROOT / "lessons" / "00_why_parallel.ipynb"
+    nb = nbformat.read(src, 4)
+    shutil.copytree(ROOT / "translations", tmp_path / "translations")
+    cell = next(c for c in nb.cells if c.cell_type == "markdown")
+    cell.source = cell.source.replace("Why", "Why, really,", 1)
+    nbformat.write(nb, tmp_path / "lessons" / src.name)
+    catalog = notebooks.update(tmp_path / "lessons" / src.name, "zh_CN", tmp_path)
+    entry = catalog.get(cell.source, context=cell.id)
+    assert entry is not None and entry.fuzzy and entry.string and entry.previous_id
+    problems = notebooks.problems(nb, catalog, "lessons/" + src.name)
+    assert problems == [f"lessons/{src.name} cell {cell.id}: markdown stale (the English changed; the old one is "
+                        f"#| msgid)"]
+    zh = notebooks.translate(nb, catalog)                          # a stale cell is shown in English
+    assert next(c for c in zh.cells if c.id == cell.id).source == cell.source
+
+
+# ---------------------------------------------------------------------- what a translation must keep
+def test_the_checks_catch_a_lost_number_an_english_sentence_and_a_changed_field():
+    terms = checks.glossary_terms(ROOT / "translations" / "GLOSSARY.md")
+    assert "pipeline parallelism" in terms and "all-reduce" in terms
+    assert checks.lost_numbers("18186 MB against 9,824 MB on 8 GPUs", "主 GPU 用了 18186 MB，其余 9824 MB") == ["8"]
+    assert checks.lost_numbers("1,000,000 elements", "1000000 个元素") == []
+    assert checks.english_left("数据并行 (data parallelism)：每个 rank 各算一片", terms) == []
+    assert checks.english_left("这一步 then every rank sends its slice", terms) == ["then every rank sends its slice"]
+    assert checks.english_left("`every rank sends its slice` 与 $a b c d e$，见 \"Reducing Activation "
+                               "Recomputation in Large Models\"", terms) == []
+    assert notebooks.check_literal('f"{n} ranks sent {mb:.2f} MB"', 'f"{n} 个 rank 共发送 {mb:.2f} MB"') is None
+    assert "fields" in notebooks.check_literal('f"{n} ranks sent {mb:.2f} MB"', 'f"{n} 个 rank 共发送 {mb} MB"')
+    assert "kind" in notebooks.check_literal('f"{n} ranks"', '"{n} 个 rank"')
+    assert "not one Python string literal" in notebooks.check_literal('"a b"', '"a" + b')
+
+
+def _without_strings(source: str) -> str:
+    """The code of a cell with every string literal blanked: what a translation may not change."""
+    tree = ast.parse(source)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            node.value = ""
+        if isinstance(node, ast.JoinedStr):
+            node.values = [v for v in node.values if isinstance(v, ast.FormattedValue)]
+    return ast.dump(tree)
+
+
+@pytest.mark.parametrize("path", LESSONS, ids=lambda p: p.stem)
+def test_a_chinese_lesson_is_the_english_code_with_translated_prose(path):
+    en, zh = nbformat.read(path, 4), translated.translated_lesson(path, "zh_CN", ROOT)
+    assert [c.id for c in zh.cells] == [c.id for c in en.cells]
+    for a, b in zip(en.cells, zh.cells):
+        if a.cell_type == "code":
+            assert _without_strings(a.source) == _without_strings(b.source), a.id
+        elif a.source.strip():
+            assert b.source != a.source and re.search(r"[\u4e00-\u9fff]", b.source), a.id
+    assert zh.metadata["parlab"]["lang"] == "zh_CN"
+
+
+@pytest.mark.parametrize("path", SOLUTIONS, ids=lambda p: p.stem)
+def test_a_chinese_exercise_keeps_every_grade_id_point_lock_and_code_checksum(path):
+    from parlab.course.notebooks import make_exercise
+    en_source = translated.translated_solution(path, "en", ROOT)
+    zh_source = translated.translated_solution(path, "zh_CN", ROOT)
+    for en, zh in ((en_source, zh_source), (make_exercise(en_source, path.name), make_exercise(zh_source, path.name))):
+        assert [c.id for c in zh.cells] == [c.id for c in en.cells]
+        for a, b in zip(en.cells, zh.cells):
+            meta_a, meta_b = a.metadata["nbgrader"], b.metadata["nbgrader"]
+            if a.cell_type == "code":
+                assert a.source == b.source and meta_a == meta_b, a.id          # checksum included
+            else:
+                assert {k: v for k, v in meta_a.items() if k != "checksum"} == \
+                       {k: v for k, v in meta_b.items() if k != "checksum"}, a.id
+                assert b.source != a.source, a.id
+
+
+# ---------------------------------------------------------------------- the language in force
+def test_the_language_follows_the_flag_then_parlab_lang_then_the_locale(monkeypatch):
+    for var in ("PARLAB_LANG", "LANGUAGE", "LC_ALL", "LC_MESSAGES", "LANG"):
+        monkeypatch.delenv(var, raising=False)
+    assert language() == "en"
+    monkeypatch.setenv("LANG", "zh_CN.UTF-8")
+    assert language() == "zh_CN"
+    monkeypatch.setenv("LC_ALL", "de_DE.UTF-8")             # a locale the course does not speak: English
+    assert language() == "en"
+    monkeypatch.setenv("PARLAB_LANG", "zh")
+    assert language() == "zh_CN"
+    with use_language("en"):
+        assert language() == "en"
+        assert _("lesson") == "lesson"
+    assert language() == "zh_CN" and _("lesson") == "课程"
+    set_language(None)
+    assert [normalize(c) for c in ("zh", "zh-CN", "zh_CN.UTF-8", "en_US", "C", "")] == \
+           ["zh_CN", "zh_CN", "zh_CN", "en", "en", None]
+    for bad, says in (("fr", "not one of the course's"), ("zh-TW", "Simplified Chinese (zh_CN), not zh_TW")):
+        with pytest.raises(ValueError, match=re.escape(says)):
+            normalize(bad)
+
+
+def test_cli_refuses_a_language_the_course_does_not_have(capsys):
+    for argv in (["course", "open", "--lang", "fr"], ["course", "html", "--lang", "klingon"]):
+        with pytest.raises(SystemExit) as e:
+            cli.main(argv)
+        assert e.value.code == 2
+        err = capsys.readouterr().err
+        assert "argument --lang" in err and "en, zh_CN" in err, err
+
+
+def test_the_working_copy_switches_language_and_never_overwrites_an_edit(tmp_path):
+    dest = tmp_path / "my-course"
+    added = workspace.working_copy(ROOT, dest, lang="zh")["added"]
+    assert len(added) == len(LESSONS) + len(SOLUTIONS)
+    start = nbformat.read(dest / "START.ipynb", 4).cells[0].source
+    assert start.startswith("# parlab：") and "第 00 课" in start and "GLOSSARY.md" in start, start[:300]
+    assert (dest / "GLOSSARY.md").is_file()
+    edited = dest / "lessons" / "01_collectives.ipynb"
+    nb = nbformat.read(edited, 4)
+    nb.cells[1].source += "\n# 我的笔记"
+    nbformat.write(nb, edited)
+    report = workspace.working_copy(ROOT, dest, lang="en")
+    assert report["conflicts"] == ["lessons/01_collectives.ipynb"]
+    assert "lessons/00_why_parallel.ipynb" in report["updated"]
+    assert "我的笔记" in edited.read_text(encoding="utf-8")                  # the student's edit stays
+    assert (dest / "lessons" / "01_collectives.updated.ipynb").is_file()
+    assert nbformat.read(dest / "START.ipynb", 4).cells[0].source.startswith("# parlab: distributed")
+    assert json.loads((dest / ".parlab-origin.json").read_text())["lang"] == "en"
+
+
+def test_the_chinese_server_gets_its_own_interface_settings(tmp_path):
+    pytest.importorskip("jupyterlab_language_pack_zh_CN", reason="the [zh] extra installs it")
+    env = workspace.lab_settings(tmp_path, "zh_CN")
+    plugin = Path(env["JUPYTERLAB_SETTINGS_DIR"]) / "@jupyterlab" / "translation-extension" / \
+        "plugin.jupyterlab-settings"
+    assert json.loads(plugin.read_text()) == {"locale": "zh_CN"}
+    assert workspace.lab_settings(tmp_path, "en") == {}

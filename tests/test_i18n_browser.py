@@ -1,0 +1,72 @@
+"""The Chinese course as a student sees it: every lesson run top to bottom in Chinese (PARLAB_LANG=zh_CN), each
+figure drawn in headless Chromium and checked like the English ones (`parlab.course.figcheck`: nothing overlaps
+or is cut, and no character lacks a glyph), and a Chinese handout read offline.
+
+The English lessons run in tests/test_viz_browser.py; this file runs beside it on another pytest worker. Needs
+Debian's chromium and a CJK font (fonts-noto-cjk), both installed by .ci/run.
+"""
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from parlab.course import figcheck as check
+from parlab.course.translated import write_course
+
+ROOT = Path(__file__).resolve().parents[1]
+LESSONS = sorted(p.stem for p in (ROOT / "lessons").glob("[0-9][0-9]_*.ipynb"))
+pytestmark = pytest.mark.skipif(check.chromium_path() is None,
+                                reason="needs Debian's chromium (apt-get install -y chromium); .ci/run installs it")
+
+
+@pytest.fixture(scope="module")
+def chinese_lessons(tmp_path_factory):
+    """The Chinese course written out (`write_course`), its lessons executed two at a time in Chinese and every
+    figure checked: (folder with figures.json, problems)."""
+    course = write_course(ROOT, "zh_CN", tmp_path_factory.mktemp("course-zh"))
+    out = tmp_path_factory.mktemp("figcheck-zh")
+    return out, check.run([course / "lessons" / f"{name}.ipynb" for name in LESSONS], out, jobs=2, lang="zh_CN")
+
+
+def test_the_glyph_check_finds_a_character_no_font_draws():
+    assert check.missing_glyphs("数据并行 all-reduce") == []          # the CJK font .ci/run installs
+    assert check.missing_glyphs("\ue000 a") == ["\ue000"]              # a private-use code point: no font has it
+
+
+@pytest.mark.parametrize("name", LESSONS)
+def test_chinese_lesson_runs_and_its_figures_pass_in_chromium(chinese_lessons, name):
+    out, problems = chinese_lessons
+    assert [p for p in problems if p.split("/")[0].split(":")[0] == name] == [], "\n".join(problems)
+    shown = json.loads((out / "figures.json").read_text())
+    assert sum(f["name"].startswith(name) for f in shown) >= 3, name
+
+
+def test_every_chinese_figure_was_drawn(chinese_lessons):
+    out, problems = chinese_lessons
+    assert problems == [], "\n".join(problems)
+    assert len(list(out.rglob("*.png"))) == len(json.loads((out / "figures.json").read_text()))
+
+
+def test_chinese_handout_reads_offline_with_every_glyph(tmp_path):
+    """`parlab course html --lang zh` of lesson 00: Chinese prose, formulas typeset, figures drawn, offline."""
+    from playwright.sync_api import sync_playwright
+
+    from parlab import cli
+    lesson = ROOT / "lessons" / "00_why_parallel.ipynb"
+    assert cli.main(["course", "html", str(lesson), "--lang", "zh", "--out", str(tmp_path)]) == 0
+    page = tmp_path / "00_why_parallel.html"
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=check.chromium_path(), args=check.CHROMIUM_ARGS)
+        tab = browser.new_page(viewport={"width": 1200, "height": 900})
+        tab.route("http*://**", lambda route: route.abort())
+        tab.goto(page.as_uri())
+        tab.wait_for_function("() => window.MathJax && MathJax.Hub && MathJax.Hub.queue.pending === 0",
+                              timeout=120_000)
+        text = tab.evaluate("() => document.body.innerText")
+        drawn = tab.evaluate("() => document.querySelectorAll('.plotly-graph-div .main-svg').length")
+        tab.screenshot(path=str(tmp_path / "handout-zh.png"), full_page=True)
+        browser.close()
+    assert "第 00 课" in text and len(re.findall(r"[\u4e00-\u9fff]", text)) > 500, text[:300]
+    assert drawn >= 3
+    assert check.missing_glyphs(text) == []
