@@ -289,9 +289,10 @@ def test_every_data_file_of_the_package_is_installed():
     missing = []
     for f in files:
         p = pathlib.PurePosixPath(f)
-        if p.suffix == ".py" or p.name == "README.md":
+        if p.suffix == ".py" or fnmatch.fnmatch(p.name, "README*.md"):
             continue
-        package = ".".join(p.parent.parts)
-        if not any(fnmatch.fnmatch(p.name, g) for g in data.get(package, [])):
+        # a glob of a package above the file's folder names it by its path from there (locale/*/LC_MESSAGES/*.po)
+        owners = [(".".join(p.parts[:k]), str(pathlib.PurePosixPath(*p.parts[k:]))) for k in range(1, len(p.parts))]
+        if not any(fnmatch.fnmatch(rel, g) for package, rel in owners for g in data.get(package, [])):
             missing.append(f)
     assert missing == [], f"add these to [tool.setuptools.package-data] in pyproject.toml: {missing}"

@@ -7,6 +7,8 @@ Read in this order:
                      stripped, scorecards read (``parlab course build``).
 * ``workspace.py``  a student's own copy of the course in ``my-course/``, opened in JupyterLab
                      (``parlab course open``); edited notebooks are never overwritten.
+* ``translated.py`` the course in another language: lessons and exercises built from the English and their
+                     PO files (``parlab course open --lang zh``, ``parlab course i18n build``).
 * ``handout.py``    offline HTML handouts of executed lessons: math typeset, widgets shown, no network.
 * ``figcheck.py``   every lesson figure drawn by plotly.js in headless Chromium, checked and screenshotted
                      (``python -m parlab.course.figcheck``).

@@ -318,13 +318,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--jobs", type=int, default=1, help="notebooks executed at once")
     p.add_argument("--width", type=int, default=WIDTH, help="px width of the output area figures are drawn in")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds a cell may run")
+    p.add_argument("--lang", default=None, help="the language parlab speaks in the notebooks' kernels (en, zh); "
+                                                "translated notebooks: parlab course i18n build")
     a = p.parse_args(argv)
     paths = a.notebooks or sorted((course.ROOT / "lessons").glob("*.ipynb"))
     missing = [q for q in paths if not q.exists()]
     if missing:
         print(f"no such notebook: {', '.join(map(str, missing))}", file=sys.stderr)
         return 2
-    problems = run(paths, a.out, jobs=a.jobs, width=a.width, timeout=a.timeout)
+    problems = run(paths, a.out, jobs=a.jobs, width=a.width, timeout=a.timeout, lang=a.lang)
     print((a.out / "report.txt").read_text(encoding="utf-8"), end="")
     print(f"screenshots: {a.out}/")
     return 1 if problems else 0

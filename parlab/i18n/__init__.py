@@ -16,6 +16,9 @@ and compiles them; Poedit and Weblate open them):
                    kept as ``#| msgid`` for the translator) until it is redone. Code cells are never duplicated:
                    a lesson's Chinese copy changes only the string literals its PO file lists (printed sentences,
                    figure titles), each checked to keep the f-string's fields.
+    checks.py      what a translation must keep: every number of the English, no English sentence left
+    review.py      everything missing or stale, notebook by notebook and cell by cell
+                   (``python -m parlab.i18n.review``, ``parlab course i18n check``)
 
 Why PO and not a home-made JSON: the stale-marking (fuzzy + previous msgid), merging (``Catalog.update``) and
 editing tools already exist and every translator knows them (d2l-zh translates whole files instead, and drifts).
