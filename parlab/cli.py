@@ -225,12 +225,12 @@ def _grid(args) -> int:
     from parlab.parallel.topology import ParallelGrid
     for k in ("world", "tp", "pp", "cp", "dp", "gpus_per_node"):
         if getattr(args, k) is not None and getattr(args, k) < 1:
-            print(f"parlab grid: --{k.replace('_', '-')} must be a positive integer, got {getattr(args, k)}",
-                  file=sys.stderr)
+            print(_("parlab grid: --{option} must be a positive integer, got {value}").format(
+                option=k.replace("_", "-"), value=getattr(args, k)), file=sys.stderr)
             return 2
     if args.world > MAX_GRID_RANKS:
-        print(f"parlab grid: at most {MAX_GRID_RANKS} ranks (every group is printed), got --world {args.world}",
-              file=sys.stderr)
+        print(_("parlab grid: at most {most} ranks (every group is printed), got --world {world}").format(
+            most=MAX_GRID_RANKS, world=args.world), file=sys.stderr)
         return 2
     try:
         grid = ParallelGrid(args.world, tp=args.tp, pp=args.pp, cp=args.cp, dp=args.dp, order=args.order,
@@ -243,33 +243,33 @@ def _grid(args) -> int:
 
 
 def add_grid(sub) -> None:
-    p = sub.add_parser("grid", help="print the tp/cp/dp/pp groups of a rank layout")
-    p.add_argument("--world", type=int, required=True, help="number of ranks (GPUs)")
+    p = sub.add_parser("grid", help=_("print the tp/cp/dp/pp groups of a rank layout"))
+    p.add_argument("--world", type=int, required=True, help=_("number of ranks (GPUs)"))
     for dim in ("tp", "pp", "cp"):
-        p.add_argument(f"--{dim}", type=int, default=1, help=f"{dim} size (default 1)")
-    p.add_argument("--dp", type=int, default=None, help="dp size (default: world / (tp*pp*cp))")
-    p.add_argument("--order", default="tp-cp-dp-pp", help="dims from fastest- to slowest-varying")
-    p.add_argument("--gpus-per-node", type=int, default=None, help="GPUs per node (default: all on one node)")
+        p.add_argument(f"--{dim}", type=int, default=1, help=_("{dim} size (default 1)").format(dim=dim))
+    p.add_argument("--dp", type=int, default=None, help=_("dp size (default: world / (tp*pp*cp))"))
+    p.add_argument("--order", default="tp-cp-dp-pp", help=_("dims from fastest- to slowest-varying"))
+    p.add_argument("--gpus-per-node", type=int, default=None, help=_("GPUs per node (default: all on one node)"))
     p.set_defaults(func=_grid)
 
 
 def add_plan(sub) -> None:
-    p = sub.add_parser("plan", add_help=False, help="rank parallel layouts for a model on a cluster "
-                                                    "(parlab plan --help for its options)")
-    p.add_argument("options", nargs="*", help="see parlab plan --help")
+    p = sub.add_parser("plan", add_help=False, help=_("rank parallel layouts for a model on a cluster "
+                                                      "(parlab plan --help for its options)"))
+    p.add_argument("options", nargs="*", help=_("see parlab plan --help"))
 
 
 def add_grade(sub) -> None:
     from parlab.course.grader import add_arguments, run_from_args
-    p = sub.add_parser("grade", help="grade a folder of exercise submissions: gradebook, feedback, summary")
+    p = sub.add_parser("grade", help=_("grade a folder of exercise submissions: gradebook, feedback, summary"))
     add_arguments(p)
     p.set_defaults(func=run_from_args)
 
 
 def add_calibrate(sub) -> None:
-    p = sub.add_parser("calibrate", add_help=False, help="measure this machine's collectives and matmuls into a "
-                                                         "hardware description (parlab calibrate --help)")
-    p.add_argument("options", nargs="*", help="see parlab calibrate --help")
+    p = sub.add_parser("calibrate", add_help=False, help=_("measure this machine's collectives and matmuls into a "
+                                                           "hardware description (parlab calibrate --help)"))
+    p.add_argument("options", nargs="*", help=_("see parlab calibrate --help"))
 
 
 # ---------------------------------------------------------------------- entry point
@@ -277,7 +277,7 @@ COMMANDS = [add_course, add_grid, add_plan, add_grade, add_calibrate]
 
 
 def make_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="parlab", description="parlab: learn parallel training by running it")
+    parser = argparse.ArgumentParser(prog="parlab", description=_("parlab: learn parallel training by running it"))
     sub = parser.add_subparsers(dest="command", required=True)
     for add in COMMANDS:
         add(sub)

@@ -242,6 +242,10 @@ def lab_settings(workdir: Path, lang: str) -> dict[str, str]:
     plugin = folder / "@jupyterlab" / "translation-extension" / "plugin.jupyterlab-settings"
     plugin.parent.mkdir(parents=True, exist_ok=True)
     plugin.write_text(json.dumps({"locale": lang}), encoding="utf-8")
+    # and no "Would you like to get notified about official Jupyter news?" box over the lesson's figures
+    news = folder / "@jupyterlab" / "apputils-extension" / "notification.jupyterlab-settings"
+    news.parent.mkdir(parents=True, exist_ok=True)
+    news.write_text(json.dumps({"fetchNews": "false", "checkForUpdates": False}), encoding="utf-8")
     return {"JUPYTERLAB_SETTINGS_DIR": str(folder.resolve())}
 
 

@@ -4,6 +4,8 @@ Pure text checks (no notebook, no catalogue), used by ``parlab course i18n check
 
 * `lost_numbers`: the numbers of the English text (``18186``, ``0.25``, ``2(N-1)/N``'s 2 and 1) that the
   translation does not contain. A translation may add numbers ("two ranks" -> "2 个 rank"), never drop one.
+* `broken_lines`: a line break between two Chinese characters outside code and math. A browser draws it as a
+  space in the middle of a sentence ("大多 位于"), so Chinese paragraphs are not wrapped the way English ones are.
 * `english_left`: runs of four or more English words in the translation outside code (fenced and inline),
   math (``$...$``, ``$$...$$``), link targets, HTML tags, quotations (a paper's title stays in English, quoted)
   and the glossary's English terms: what a reader would see as an untranslated sentence.
@@ -13,7 +15,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-__all__ = ["numbers", "lost_numbers", "english_left", "glossary_terms"]
+__all__ = ["numbers", "lost_numbers", "english_left", "glossary_terms", "broken_lines"]
 
 _NUMBER = re.compile(r"\d+(?:[.,]\d+)*")
 
@@ -71,3 +73,14 @@ def english_left(translated: str, terms: list[str] = ()) -> list[str]:
     for term in terms:
         text = re.sub(re.escape(term), " ", text, flags=re.I)
     return [m.group(0) for m in _RUN.finditer(text)]
+
+
+_CJK = "\u3000-\u303f\u4e00-\u9fff\uff00-\uffef"      # CJK punctuation, ideographs, full-width forms
+_BREAK = re.compile(f"([{_CJK}])\n(?![ \t]*(?:[-*+>|#]|\\d+\\.|\\$\\$))[ \t]*([{_CJK}])")
+
+
+def broken_lines(translated: str) -> list[str]:
+    """The places (a few characters either side) where a line break splits a Chinese sentence."""
+    text = _STRIP[0].sub(" ", translated)               # fenced code
+    text = _STRIP[1].sub(" ", text)                     # display math
+    return [m.group(0).replace("\n", "⏎") for m in _BREAK.finditer(text)]

@@ -9,7 +9,7 @@ for the exercise ``exercises/02_ddp.ipynb`` (and its solution, which shares its 
     msgstr  "根据第二次更新的 trace 回放..."
 
 and, for a lesson, one entry per **display string** of a code cell: a string literal that holds words (a
-printed sentence, a figure title), its ``msgid`` the literal as written (``f"{n} ranks sent {mb:.2f} MB"``), its
+printed sentence, a figure title; `_is_display`), its ``msgid`` the literal as written (``f"{n} ranks sent {mb:.2f} MB"``), its
 ``msgstr`` the literal to put there instead (``f"{n} 个 rank 共发送 {mb:.2f} MB"``, the same fields, checked), or
 the same literal where it must stay (a trace label the code looks up). The Chinese notebook is the English one
 with those replacements: the same code, cells, ids and nbgrader metadata. Exercises translate their markdown
@@ -24,16 +24,31 @@ from __future__ import annotations
 
 import ast
 import copy
+import difflib
 import io
 import re
 import tokenize
 from pathlib import Path
 
 __all__ = ["po_path", "course_sources", "entries", "update", "load", "fill", "translate", "problems",
-           "check_literal", "DISPLAY_WORDS"]
+           "check_literal", "display_strings"]
 
-#: a string literal is a display string when it holds two words (a sentence, a title), not a key or a format
-DISPLAY_WORDS = re.compile(r"[A-Za-z]{2,}[\s,;:()'-]+(?:of |the |a )?[A-Za-z]{2,}")
+#: a word a person reads: three letters or more
+_WORD = re.compile(r"[A-Za-z]{3,}")
+#: text that is a key, not prose: one token of identifier characters ("forward", "plotly_white", "tp-pp")
+_KEYLIKE = re.compile(r"[\w.\-+/:%<>=*]*")
+
+
+def _is_display(literal: str) -> bool:
+    """A string literal holds text for a person: a word of three letters or more in more than one
+    identifier-like token (a sentence, a title, a label with a space or punctuation), its fields left out."""
+    node = ast.parse(literal, mode="eval").body
+    if isinstance(node, ast.JoinedStr):
+        text = "".join(v.value if isinstance(v, ast.Constant) else "" for v in node.values)
+    else:
+        text = node.value if isinstance(node.value, str) else ""
+    words = re.sub(r"<[^<>]*>", " ", text)                    # "memory</sup>": a title's end, in HTML
+    return bool(_WORD.search(words)) and (words != text or not _KEYLIKE.fullmatch(text.strip()))
 
 
 def po_path(notebook: Path, lang: str, root: Path) -> Path:
@@ -80,8 +95,7 @@ def display_strings(source: str) -> list[str]:
     for start, _end, text in _string_tokens(source):
         if start[0] in skip or text in out:
             continue
-        body = text.lstrip("rRbBuUfF")
-        if DISPLAY_WORDS.search(re.sub(r"\{[^{}]*\}", " ", body)):
+        if _is_display(text):
             out.append(text)
     return out
 
@@ -137,16 +151,20 @@ def update(notebook: Path, lang: str, root: Path, write: bool = True):
                           f"(msgctxt = cell id).\n# Update with `parlab course i18n update`; "
                           f"see parlab/i18n/notebooks.py.")
     code_strings = notebook.parent.name == "lessons"
-    for cell_id, english in entries(nb, code_strings):
+    current = entries(nb, code_strings)
+    kept = set(current)
+    for cell_id, english in current:
         same = old.get(english, context=cell_id)
         if same is not None:
             new.add(english, same.string, context=cell_id, flags=same.flags, previous_id=same.previous_id)
             continue
-        before = [m for m in by_context.get(cell_id, []) if m.string]
-        kind_matches = [m for m in before if _same_kind(m.id, english)]
-        if kind_matches:       # the English changed: keep the old translation for the translator, marked stale
-            m = kind_matches[0]
-            new.add(english, m.string, context=cell_id, flags={"fuzzy"}, previous_id=m.id)
+        # the English changed: the closest entry of this cell that is gone from the notebook keeps its old
+        # translation for the translator, marked stale (msgmerge's fuzzy match, within one cell)
+        gone = [m for m in by_context.get(cell_id, []) if m.string and (cell_id, m.id) not in kept
+                and _same_kind(m.id, english)]
+        best = max(gone, key=lambda m: difflib.SequenceMatcher(None, m.id, english).ratio(), default=None)
+        if best is not None and difflib.SequenceMatcher(None, best.id, english).ratio() >= 0.5:
+            new.add(english, best.string, context=cell_id, flags={"fuzzy"}, previous_id=best.id)
         else:
             new.add(english, "", context=cell_id)
     if write:
@@ -258,8 +276,7 @@ def problems(nb, catalog, name: str, code_strings: bool = True) -> list[str]:
         m = catalog.get(english, context=cell_id)
         what = "markdown" if not re.match(r"[rRbBuUfF]*['\"]", english) else f"string {english[:50]!r}"
         if m is None or not m.string:
-            stale = any(x.context == cell_id and x.string for x in catalog if x.id)
-            out.append(f"{name} cell {cell_id}: {what} {'stale (the English changed)' if stale else 'missing'}")
+            out.append(f"{name} cell {cell_id}: {what} missing")
         elif "fuzzy" in m.flags:
             out.append(f"{name} cell {cell_id}: {what} stale (the English changed; the old one is #| msgid)")
         elif what != "markdown" and check_literal(english, m.string):

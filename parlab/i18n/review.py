@@ -5,7 +5,8 @@
 
 For each notebook with prose (`notebooks.course_sources`): cells with no translation or a stale one
 (`notebooks.problems`), a display string whose translation changed its fields, numbers the translation lost
-(`checks.lost_numbers`) and English sentences it kept (`checks.english_left`). ``parlab course i18n check``
+(`checks.lost_numbers`), English sentences it kept (`checks.english_left`) and Chinese sentences split by a
+line break (`checks.broken_lines`). ``parlab course i18n check``
 prints the same and tests/test_i18n.py requires it empty.
 """
 from __future__ import annotations
@@ -39,6 +40,9 @@ def review_notebook(notebook: Path, lang: str, root: Path) -> list[str]:
         lost = checks.lost_numbers(strip(english), strip(m.string))
         if lost:
             out.append(f"{where}: numbers missing from the translation: {', '.join(lost)}")
+        broken = [] if literal else checks.broken_lines(m.string)
+        if broken:
+            out.append(f"{where}: a line break inside a Chinese sentence (drawn as a space): {', '.join(broken[:4])}")
         left = checks.english_left(m.string, terms)
         if left:
             out.append(f"{where}: English left in the translation: {'; '.join(left[:3])}")

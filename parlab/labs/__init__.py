@@ -372,7 +372,8 @@ def start(name: str, description: str, add_args: Callable[[argparse.ArgumentPars
     precision = (_("{dtype} autocast, fp32 master weights").format(dtype=args.dtype) if args.dtype in MIXED
                  else args.dtype)
     lab.log(_("[{name}] world {world} ({backend}, {device}); model: {layers} layers, hidden {hidden}, {heads} heads, "
-              "seq {seq_len}, vocab {vocab}, {params:.2f}M params, {precision}; global batch {batch} x {seq_len}").format(
+              "seq {seq_len}, vocab {vocab}, {params:.2f}M params, {precision}; global batch {batch} x "
+              "{seq_len}").format(
         name=name, world=ctx.world_size, backend=ctx.backend, device=ctx.device.type, layers=args.layers,
         hidden=args.hidden, heads=args.heads, seq_len=args.seq_len, vocab=args.vocab,
         params=config.param_count() / 1e6, precision=precision, batch=args.batch))

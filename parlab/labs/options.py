@@ -24,7 +24,8 @@ def positive_int(text: str) -> int:
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(_("must be a positive integer, got {value}").format(value=repr(text))) from None
+        raise argparse.ArgumentTypeError(
+            _("must be a positive integer, got {value}").format(value=repr(text))) from None
     if value < 1:
         raise argparse.ArgumentTypeError(_("must be a positive integer, got {value}").format(value=value))
     return value
@@ -35,7 +36,8 @@ def positive_float(text: str) -> float:
     try:
         value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(_("must be a positive number, got {value}").format(value=repr(text))) from None
+        raise argparse.ArgumentTypeError(
+            _("must be a positive number, got {value}").format(value=repr(text))) from None
     if not (math.isfinite(value) and value > 0):
         raise argparse.ArgumentTypeError(_("must be a positive number, got {value}").format(value=text))
     return value

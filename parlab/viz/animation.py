@@ -1,16 +1,14 @@
 """Who sends what to whom: an animated picture of a trace's communication.
 
-Ranks sit on a circle (rank 0 on top, clockwise). Each frame is one
-communication *step*, and its arrows are the messages of that step, labelled
-with the bytes each arrow carries:
+Ranks sit on a circle (rank 0 on top, clockwise). Each frame is one communication *step*, and its arrows
+are the messages of that step, labelled with the bytes each arrow carries:
 
-* a send and the matching recv are one step (the k-th send from rank a to rank
-  b pairs with the k-th recv on b from a: torch matches messages in order);
-* a collective call is one step across its group (every rank calls the
-  collectives of a group in the same order, so the k-th call on a group is
-  the same call on every member). Its arrows follow the algorithm whose bytes
-  `parlab.trace.wire_bytes` counts, so the arrows leaving a rank add up to
-  that rank's `Event.wire_bytes`:
+* a send and the matching recv are one step (the k-th send from rank a to rank b pairs with the k-th recv
+  on b from a: torch matches messages in order);
+* a collective call is one step across its group (every rank calls the collectives of a group in the same
+  order, so the k-th call on a group is the same call on every member). Its arrows follow the algorithm
+  whose bytes `parlab.trace.wire_bytes` counts, so the arrows leaving a rank add up to that rank's
+  `Event.wire_bytes`:
 
       all_reduce                      ring g0 -> g1 -> ... -> g0, 2 (N-1)/N X per arrow
       all_gather / reduce_scatter     ring, (N-1)/N X per arrow
@@ -19,18 +17,17 @@ with the bytes each arrow carries:
       reduce                          chain into the root, X per arrow
       scatter / gather                root to each rank / each rank to the root, X/N per arrow
 
-By default each call is played *as its algorithm runs* (`algorithm_steps`): a ring all-reduce on N
-ranks is 2(N-1) frames (N-1 reduce-scatter steps, then N-1 all-gather steps), each moving one chunk
-of X/N from every rank to its right neighbour; all-gather, reduce-scatter and all-to-all are N-1
-frames, a chain broadcast/reduce N-1 hops, scatter/gather N-1 messages. Next to every rank a row
-of squares shows the chunks it holds after the frame (pale: a partial sum of few ranks; full colour:
-complete), so the student sees the sums build up and then travel round the ring. Summed over a
-call's frames, the arrows leaving a rank still carry its `Event.wire_bytes`.
+By default each call is played *as its algorithm runs* (`algorithm_steps`): a ring all-reduce on N ranks is
+2(N-1) frames (N-1 reduce-scatter steps, then N-1 all-gather steps), each moving one chunk of X/N from every rank
+to its right neighbour; all-gather, reduce-scatter and all-to-all are N-1 frames, a chain broadcast/reduce N-1
+hops, scatter/gather N-1 messages. Next to every rank a row of squares shows the chunks it holds after the frame
+(pale: a partial sum of few ranks; full colour: complete), so the student sees the sums build up and then travel
+round the ring. Summed over a call's frames, the arrows leaving a rank still carry its `Event.wire_bytes`.
 ``comm_animation(trace, per_call=True)`` draws one frame per call with the call's total arrows.
 
-The figure uses plotly frames with play/pause buttons and a slider, so it
-plays in JupyterLab and in a static HTML file (``plotly.io.to_html``).
-Pure data in, figure out: nothing here communicates.
+The figure uses plotly frames with play/pause buttons and a slider, so it plays in JupyterLab and in a
+static HTML file (``plotly.io.to_html``); its words are in the language in force (`parlab.i18n`). Pure data
+in, figure out: nothing here communicates.
 """
 from __future__ import annotations
 
@@ -40,6 +37,7 @@ from typing import Any
 
 import plotly.graph_objects as go
 
+from parlab.i18n import _
 from parlab.trace import Event
 from parlab.trace.wire import ring_factor
 from parlab.viz import style
@@ -153,14 +151,15 @@ def algorithm_steps(step: Step) -> list[tuple[str, list[Move]]]:
     g, x = list(step.group), float(step.nbytes)
     n = len(g)
     if step.kind == "p2p":
-        return [("one message", [Move(g[0], g[1], x)])]
+        return [(_("one message"), [Move(g[0], g[1], x)])]
     if n < 2 or step.op == "barrier":
-        return [("no data moves", [])]
+        return [(_("no data moves"), [])]
     nxt = lambda i: g[(i + 1) % n]                                   # noqa: E731
-    rs = [(f"reduce-scatter {s + 1}/{n - 1}: every rank sends one chunk to its right neighbour, which adds it "
-           f"to its own", [Move(g[i], nxt(i), x / n, (i - s - 1) % n, True) for i in range(n)]) for s in range(n - 1)]
-    ag = [(f"all-gather {s + 1}/{n - 1}: every rank passes a complete chunk to its right neighbour",
-           [Move(g[i], nxt(i), x / n, (i - s) % n) for i in range(n)]) for s in range(n - 1)]
+    rs = [(_("reduce-scatter {step}/{steps}: every rank sends one chunk to its right neighbour, which adds it to "
+             "its own").format(step=s + 1, steps=n - 1),
+           [Move(g[i], nxt(i), x / n, (i - s - 1) % n, True) for i in range(n)]) for s in range(n - 1)]
+    ag = [(_("all-gather {step}/{steps}: every rank passes a complete chunk to its right neighbour").format(
+           step=s + 1, steps=n - 1), [Move(g[i], nxt(i), x / n, (i - s) % n) for i in range(n)]) for s in range(n - 1)]
     if step.op == "all_reduce":
         return rs + ag
     if step.op == "reduce_scatter":
@@ -168,26 +167,28 @@ def algorithm_steps(step: Step) -> list[tuple[str, list[Move]]]:
     if step.op == "all_gather":
         return ag
     if step.op == "all_to_all":
-        return [(f"all-to-all {s}/{n - 1}: every rank sends its chunk for the rank {s} place{'s' * (s > 1)} further "
-                 f"round straight to it",
+        what = (_("all-to-all {step}/{steps}: every rank sends its chunk for the rank {places} place further round "
+                  "straight to it"), _("all-to-all {step}/{steps}: every rank sends its chunk for the rank {places} "
+                                       "places further round straight to it"))
+        return [(what[s > 1].format(step=s, steps=n - 1, places=s),
                  [Move(g[i], g[(i + s) % n], x / n, (i + s) % n) for i in range(n)]) for s in range(1, n)]
     if step.root not in g:
-        return [("root outside the group: not drawn", [])]
-    k = g.index(step.root)
-    chain = g[k:] + g[:k]
+        return [(_("root outside the group: not drawn"), [])]
+    chain = g[g.index(step.root):] + g[:g.index(step.root)]             # the root first, then round the ring
     if step.op == "broadcast":
-        return [(f"broadcast hop {i + 1}/{n - 1}: rank {chain[i]} forwards the tensor",
-                 [Move(chain[i], chain[i + 1], x, 0)]) for i in range(n - 1)]
+        return [(_("broadcast hop {hop}/{hops}: rank {rank} forwards the tensor").format(
+                    hop=i + 1, hops=n - 1, rank=chain[i]), [Move(chain[i], chain[i + 1], x, 0)]) for i in range(n - 1)]
     if step.op == "reduce":
-        return [(f"reduce hop {n - i}/{n - 1}: rank {chain[i]} sends its partial sum towards the root",
-                 [Move(chain[i], chain[i - 1], x, 0, True)]) for i in range(n - 1, 0, -1)]
+        return [(_("reduce hop {hop}/{hops}: rank {rank} sends its partial sum towards the root").format(
+                    hop=n - i, hops=n - 1, rank=chain[i]), [Move(chain[i], chain[i - 1], x, 0, True)])
+                for i in range(n - 1, 0, -1)]
     if step.op == "scatter":
-        return [(f"scatter {i}/{n - 1}: the root sends rank {chain[i]} its chunk",
-                 [Move(step.root, chain[i], x / n, g.index(chain[i]))]) for i in range(1, n)]
+        return [(_("scatter {step}/{steps}: the root sends rank {rank} its chunk").format(step=i, steps=n - 1, rank=r),
+                 [Move(step.root, r, x / n, g.index(r))]) for i, r in enumerate(chain[1:], 1)]
     if step.op == "gather":
-        return [(f"gather {i}/{n - 1}: rank {chain[i]} sends the root its chunk",
-                 [Move(chain[i], step.root, x / n, g.index(chain[i]))]) for i in range(1, n)]
-    return [("not drawn", [])]
+        return [(_("gather {step}/{steps}: rank {rank} sends the root its chunk").format(step=i, steps=n - 1, rank=r),
+                 [Move(r, step.root, x / n, g.index(r))]) for i, r in enumerate(chain[1:], 1)]
+    return [(_("not drawn"), [])]
 
 
 def _initial_chunks(step: Step) -> tuple[int, dict[int, list[set]]] | None:
@@ -203,13 +204,13 @@ def _initial_chunks(step: Step) -> tuple[int, dict[int, list[set]]] | None:
         return n, {r: [{c} if r == step.root else set() for c in range(n)] for r in g}
     if step.op in ("all_gather", "gather"):
         return n, {r: [{c} if c == i else set() for c in range(n)] for i, r in enumerate(g)}
-    return n, {r: [{i} for _ in range(n)] for i, r in enumerate(g)}      # all_reduce, reduce_scatter
+    return n, {r: [{i} for _c in range(n)] for i, r in enumerate(g)}     # all_reduce, reduce_scatter
 
 
 def _sent_by(edges) -> dict[int, float]:
     """{rank: bytes its arrows carry} of a call's edges (src, dst, bytes)."""
     out: dict[int, float] = {}
-    for a, _, nb in edges:
+    for a, _dst, nb in edges:
         out[a] = out.get(a, 0) + nb
     return out
 
@@ -218,15 +219,15 @@ def step_title(step: Step, per_call: bool = True) -> str:
     """E.g. "all_reduce 'grads' on ranks [0, 1, 2, 3]: 64 B payload, 96 B per arrow" (per_call: the call's
     arrows are its total), or "..., 96 B sent per rank in all" when the call is played step by step (each
     frame's arrows then carry a chunk, and the call's total must not read as an arrow's)."""
-    label = f" '{step.label}'" if step.label else ""
-    if step.kind == "p2p":
-        return f"send rank {step.group[0]} → rank {step.group[1]}{label}: {style.human_bytes(step.nbytes)}"
-    edges = step_edges(step)
-    per_arrow = ("" if not edges else f", {style.human_bytes(edges[0][2])} per arrow" if per_call else
-                 f", {style.human_bytes(max(_sent_by(edges).values()))} sent per rank in all")
-    root = f" (root {step.root})" if step.root is not None else ""
-    return (f"{step.op}{label} on ranks {list(step.group)}{root}: "
-            f"{style.human_bytes(step.nbytes)} payload{per_arrow}")
+    label, edges = (f" '{step.label}'" if step.label else ""), step_edges(step)
+    text = (_("send rank {src} → rank {dst}{label}: {payload}") if step.kind == "p2p" else
+            _("{op}{label} on ranks {group}{root}: {payload} payload") if not edges else
+            _("{op}{label} on ranks {group}{root}: {payload} payload, {nbytes} per arrow") if per_call else
+            _("{op}{label} on ranks {group}{root}: {payload} payload, {nbytes} sent per rank in all"))
+    root = _(" (root {root})").format(root=step.root) if step.root is not None else ""
+    nbytes = style.human_bytes(edges[0][2] if per_call else max(_sent_by(edges).values())) if edges else ""
+    return text.format(op=step.op, label=label, group=list(step.group), root=root, src=step.group[0],
+                       dst=step.group[-1], payload=style.human_bytes(step.nbytes), nbytes=nbytes)
 
 
 # ---------------------------------------------------------------------- geometry and frames
@@ -291,9 +292,10 @@ def _frame_data(step: Step, moves: list[tuple[int, int, float, str]], pos: dict[
                 cy.append(y)
                 ccol.append(_mix(colour, min(1.0, len(who) / full)) if who else "#ffffff")
                 g = list(step.group)
-                chover.append(f"rank {r}, chunk {c}: " + ("nothing yet" if not who else
-                              ("sum of ranks " if step.op in REDUCING else "data of rank ")
-                              + ", ".join(str(g[k]) for k in sorted(who))))
+                text = (_("rank {rank}, chunk {chunk}: nothing yet") if not who else
+                        _("rank {rank}, chunk {chunk}: sum of ranks {ranks}") if step.op in REDUCING else
+                        _("rank {rank}, chunk {chunk}: data of rank {ranks}"))
+                chover.append(text.format(rank=r, chunk=c, ranks=", ".join(str(g[k]) for k in sorted(who))))
     return [
         go.Scatter(x=ax, y=ay, mode="lines+markers", line=dict(color=colour, width=2.5), hoverinfo="skip",
                    marker=dict(symbol="arrow", size=sizes, angle=angles, color=colour), name="messages"),
@@ -321,7 +323,7 @@ def _frames_of(step: Step, per_call: bool) -> list[tuple[str, list[tuple[int, in
         arrows = []
         for m in moves:
             chunked = step.op == "all_to_all" or (init is not None and init[0] > 1)   # broadcast/reduce: one piece
-            label = f"chunk {m.chunk}" if m.chunk is not None and chunked else ""
+            label = _("chunk {chunk}").format(chunk=m.chunk) if m.chunk is not None and chunked else ""
             arrows.append((m.src, m.dst, m.nbytes, label))
         if held is not None:
             before = {r: [set(w) for w in row] for r, row in held.items()}   # a step's moves are simultaneous
@@ -349,28 +351,28 @@ def comm_animation(trace: Any, title: str | None = None, max_frames: int = 120, 
     tr = as_trace(trace)
     all_steps = comm_steps(tr)
     if not all_steps:
-        return empty_figure("no communication in this trace: nothing to animate "
-                            "(use parlab.comm inside fn and parlab.run(..., trace=True))", title)
+        return empty_figure(_("no communication in this trace: nothing to animate "
+                              "(use parlab.comm inside fn and parlab.run(..., trace=True))"), title)
     plan = []                                  # (call index, call, what, arrows, chunk state)
     for k, step in enumerate(all_steps):
         plan += [(k, step, what, arrows, state) for what, arrows, state in _frames_of(step, per_call)]
     shown = plan[:max_frames]
-    calls = len({k for k, *_ in shown})
-    cut = (f" (first {len(shown)} of {len(plan)} {'steps' if per_call else 'frames'})"
-           if len(plan) > len(shown) else "")
+    calls = len({k for k, *_rest in shown})
+    cut = ((_(" (first {shown} of {total} steps)") if per_call else _(" (first {shown} of {total} frames)"))
+           .format(shown=len(shown), total=len(plan)) if len(plan) > len(shown) else "")
     ranks = sorted(set(tr.ranks).union(*(s.group for s in all_steps[:calls])))
     pos = _positions(ranks)
-    has_chunks = any(state is not None for *_, state in shown)
+    has_chunks = any(state is not None for *_rest, state in shown)
 
     def heading(i: int) -> str:
-        k, step, what, _, _ = shown[i]
-        head = f"step {i + 1}/{len(shown)}{cut}: " if per_call else \
-            f"frame {i + 1}/{len(shown)}{cut}, call {k + 1}: "
-        text = head + step_title(step, per_call) + (f"<br>{what}" if what else "")
+        k, step, what = shown[i][:3]
+        head = (_("frame {step}/{steps}{cut}, call {call}: {title}"), _("step {step}/{steps}{cut}: {title}"))[per_call]
+        text = head.format(step=i + 1, steps=len(shown), cut=cut, call=k + 1, title=step_title(step, per_call))
+        text += f"<br>{what}" if what else ""
         return f"{title}<br><sup>{text}</sup>" if title else f"<sup>{text}</sup>"
 
-    frames = [go.Frame(name=str(i), data=_frame_data(step, arrows, pos, state), traces=[0, 1, 2, 3],
-                       layout=go.Layout(title_text=heading(i))) for i, (_, step, _, arrows, state) in enumerate(shown)]
+    frames = [go.Frame(name=str(i), data=_frame_data(s[1], s[3], pos, s[4]), traces=[0, 1, 2, 3],
+                       layout=go.Layout(title_text=heading(i))) for i, s in enumerate(shown)]
     still = {"mode": "immediate", "frame": {"duration": 0, "redraw": True}, "transition": {"duration": 0}}
     lim = CHUNK_R + 0.3 if has_chunks else 1.35
     fig = go.Figure(data=frames[0].data, frames=frames)
@@ -382,17 +384,17 @@ def comm_animation(trace: Any, title: str | None = None, max_frames: int = 120, 
         xaxis=dict(visible=False, range=[-lim, lim]),
         yaxis=dict(visible=False, range=[-lim, lim], scaleanchor="x"),
         updatemenus=[dict(type="buttons", direction="left", x=0.0, y=-0.02, xanchor="left", yanchor="top",
-                          buttons=[dict(label="▶ play", method="animate",
+                          buttons=[dict(label=_("▶ play"), method="animate",
                                         args=[None, {"frame": {"duration": 900, "redraw": True},
                                                      "transition": {"duration": 0}, "fromcurrent": True}]),
-                                   dict(label="❚❚ pause", method="animate", args=[[None], still])])],
+                                   dict(label=_("❚❚ pause"), method="animate", args=[[None], still])])],
         sliders=[dict(active=0, x=0.2, len=0.8, y=0.0, yanchor="top",
-                      currentvalue=dict(prefix="frame " if not per_call else "step "),
+                      currentvalue=dict(prefix=_("frame ") if not per_call else _("step ")),
                       steps=[dict(label=str(i + 1), method="animate", args=[[str(i)], still])
                              for i in range(len(shown))])])
     if has_chunks:
-        fig.add_annotation(text="squares: the chunks each rank holds after this frame "
-                                "(pale = sum of few ranks, full colour = complete)",
+        fig.add_annotation(text=_("squares: the chunks each rank holds after this frame "
+                                  "(pale = sum of few ranks, full colour = complete)"),
                            x=0.5, y=1.0, xref="paper", yref="paper", yanchor="bottom", showarrow=False,
                            font=dict(size=12, color="#555555"))
     return fig

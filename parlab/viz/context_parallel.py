@@ -21,6 +21,7 @@ from typing import Mapping, Sequence
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
+from parlab.i18n import _
 from parlab.viz import style
 
 __all__ = ["RANK_COLORS", "ring_animation", "work_heatmaps", "ulysses_grid", "memory_figure", "overlap_figure",
@@ -74,7 +75,7 @@ def ring_animation(rows: Sequence[dict], P: int, layout: str = "zigzag", causal:
     rows = [r for r in rows if r["phase"] == phase]
     if not rows:
         fig = go.Figure()
-        fig.update_layout(title=f"no '{phase}' ring events in these rows (run with trace=True)")
+        fig.update_layout(title=_("no '{phase}' ring events in these rows (run with trace=True)").format(phase=phase))
         return fig
     pos = _ring_positions(P)
     n = 2 * P
@@ -83,8 +84,8 @@ def ring_animation(rows: Sequence[dict], P: int, layout: str = "zigzag", causal:
     nbytes = max((r["bytes"] for r in rows if r["what"] == kv_send), default=0)
 
     def frame(step: int) -> list[go.BaseTraceType]:
-        z = [[None] * n for _ in range(n)]                    # rank that computed each cell, so far
-        txt = [[""] * n for _ in range(n)]
+        z = [[None] * n for _row in range(n)]                 # rank that computed each cell, so far
+        txt = [[""] * n for _row in range(n)]
         for r in computes:
             if r["step"] <= step:
                 for i, j in block_cells(r, P, layout, causal):
@@ -102,7 +103,8 @@ def ring_animation(rows: Sequence[dict], P: int, layout: str = "zigzag", causal:
             lx.append((x0 + x1) / 2 + 0.12 * uy)
             ly.append((y0 + y1) / 2 - 0.12 * ux)
             lt.append(style.human_bytes(r["bytes"]))
-        node_text = [f"rank {q}<br>K/V {held[q]}" if q in held else f"rank {q}<br>(skips)" for q in range(P)]
+        node_text = [f"rank {q}<br>K/V {held[q]}" if q in held else _("rank {rank}<br>(skips)").format(rank=q)
+                     for q in range(P)]
         return [
             go.Scatter(x=ax, y=ay, mode="lines+markers", line=dict(color=style.P2P_COLORS["send"], width=3),
                        marker=dict(symbol="arrow", size=[0, 14, 0] * (len(ax) // 3), angleref="previous",
@@ -114,22 +116,25 @@ def ring_animation(rows: Sequence[dict], P: int, layout: str = "zigzag", causal:
                        marker=dict(size=62, color=[_rank_color(q) for q in range(P)])),
             go.Heatmap(z=z, text=txt, texttemplate="%{text}", zmin=-0.5, zmax=P - 0.5,
                        colorscale=_discrete_scale(P), showscale=False, xgap=2, ygap=2,
-                       hovertemplate="query unit %{y}, key unit %{x}: rank %{z}<extra></extra>"),
+                       hovertemplate=_("query unit %{y}, key unit %{x}: rank %{z}<extra></extra>")),
         ]
 
     steps = sorted({r["step"] for r in rows})
     fig = make_subplots(rows=1, cols=2, column_widths=[0.45, 0.55], horizontal_spacing=0.08,
-                        subplot_titles=("K/V blocks on the ring", "score blocks computed (row = a rank's queries)"))
+                        subplot_titles=(_("K/V blocks on the ring"),
+                                        _("score blocks computed (row = a rank's queries)")))
     for k, tr in enumerate(frame(steps[0])):
         fig.add_trace(tr, row=1, col=1 if k < 3 else 2)
-    head = title or f"ring attention, P={P}, {layout}{', causal' if causal else ''}"
+    head = title or (_("ring attention, P={P}, {layout}, causal") if causal else
+                     _("ring attention, P={P}, {layout}")).format(P=P, layout=layout)
 
     def heading(s: int) -> str:
         done = [r for r in computes if r["step"] <= s]
         cells = {c for r in done for c in block_cells(r, P, layout, causal)}
-        return (f"{head}<br><sup>step {s}: each rank computes with the K/V block it holds while sending it on "
-                f"({style.human_bytes(nbytes)} per message)<br>so far {len(done)} block computations "
-                f"(one per rank and step), covering the {len(cells)} coloured score cells</sup>")
+        return _("{head}<br><sup>step {step}: each rank computes with the K/V block it holds while sending it on "
+                 "({nbytes} per message)<br>so far {done} block computations (one per rank and step), covering the "
+                 "{cells} coloured score cells</sup>").format(head=head, step=s, nbytes=style.human_bytes(nbytes),
+                                                               done=len(done), cells=len(cells))
 
     frames = [go.Frame(name=str(s), data=frame(s), traces=[0, 1, 2, 3], layout=go.Layout(title_text=heading(s)))
               for s in steps]
@@ -140,30 +145,33 @@ def ring_animation(rows: Sequence[dict], P: int, layout: str = "zigzag", causal:
         title_text=heading(steps[0]), template="plotly_white", showlegend=False, height=630,
         margin=dict(t=150, b=130),
         xaxis=dict(visible=False, range=[-1.5, 1.5]), yaxis=dict(visible=False, range=[-1.5, 1.5]),
-        xaxis2=dict(title="key position unit (S/2P positions)", tickvals=list(range(n)), ticktext=ticks,
+        xaxis2=dict(title=_("key position unit (S/2P positions)"), tickvals=list(range(n)), ticktext=ticks,
                     range=[-0.5, n - 0.5], constrain="domain"),
-        yaxis2=dict(title="query position unit", tickvals=list(range(n)), ticktext=ticks, autorange="reversed",
+        yaxis2=dict(title=_("query position unit"), tickvals=list(range(n)), ticktext=ticks, autorange="reversed",
                     scaleanchor="x2"),
         updatemenus=[dict(type="buttons", direction="left", x=0.0, y=-0.14, xanchor="left", yanchor="top",
-                          buttons=[dict(label="▶ play", method="animate",
+                          buttons=[dict(label=_("▶ play"), method="animate",
                                         args=[None, {"frame": {"duration": 1100, "redraw": True},
                                                      "transition": {"duration": 0}, "fromcurrent": True}]),
-                                   dict(label="❚❚ pause", method="animate", args=[[None], still])])],
-        sliders=[dict(active=0, x=0.2, len=0.8, y=-0.12, yanchor="top", currentvalue=dict(prefix="ring step "),
+                                   dict(label=_("❚❚ pause"), method="animate", args=[[None], still])])],
+        sliders=[dict(active=0, x=0.2, len=0.8, y=-0.12, yanchor="top", currentvalue=dict(prefix=_("ring step ")),
                       steps=[dict(label=str(s), method="animate", args=[[str(s)], still]) for s in steps])])
     return fig
 
 
 def work_heatmaps(matrices: Mapping[str, Sequence[Sequence[float]]], title: str | None = None,
-                  unit: str = "blocks") -> go.Figure:
-    """One heat map per entry (rank x ring step, value = work in `unit`), with each rank's total on the right."""
+                  unit: str | None = None) -> go.Figure:
+    """One heat map per entry (rank x ring step, value = work in `unit`, default "blocks"), with each rank's total
+    on the right."""
+    unit = _("blocks") if unit is None else unit
     names = list(matrices)
     fig = make_subplots(rows=1, cols=len(names), subplot_titles=names, horizontal_spacing=0.12)
     zmax = max(max(max(row) for row in m) for m in matrices.values()) or 1
     for k, name in enumerate(names):
         m = [list(row) for row in matrices[name]]
         P, steps = len(m), len(m[0])
-        fig.add_trace(go.Heatmap(z=m, x=[f"step {s}" for s in range(steps)], y=[f"rank {r}" for r in range(P)],
+        fig.add_trace(go.Heatmap(z=m, x=[_("step {step}").format(step=s) for s in range(steps)],
+                                 y=[f"rank {r}" for r in range(P)],
                                  zmin=0, zmax=zmax, colorscale="Blues", showscale=k == len(names) - 1,
                                  text=[[f"{v:g}" for v in row] for row in m], texttemplate="%{text}", xgap=2, ygap=2,
                                  colorbar=dict(title=unit),
@@ -175,7 +183,8 @@ def work_heatmaps(matrices: Mapping[str, Sequence[Sequence[float]]], title: str 
                                xref=f"x{k + 1 if k else ''}", yref=f"y{k + 1 if k else ''}")
         fig.update_yaxes(autorange="reversed", row=1, col=k + 1)
         fig.update_xaxes(range=[-0.5, steps + 0.2], row=1, col=k + 1)
-    fig.update_layout(title=title or f"work per rank and ring step ({unit})", template="plotly_white",
+    fig.update_layout(title=title or _("work per rank and ring step ({unit})").format(unit=unit),
+                      template="plotly_white",
                       height=120 + 60 * max(len(m) for m in matrices.values()))
     return fig
 
@@ -186,19 +195,21 @@ def ulysses_grid(before: Sequence[Sequence[tuple[int, int]]], after: Sequence[Se
     `after[r]` list the (position, head) pairs rank r holds before and after the all-to-all."""
     P = len(before)
     fig = make_subplots(rows=1, cols=2, horizontal_spacing=0.1,
-                        subplot_titles=("before: sequence-sharded (S/P positions, all heads)",
-                                        "after all-to-all: head-sharded (all positions, nh/P heads)"))
+                        subplot_titles=(_("before: sequence-sharded (S/P positions, all heads)"),
+                                        _("after all-to-all: head-sharded (all positions, nh/P heads)")))
     for k, held in enumerate((before, after)):
-        z = [[None] * nh for _ in range(S)]
+        z = [[None] * nh for _pos in range(S)]
         for r, cells in enumerate(held):
             for s, h in cells:
                 z[s][h] = r
-        fig.add_trace(go.Heatmap(z=z, x=[f"head {h}" for h in range(nh)], y=list(range(S)), zmin=-0.5,
+        fig.add_trace(go.Heatmap(z=z, x=[_("head {head}").format(head=h) for h in range(nh)], y=list(range(S)),
+                                 zmin=-0.5,
                                  zmax=P - 0.5, colorscale=_discrete_scale(P), showscale=k == 1, xgap=2, ygap=1,
                                  colorbar=dict(title="rank", tickvals=list(range(P))),
-                                 hovertemplate="position %{y}, %{x}: rank %{z}<extra></extra>"), row=1, col=k + 1)
-        fig.update_yaxes(autorange="reversed", title="sequence position" if k == 0 else None, row=1, col=k + 1)
-    fig.update_layout(title=title or f"Ulysses all-to-all on P={P} ranks: S={S} positions x {nh} heads",
+                                 hovertemplate=_("position %{y}, %{x}: rank %{z}<extra></extra>")), row=1, col=k + 1)
+        fig.update_yaxes(autorange="reversed", title=_("sequence position") if k == 0 else None, row=1, col=k + 1)
+    fig.update_layout(title=title or _("Ulysses all-to-all on P={P} ranks: S={S} positions x {nh} heads").format(
+                          P=P, S=S, nh=nh),
                       template="plotly_white", height=480)
     return fig
 
@@ -211,10 +222,10 @@ def memory_figure(S_values: Sequence[int], curves: Mapping[str, Sequence[float]]
     if limit:      # a shape on a log axis takes data values, an annotation log10 values
         fig.add_hline(y=limit / 1e9, line_dash="dash", line_color="grey")
         fig.add_annotation(x=0.02, xref="paper", y=math.log10(limit / 1e9), yanchor="bottom", showarrow=False,
-                           text=f"device memory {limit / 1e9:g} GB")
-    fig.update_layout(title=title or "attention memory per rank vs sequence length", template="plotly_white",
-                      xaxis=dict(type="log", title="sequence length S", minorloglabels="none"),
-                      yaxis=dict(type="log", title="GB per rank", minorloglabels="none"), height=430)
+                           text=_("device memory {gb:g} GB").format(gb=limit / 1e9))
+    fig.update_layout(title=title or _("attention memory per rank vs sequence length"), template="plotly_white",
+                      xaxis=dict(type="log", title=_("sequence length S"), minorloglabels="none"),
+                      yaxis=dict(type="log", title=_("GB per rank"), minorloglabels="none"), height=430)
     return fig
 
 
@@ -223,19 +234,20 @@ def overlap_figure(c_values: Sequence[float], compute_s: Sequence[float], comm_s
     """Seconds per ring step vs block length c: compute (grows as c^2) and the K/V transfer (grows as c);
     the step takes the larger of the two when they overlap; they cross at `threshold`."""
     fig = go.Figure([
-        go.Scatter(x=list(c_values), y=list(compute_s), name="compute one block: 4 c² H / FLOPS"),
-        go.Scatter(x=list(c_values), y=list(comm_s), name="send one K/V block: 2 c H e / bandwidth"),
-        go.Scatter(x=list(c_values), y=[max(a, b) for a, b in zip(compute_s, comm_s)], name="overlapped step",
+        go.Scatter(x=list(c_values), y=list(compute_s), name=_("compute one block: 4 c² H / FLOPS")),
+        go.Scatter(x=list(c_values), y=list(comm_s), name=_("send one K/V block: 2 c H e / bandwidth")),
+        go.Scatter(x=list(c_values), y=[max(a, b) for a, b in zip(compute_s, comm_s)], name=_("overlapped step"),
                    line=dict(dash="dot", color="black")),
     ])
     fig.add_vline(x=threshold, line_dash="dash", line_color="grey")   # shapes: data values on a log axis
-    fig.add_annotation(x=math.log10(threshold), y=1, yref="paper", xanchor="left", showarrow=False,
-                       text=f"c* = {threshold:,.0f}: transfer hidden to the right")   # annotations: log10
+    fig.add_annotation(x=math.log10(threshold), y=1, yref="paper", xanchor="left", showarrow=False,   # log10
+                       text=_("c* = {threshold:,.0f}: transfer hidden to the right").format(threshold=threshold))
     if mark:
         fig.add_vline(x=mark, line_color="#d62728")
         fig.add_annotation(x=math.log10(mark), y=0, yref="paper", xanchor="left", yanchor="bottom",
                            showarrow=False, text=f"c = {mark:,.0f}", font_color="#d62728")
-    fig.update_layout(title=title or "when does ring communication hide behind compute?", template="plotly_white",
-                      xaxis=dict(type="log", title="block length c = S / P (tokens per rank)", minorloglabels="none"),
-                      yaxis=dict(type="log", title="seconds per ring step", minorloglabels="none"), height=430)
+    fig.update_layout(title=title or _("when does ring communication hide behind compute?"), template="plotly_white",
+                      xaxis=dict(type="log", title=_("block length c = S / P (tokens per rank)"),
+                                 minorloglabels="none"),
+                      yaxis=dict(type="log", title=_("seconds per ring step"), minorloglabels="none"), height=430)
     return fig

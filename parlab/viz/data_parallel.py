@@ -23,6 +23,7 @@ import plotly.graph_objects as go
 from plotly.colors import qualitative
 from plotly.subplots import make_subplots
 
+from parlab.i18n import _
 from parlab.trace import Event, Trace
 from parlab.viz.timeline import as_trace
 
@@ -105,14 +106,18 @@ def _stacked_panels(panels: Mapping[str, Mapping[str, Mapping[int, float]]], tit
     return fig
 
 
-def phase_bars(panels: Mapping[str, Mapping[str, Mapping[int, float]]], title: str = "bytes sent per rank per step",
+def phase_bars(panels: Mapping[str, Mapping[str, Mapping[int, float]]], title: str | None = None,
                steps: int = 1) -> go.Figure:
-    """{design: {phase: {rank: bytes sent over the run}}} -> MB sent per rank per step, stacked by phase."""
-    return _stacked_panels(panels, title, "MB sent per step (ring model)", 1e6 * steps, "MB")
+    """{design: {phase: {rank: bytes sent over the run}}} -> MB sent per rank per step, stacked by phase
+    (`title` defaults to "bytes sent per rank per step")."""
+    title = _("bytes sent per rank per step") if title is None else title
+    return _stacked_panels(panels, title, _("MB sent per step (ring model)"), 1e6 * steps, "MB")
 
 
-def memory_bars(panels: Mapping[str, Sequence[Mapping[str, int]]], title: str = "memory per rank") -> go.Figure:
-    """{design: [rank 0's {category: bytes}, rank 1's, ...]} -> MB held per rank, stacked by category."""
+def memory_bars(panels: Mapping[str, Sequence[Mapping[str, int]]], title: str | None = None) -> go.Figure:
+    """{design: [rank 0's {category: bytes}, rank 1's, ...]} -> MB held per rank, stacked by category
+    (`title` defaults to "memory per rank")."""
+    title = _("memory per rank") if title is None else title
     data = {}
     for design, per_rank in panels.items():
         cats: dict[str, dict[int, float]] = {}
@@ -120,4 +125,4 @@ def memory_bars(panels: Mapping[str, Sequence[Mapping[str, int]]], title: str = 
             for cat, nbytes in report.items():
                 cats.setdefault(cat, {})[r] = nbytes
         data[design] = cats
-    return _stacked_panels(data, title, "MB held", 1e6, "MB")
+    return _stacked_panels(data, title, _("MB held"), 1e6, "MB")

@@ -17,9 +17,10 @@ from __future__ import annotations
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from parlab.viz.planner import TERMS
+from parlab.i18n import _
+from parlab.viz.planner import terms
 
-__all__ = ["layout_figure", "published_figure", "MEMORY_PARTS"]
+__all__ = ["layout_figure", "published_figure", "MEMORY_PARTS", "memory_parts"]
 
 GB = 1e9
 #: memory parts of an Estimate, bottom to top, with their colours
@@ -29,56 +30,67 @@ MEMORY_PARTS = (("params_bytes", "parameters", "#1b9e77"), ("grads_bytes", "grad
                 ("buffer_bytes", "ZeRO-3 buffers", "#66a61e"))
 
 
+def memory_parts() -> tuple[tuple[str, str, str], ...]:
+    """`MEMORY_PARTS` with its names in the language in force (what the legend shows)."""
+    names = {"parameters": _("parameters"), "gradients": _("gradients"), "optimizer state": _("optimizer state"),
+             "activations": _("activations"), "ZeRO-3 buffers": _("ZeRO-3 buffers")}
+    return tuple((attr, names[name], colour) for attr, name, colour in MEMORY_PARTS)
+
+
 def layout_figure(est, cluster, title: str | None = None, published_s: float | None = None) -> go.Figure:
     """Memory per GPU and step time of one layout (an `Estimate` of `cluster`); `published_s`: a measured step."""
     fig = make_subplots(rows=1, cols=2, column_widths=[0.42, 0.58], horizontal_spacing=0.16,
-                        subplot_titles=("memory of the fullest GPU (GB)", "time of one step (s)"))
-    for attr, name, colour in MEMORY_PARTS:
+                        subplot_titles=(_("memory of the fullest GPU (GB)"), _("time of one step (s)")))
+    planner = _("planner")                                  # the x category of the estimate's bar, and its label's
+    for attr, name, colour in memory_parts():
         value = getattr(est, attr) / GB
         if value > 0:
-            fig.add_trace(go.Bar(x=["this layout"], y=[value], name=name, marker_color=colour, legendgroup="mem",
-                                 legendgrouptitle_text="memory", hovertemplate=f"{name}: %{{y:.1f}} GB<extra></extra>"),
-                          row=1, col=1)
+            fig.add_trace(go.Bar(x=[_("this layout")], y=[value], name=name, marker_color=colour, legendgroup="mem",
+                                 legendgrouptitle_text=_("memory"),
+                                 hovertemplate=f"{name}: %{{y:.1f}} GB<extra></extra>"), row=1, col=1)
     fig.add_hline(y=cluster.gpu_mem_gb, line_dash="solid", line_color="#333", row=1, col=1,
                   annotation_text=f"{cluster.gpu_mem_gb:g} GB GPU", annotation_position="top left")
     fig.add_hline(y=cluster.mem_bytes / GB, line_dash="dash", line_color="#888", row=1, col=1,
-                  annotation_text="usable", annotation_position="bottom left")
-    for attr, name, colour in TERMS:
+                  annotation_text=_("usable"), annotation_position="bottom left")
+    for attr, name, colour in terms():
         value = getattr(est, attr)
         if value > 0:
-            fig.add_trace(go.Bar(x=["planner"], y=[value], name=name, marker_color=colour, legendgroup="time",
-                                 legendgrouptitle_text="step time", hovertemplate=f"{name}: %{{y:.2f}} s<extra></extra>"),
-                          row=1, col=2)
+            fig.add_trace(go.Bar(x=[planner], y=[value], name=name, marker_color=colour, legendgroup="time",
+                                 legendgrouptitle_text=_("step time"),
+                                 hovertemplate=f"{name}: %{{y:.2f}} s<extra></extra>"), row=1, col=2)
     if published_s is not None:
-        fig.add_trace(go.Bar(x=["published"], y=[published_s], name="published step", marker_color="#222",
+        fig.add_trace(go.Bar(x=[_("published")], y=[published_s], name=_("published step"), marker_color="#222",
                              legendgroup="time", text=[f"{published_s:g} s"], textposition="outside",
-                             hovertemplate="published: %{y:.2f} s<extra></extra>"), row=1, col=2)
-    fig.add_annotation(x="planner", y=est.step_s, text=f"{est.step_s:.2f} s", showarrow=False, yshift=12,
+                             hovertemplate=_("published: %{y:.2f} s<extra></extra>")), row=1, col=2)
+    fig.add_annotation(x=planner, y=est.step_s, text=f"{est.step_s:.2f} s", showarrow=False, yshift=12,
                        row=1, col=2)
-    verdict = "fits" if est.fits else "does not fit"
+    heading = (_("{layout}: {gb:.1f} GB per GPU (fits), {step:.2f} s per step, {tflops:.0f} TFLOP/s per GPU (MFU)")
+               if est.fits else _("{layout}: {gb:.1f} GB per GPU (does not fit), {step:.2f} s per step, "
+                                  "{tflops:.0f} TFLOP/s per GPU (MFU)"))
     fig.update_layout(barmode="stack", height=430, margin=dict(t=90, b=40, l=60, r=20),
-                      title=title or f"{est.layout}: {est.total_bytes / GB:.1f} GB per GPU ({verdict}), "
-                                     f"{est.step_s:.2f} s per step, {est.achieved_tflops:.0f} TFLOP/s per GPU (MFU)",
+                      title=title or heading.format(layout=est.layout, gb=est.total_bytes / GB, step=est.step_s,
+                                                    tflops=est.achieved_tflops),
                       title_font_size=14, legend=dict(groupclick="toggleitem"))
     top = max(cluster.gpu_mem_gb, est.total_bytes / GB) * 1.15
     fig.update_yaxes(range=[0, top], row=1, col=1)
     return fig
 
 
-def published_figure(rows, title: str = "The model against published step times", other: str = "Calculon") -> go.Figure:
+def published_figure(rows, title: str | None = None, other: str = "Calculon") -> go.Figure:
     """Grouped bars, one group per published run: (label, published seconds, Estimate[, other seconds]) each;
-    `other` names the fourth column's estimate."""
+    `other` names the fourth column's estimate; `title` defaults to "The model against published step times"."""
+    title = _("The model against published step times") if title is None else title
     labels = [r[0] for r in rows]
     pub = [r[1] for r in rows]
     est = [r[2].step_s for r in rows]
     err = [f"{100 * (e / p - 1):+.1f}%" for p, e in zip(pub, est)]
-    bars = [go.Bar(x=labels, y=pub, name="published", marker_color="#222"),
-            go.Bar(x=labels, y=est, name="parlab's model", marker_color="#4c78a8", text=err, textposition="outside",
+    bars = [go.Bar(x=labels, y=pub, name=_("published"), marker_color="#222"),
+            go.Bar(x=labels, y=est, name=_("parlab's model"), marker_color="#4c78a8", text=err, textposition="outside",
                    textfont_size=11, cliponaxis=False)]
     if all(len(r) > 3 for r in rows):
         bars.append(go.Bar(x=labels, y=[r[3] for r in rows], name=other, marker_color="#b0b0b0"))
     fig = go.Figure(bars)
-    fig.update_layout(barmode="group", title=title, title_font_size=14, height=430, yaxis_title="seconds per step",
+    fig.update_layout(barmode="group", title=title, title_font_size=14, height=430, yaxis_title=_("seconds per step"),
                       uniformtext=dict(minsize=10, mode="show"),
                       margin=dict(t=60, b=110, l=60, r=20), xaxis_tickangle=-25)
     fig.update_yaxes(type="log", tickvals=[1, 2, 5, 10, 20, 50, 100, 200])       # 1 s (22B) to 94 s (1T)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import plotly.graph_objects as go
 from plotly.colors import qualitative
 
+from parlab.i18n import _
 from parlab.parallel.topology import ParallelGrid, parse_dims
 
 __all__ = ["grid_figure", "gpu_positions", "HIGHLIGHTS"]
@@ -62,12 +63,12 @@ def gpu_positions(grid: ParallelGrid, nodes_per_row: int = 4) -> dict[int, tuple
 
 def _memberships(grid: ParallelGrid, rank: int) -> str:
     c = grid.coords(rank)
-    lines = [f"<b>rank {rank}</b> on node {grid.node_of(rank)}",
-             "coords: " + ", ".join(f"{d}={c[d]}" for d in ("tp", "cp", "dp", "pp"))]
+    lines = [_("<b>rank {rank}</b> on node {node}").format(rank=rank, node=grid.node_of(rank)),
+             _("coords: {coords}").format(coords=", ".join(f"{d}={c[d]}" for d in ("tp", "cp", "dp", "pp")))]
     for dims in HIGHLIGHTS:
         g = grid.group_of(rank, dims)
-        mark = " (crosses nodes)" if grid.crosses_nodes(g) else ""
-        lines.append(f"{dims} group: {g}{mark}")
+        line = _("{dims} group: {group} (crosses nodes)") if grid.crosses_nodes(g) else _("{dims} group: {group}")
+        lines.append(line.format(dims=dims, group=g))
     return "<br>".join(lines)
 
 
@@ -75,19 +76,22 @@ def _group_traces(grid: ParallelGrid, dims: str, pos: dict, marker_size: float) 
     """One trace per group of `dims`: open squares around its GPUs and a line through them."""
     groups = grid.groups(dims)
     if len(groups[0]) == 1:                     # size 1: nothing to connect; one legend-only note
-        return [go.Scatter(x=[None], y=[None], mode="markers", name=f"{dims} = 1: every GPU is its own group",
+        return [go.Scatter(x=[None], y=[None], mode="markers",
+                           name=_("{dims} = 1: every GPU is its own group").format(dims=dims),
                            legendgroup=dims, marker=dict(color="#7f7f7f"), hoverinfo="skip")]
     traces = []
     for i, g in enumerate(groups):
         crosses = grid.crosses_nodes(g)
         color = GROUP_COLORS[i % len(GROUP_COLORS)]
         shown = g if len(g) <= 8 else g[:4] + ["..."] + g[-2:]
+        name = _("{dims} {group}  - - crosses nodes") if crosses else "{dims} {group}"
         traces.append(go.Scatter(
             x=[pos[r][0] for r in g], y=[pos[r][1] for r in g], mode="lines+markers",
-            name=f"{dims} {shown}" + ("  - - crosses nodes" if crosses else ""), legendgroup=dims,
+            name=name.format(dims=dims, group=shown), legendgroup=dims,
             line=dict(color=color, width=3, dash="dash" if crosses else "solid"),
             marker=dict(symbol="square-open", size=marker_size + 8, color=color, line=dict(width=3)),
-            opacity=0.85, hovertext=[f"{dims} group {g}" + (" crosses nodes" if crosses else " (one node)")] * len(g),
+            opacity=0.85, hovertext=[(_("{dims} group {group} crosses nodes") if crosses else
+                                      _("{dims} group {group} (one node)")).format(dims=dims, group=g)] * len(g),
             hovertemplate="%{hovertext}<extra></extra>"))
     return traces
 
@@ -112,7 +116,8 @@ def grid_figure(grid: ParallelGrid, highlight: str = "tp", nodes_per_row: int = 
         ys = [pos[r][1] for r in range(n * gpn, (n + 1) * gpn)]
         fig.add_shape(type="rect", x0=min(xs) - PAD - 0.1, x1=max(xs) + PAD + 0.1, y0=min(ys) - PAD - 0.1,
                       y1=max(ys) + PAD + 0.25, line=dict(color="#444", width=2), fillcolor="#f4f4f4", layer="below")
-        fig.add_annotation(x=min(xs) - PAD, y=max(ys) + PAD + 0.25, text=f"<b>node {n}</b>", showarrow=False,
+        fig.add_annotation(x=min(xs) - PAD, y=max(ys) + PAD + 0.25, text=_("<b>node {node}</b>").format(node=n),
+                           showarrow=False,
                            xanchor="left", yanchor="bottom", font=dict(size=12))
     # the GPUs: always visible
     ranks = list(range(grid.world_size))
@@ -135,8 +140,9 @@ def grid_figure(grid: ParallelGrid, highlight: str = "tp", nodes_per_row: int = 
     def heading(dims: str) -> str:
         gs = grid.groups(dims)
         crossing = sum(grid.crosses_nodes(g) for g in gs)
-        return (title or f"{grid!r}") + (f"<br><sub>{dims}: {len(gs)} group(s) of {len(gs[0])}, {crossing} cross "
-                                         f"nodes (dashed); GPU label: rank, then tp cp dp pp coords</sub>")
+        return _("{title}<br><sub>{dims}: {groups} group(s) of {size}, {crossing} cross nodes (dashed); GPU label: "
+                 "rank, then tp cp dp pp coords</sub>").format(title=title or f"{grid!r}", dims=dims, groups=len(gs),
+                                                               size=len(gs[0]), crossing=crossing)
 
     buttons = [dict(label=dims, method="update",
                     args=[{"visible": [o is None or o == dims for o in owner]}, {"title.text": heading(dims)}])
@@ -147,6 +153,6 @@ def grid_figure(grid: ParallelGrid, highlight: str = "tp", nodes_per_row: int = 
         updatemenus=[dict(type="dropdown", buttons=buttons, active=HIGHLIGHTS.index(highlight), x=1, xanchor="right",
                           y=1.0, yanchor="bottom", showactive=True)],
         xaxis=dict(visible=False, scaleanchor="y", scaleratio=1), yaxis=dict(visible=False),
-        legend=dict(title="groups", itemclick="toggle"),
+        legend=dict(title=_("groups"), itemclick="toggle"),
         height=max(320, 130 * rows * (-(-gpn // _layout_cols(gpn))) + 160), margin=dict(t=110))
     return fig

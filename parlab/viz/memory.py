@@ -17,6 +17,7 @@ from typing import Iterable, Sequence
 
 import plotly.graph_objects as go
 
+from parlab.i18n import _
 from parlab.parallel.zero import memory
 from parlab.viz import style
 
@@ -24,7 +25,11 @@ __all__ = ["PART_COLORS", "memory_bars", "gathered_figure", "fit_curves"]
 
 PARTS = ("params", "grads", "optimizer")
 PART_COLORS = {"params": "#9ecae1", "grads": "#4292c6", "optimizer": "#08306b"}   # the compute blues, by depth
-PART_NAMES = {"params": "parameters", "grads": "gradients", "optimizer": "optimizer state"}
+
+
+def _part_names() -> dict[str, str]:
+    """What the legend calls each part, in the language in force."""
+    return {"params": _("parameters"), "grads": _("gradients"), "optimizer": _("optimizer state")}
 
 
 def memory_bars(columns: Sequence[dict], title: str | None = None, unit: float = 1e6, unit_name: str = "MB",
@@ -44,13 +49,15 @@ def memory_bars(columns: Sequence[dict], title: str | None = None, unit: float =
         if missing:
             raise ValueError(f"column {c!r} lacks {missing}; give 'stage', 'source', 'params', 'grads', 'optimizer'")
     x = [[c["stage"] for c in columns], [c["source"] for c in columns]]     # two-level category axis
+    names = _part_names()
     fig = go.Figure()
     for part in PARTS:
         ys = [c[part] / unit for c in columns]
-        hover = [f"<b>{c['stage']}, {c['source']}</b><br>{PART_NAMES[part]}: {c[part] / unit:.3f} {unit_name}"
-                 f"<br>total: {sum(c[p] for p in PARTS) / unit:.3f} {unit_name}" for c in columns]
+        hover = [_("<b>{stage}, {source}</b><br>{part}: {value:.3f} {unit}<br>total: {total:.3f} {unit}").format(
+                     stage=c["stage"], source=c["source"], part=names[part], value=c[part] / unit, unit=unit_name,
+                     total=sum(c[p] for p in PARTS) / unit) for c in columns]
         top = totals and part == PARTS[-1]
-        fig.add_trace(go.Bar(x=x, y=ys, name=PART_NAMES[part], marker_color=PART_COLORS[part], hovertext=hover,
+        fig.add_trace(go.Bar(x=x, y=ys, name=names[part], marker_color=PART_COLORS[part], hovertext=hover,
                              hovertemplate="%{hovertext}<extra></extra>",
                              text=[f"{_number(sum(c[p] for p in PARTS) / unit)} {unit_name}" for c in columns] if top
                              else None, textposition="outside" if top else None, cliponaxis=False,
@@ -58,7 +65,7 @@ def memory_bars(columns: Sequence[dict], title: str | None = None, unit: float =
     if limit is not None:
         fig.add_hline(y=limit / unit, line_dash="dash", line_color="#d62728", annotation_text=limit_text)
     fig.update_layout(barmode="stack", template="plotly_white", title=title, height=460,
-                      yaxis_title=f"{unit_name} per rank")
+                      yaxis_title=_("{unit} per rank").format(unit=unit_name))
     return fig
 
 
@@ -75,8 +82,8 @@ def gathered_figure(points: Iterable[dict], title: str | None = None, full_bytes
     pts = list(points)
     if not pts:
         fig = go.Figure()
-        fig.add_annotation(text="no 'unsharded_bytes' marks in this trace: wrap the model in "
-                                "FullyShardedDataParallel and run with trace=True", showarrow=False)
+        fig.add_annotation(text=_("no 'unsharded_bytes' marks in this trace: wrap the model in "
+                                  "FullyShardedDataParallel and run with trace=True"), showarrow=False)
         fig.update_layout(title=title, xaxis_visible=False, yaxis_visible=False)
         return fig
     t = [p["t"] * 1e3 for p in pts]
@@ -88,9 +95,10 @@ def gathered_figure(points: Iterable[dict], title: str | None = None, full_bytes
                                                        for p in pts],
         hovertemplate="%{hovertext}<br>t = %{x:.1f} ms<extra></extra>"))
     if full_bytes is not None:
-        fig.add_hline(y=full_bytes / unit, line_dash="dash", annotation_text="whole model, unsharded")
-    fig.update_layout(template="plotly_white", title=title, height=380, xaxis_title="time (ms) since the trace start",
-                      yaxis_title=f"gathered weights ({unit_name})", showlegend=False)
+        fig.add_hline(y=full_bytes / unit, line_dash="dash", annotation_text=_("whole model, unsharded"))
+    fig.update_layout(template="plotly_white", title=title, height=380,
+                      xaxis_title=_("time (ms) since the trace start"),
+                      yaxis_title=_("gathered weights ({unit})").format(unit=unit_name), showlegend=False)
     return fig
 
 
@@ -106,12 +114,13 @@ def fit_curves(psi: float, gpu_bytes: float = 80e9, nds: Sequence[int] = tuple(2
         fig.add_trace(go.Scatter(x=list(nds), y=ys, mode="lines+markers", name=name))
     # lines as traces, not shapes: a shape on a log axis would take log10 coordinates
     fig.add_trace(go.Scatter(x=[nds[0], nds[-1]], y=[gpu_bytes / 1e9] * 2, mode="lines",
-                             name=f"one {gpu_bytes / 1e9:g} GB GPU", line=dict(dash="dash", color="#d62728")))
+                             name=_("one {gb:g} GB GPU").format(gb=gpu_bytes / 1e9),
+                             line=dict(dash="dash", color="#d62728")))
     if mark_nd is not None:
         top = memory.model_state_bytes(psi, 1, 0, param_bytes, grad_bytes, k)["total"] / 1e9
         fig.add_trace(go.Scatter(x=[mark_nd, mark_nd], y=[lowest, top], mode="lines", name=f"Nd = {mark_nd}",
                                  line=dict(dash="dot", color="#7f7f7f")))
     fig.update_layout(template="plotly_white", title=title, height=400,
-                      xaxis=dict(type="log", title="DP size Nd", minorloglabels="none"),
-                      yaxis=dict(type="log", title="GB of model states per GPU", minorloglabels="none"))
+                      xaxis=dict(type="log", title=_("DP size Nd"), minorloglabels="none"),
+                      yaxis=dict(type="log", title=_("GB of model states per GPU"), minorloglabels="none"))
     return fig

@@ -24,14 +24,20 @@ from typing import Mapping, Sequence
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
+from parlab.i18n import _
 from parlab.viz import style
 
-__all__ = ["KIND_COLORS", "KIND_NAMES", "schedule_timeline", "schedules_figure", "peak_bars"]
+__all__ = ["KIND_COLORS", "KIND_NAMES", "kind_names", "schedule_timeline", "schedules_figure", "peak_bars"]
 
 KIND_COLORS = {"F": style.COMPUTE_COLORS["forward"], "B": style.COMPUTE_COLORS["backward"],
                "I": "#2171b5", "W": "#a1d99b"}
-KIND_NAMES = {"F": "F forward", "B": "B backward", "I": "I input grad", "W": "W weight grad"}
+KIND_NAMES = {"F": "F forward", "B": "B backward", "I": "I input grad", "W": "W weight grad"}   # in English
 PATTERNS = ("", "/", "x", "\\", ".", "+")         # hatch of chunk 0, 1, 2, ... (interleaving)
+
+
+def kind_names() -> dict[str, str]:
+    """`KIND_NAMES` in the language in force: the legend's name of each kind of cell."""
+    return {"F": _("F forward"), "B": _("B backward"), "I": _("I input grad"), "W": _("W weight grad")}
 
 
 def _rows(spans) -> list[tuple[int, list]]:
@@ -58,10 +64,11 @@ def _add_cells(fig: go.Figure, spans, scale: float, ranks: int, row=None, col=No
     for r, sp in _rows(spans):
         for t0, t1, a in sp:
             groups.setdefault((a.kind, a.stage // ranks), []).append((r, t0 * scale, (t1 - t0) * scale, a))
-    labelled = max((len(sp) for _, sp in _rows(spans)), default=0) <= MAX_LABELLED
+    labelled = max((len(sp) for _r, sp in _rows(spans)), default=0) <= MAX_LABELLED
     seen = set() if seen is None else seen
+    names = kind_names()
     for (kind, chunk), cells in sorted(groups.items(), key=lambda kv: ("FBIW".index(kv[0][0]), kv[0][1])):
-        name = KIND_NAMES[kind] + (f", chunk {chunk}" if chunk else "")
+        name = _("{kind}, chunk {chunk}").format(kind=names[kind], chunk=chunk) if chunk else names[kind]
         fig.add_trace(go.Bar(
             orientation="h", base=[c[1] for c in cells], x=[c[2] for c in cells], y=[f"rank {c[0]}" for c in cells],
             text=[str(c[3].mb) for c in cells] if labelled else None, textposition="inside",
@@ -70,8 +77,9 @@ def _add_cells(fig: go.Figure, spans, scale: float, ranks: int, row=None, col=No
             legendgroup=name, showlegend=legend and name not in seen,
             marker=dict(color=_shade(KIND_COLORS[kind], chunk), line=dict(color="white", width=0.5 if labelled else 0),
                         pattern=dict(shape=PATTERNS[chunk % len(PATTERNS)], fgcolor="rgba(0,0,0,0.35)")),
-            hovertemplate=[f"rank {c[0]}: {c[3]} (stage {c[3].stage}, micro-batch {c[3].mb})<br>"
-                           f"{c[1]:.2f} to {c[1] + c[2]:.2f}<extra></extra>" for c in cells]),
+            hovertemplate=[_("rank {rank}: {action} (stage {stage}, micro-batch {mb})<br>{start:.2f} to {end:.2f}"
+                             "<extra></extra>").format(rank=c[0], action=c[3], stage=c[3].stage, mb=c[3].mb,
+                                                        start=c[1], end=c[1] + c[2]) for c in cells]),
             row=row, col=col)
         seen.add(name)
 
@@ -80,24 +88,25 @@ def _add_outline(fig: go.Figure, spans, scale: float, row=None, col=None, legend
     cells = [(r, t0 * scale, (t1 - t0) * scale, a) for r, sp in _rows(spans) for t0, t1, a in sp]
     fig.add_trace(go.Bar(
         orientation="h", base=[c[1] for c in cells], x=[c[2] for c in cells], y=[f"rank {c[0]}" for c in cells],
-        width=0.95, name="scheduled (simulation)", showlegend=legend, legendgroup="scheduled",
+        width=0.95, name=_("scheduled (simulation)"), showlegend=legend, legendgroup="scheduled",
         marker=dict(color="rgba(0,0,0,0)", line=dict(color="#d62728", width=1.5)),
-        hovertemplate=[f"scheduled {c[3]}: {c[1]:.2f} to {c[1] + c[2]:.2f}<extra></extra>" for c in cells]),
+        hovertemplate=[_("scheduled {action}: {start:.2f} to {end:.2f}<extra></extra>").format(
+                           action=c[3], start=c[1], end=c[1] + c[2]) for c in cells]),
         row=row, col=col)
 
 
 def _lanes(spans) -> list[str]:
-    return [f"rank {r}" for r, _ in _rows(spans)]
+    return [f"rank {r}" for r, _sp in _rows(spans)]
 
 
-def schedule_timeline(spans, title: str | None = None, scale: float = 1.0, time_unit: str = "unit time",
+def schedule_timeline(spans, title: str | None = None, scale: float = 1.0, time_unit: str | None = None,
                       overlay=None, overlay_scale: float = 1.0, ranks: int | None = None) -> go.Figure:
     """One lane per rank; each action a cell coloured by kind (F, B, I, W) with its micro-batch number.
 
     `scale` multiplies the times (e.g. 1 / device_time turns measured seconds into unit time); `overlay`,
     other spans (usually the simulation of the same schedule), is drawn on top as red outlines, so the measured
     run and its schedule can be compared cell by cell. `ranks` (pipeline size, for the chunk of a virtual
-    stage) defaults to the number of lanes."""
+    stage) defaults to the number of lanes; `time_unit`, the x axis's title, to "unit time"."""
     p = ranks or len(_rows(spans))
     fig = go.Figure()
     _add_cells(fig, spans, scale, p)
@@ -106,15 +115,17 @@ def schedule_timeline(spans, title: str | None = None, scale: float = 1.0, time_
     lanes = _lanes(spans)
     fig.update_layout(title=title, barmode="overlay", height=140 + 55 * len(lanes), template="plotly_white",
                       uniformtext=dict(minsize=10, mode="show"),   # micro-batch numbers never under 10 px
-                      xaxis_title=time_unit, legend_orientation="h", legend_y=-0.25, bargap=0.1,
+                      xaxis_title=_("unit time") if time_unit is None else time_unit, legend_orientation="h",
+                      legend_y=-0.25, bargap=0.1,
                       yaxis=dict(categoryorder="array", categoryarray=lanes[::-1]))
     return fig
 
 
 def schedules_figure(panels: Mapping[str, object], title: str | None = None, scale: float | Mapping = 1.0,
-                     time_unit: str = "unit time", ranks: int | None = None) -> go.Figure:
+                     time_unit: str | None = None, ranks: int | None = None) -> go.Figure:
     """Several schedules stacked, one panel each (name -> spans), on a shared time axis: the bubbles line up.
-    `scale` is one factor for all panels or a mapping name -> factor."""
+    `scale` is one factor for all panels or a mapping name -> factor; `time_unit` (the x axis's title) defaults
+    to "unit time"."""
     names = list(panels)
     fig = make_subplots(rows=len(names), cols=1, shared_xaxes=True, subplot_titles=names, vertical_spacing=0.06)
     seen: set = set()
@@ -129,13 +140,15 @@ def schedules_figure(panels: Mapping[str, object], title: str | None = None, sca
     fig.update_layout(title=title, barmode="overlay", height=height, template="plotly_white", bargap=0.1,
                       uniformtext=dict(minsize=10, mode="show"),   # micro-batch numbers never under 10 px
                       legend=dict(orientation="h", y=-75 / (height - 160)))   # below the x-axis title
-    fig.update_xaxes(title_text=time_unit, row=len(names), col=1)
+    fig.update_xaxes(title_text=_("unit time") if time_unit is None else time_unit, row=len(names), col=1)
     return fig
 
 
 def peak_bars(peaks: Mapping[str, Sequence[int]], title: str | None = None,
-              yaxis_title: str = "micro-batches of activations alive (peak)") -> go.Figure:
-    """Grouped bars: for each schedule (name -> per-rank peak), the peak activations in flight on each rank."""
+              yaxis_title: str | None = None) -> go.Figure:
+    """Grouped bars: for each schedule (name -> per-rank peak), the peak activations in flight on each rank
+    (`yaxis_title` defaults to "micro-batches of activations alive (peak)")."""
+    yaxis_title = _("micro-batches of activations alive (peak)") if yaxis_title is None else yaxis_title
     fig = go.Figure([go.Bar(name=name, x=[f"rank {r}" for r in range(len(v))], y=list(v), text=list(v),
                             textposition="outside") for name, v in peaks.items()])
     fig.update_layout(title=title, barmode="group", yaxis_title=yaxis_title, height=360, template="plotly_white")

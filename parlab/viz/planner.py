@@ -29,7 +29,9 @@ import math
 import plotly.graph_objects as go
 from plotly.colors import qualitative
 
-__all__ = ["planner_figure", "breakdown_figure", "TERMS"]
+from parlab.i18n import _
+
+__all__ = ["planner_figure", "breakdown_figure", "TERMS", "terms"]
 
 GB = 1e9
 #: step-time terms of `parlab.cluster.planner.Estimate`, in the order they are stacked, with their colours
@@ -38,14 +40,25 @@ TERMS = (("compute_s", "compute", "#4c78a8"), ("bubble_s", "pipeline bubble", "#
          ("dp_s", "DP (exposed)", "#54a24b"), ("pp_s", "PP send/recv", "#eeca3b"))
 
 
+def terms() -> tuple[tuple[str, str, str], ...]:
+    """`TERMS` with their names in the language in force (what a legend shows)."""
+    names = {"compute": _("compute"), "pipeline bubble": _("pipeline bubble"), "TP all-reduces": _("TP all-reduces"),
+             "CP ring": _("CP ring"), "DP (exposed)": _("DP (exposed)")}
+    return tuple((attr, names.get(name, name), colour) for attr, name, colour in TERMS)
+
+
 def _hover(e) -> str:
     states = e.params_bytes + e.grads_bytes + e.optimizer_bytes
-    where = ", ".join(f"{d} crosses nodes" for d in ("tp", "cp", "dp", "pp") if e.crosses[d] and e.volume[d])
-    return (f"<b>{e.layout}</b><br>memory {e.total_bytes / GB:.1f} GB = states {states / GB:.1f} + activations "
-            f"{e.activation_bytes / GB:.1f} + buffers {e.buffer_bytes / GB:.1f}<br>step {e.step_s:.2f} s = compute "
-            f"{e.compute_s:.2f} + bubble {e.bubble_s:.2f} + TP {e.tp_s:.2f} + CP {e.cp_s:.2f} + DP {e.dp_s:.2f} + "
-            f"PP {e.pp_s:.2f}<br>{e.achieved_tflops:.0f} TFLOP/s per GPU" + (f"<br>{where}" if where else "")
-            + ("" if e.fits else f"<br><b>does not fit</b>: {e.reason}"))
+    where = ", ".join(_("{dim} crosses nodes").format(dim=d) for d in ("tp", "cp", "dp", "pp")
+                      if e.crosses[d] and e.volume[d])
+    return (_("<b>{layout}</b><br>memory {memory:.1f} GB = states {states:.1f} + activations {activations:.1f} + "
+              "buffers {buffers:.1f}<br>step {step:.2f} s = compute {compute:.2f} + bubble {bubble:.2f} + TP {tp:.2f} "
+              "+ CP {cp:.2f} + DP {dp:.2f} + PP {pp:.2f}<br>{tflops:.0f} TFLOP/s per GPU").format(
+                layout=e.layout, memory=e.total_bytes / GB, states=states / GB, activations=e.activation_bytes / GB,
+                buffers=e.buffer_bytes / GB, step=e.step_s, compute=e.compute_s, bubble=e.bubble_s, tp=e.tp_s,
+                cp=e.cp_s, dp=e.dp_s, pp=e.pp_s, tflops=e.achieved_tflops)
+            + (f"<br>{where}" if where else "")
+            + ("" if e.fits else "<br>" + _("<b>does not fit</b>: {reason}").format(reason=e.reason)))
 
 
 def _matches(e, spec: dict) -> bool:
@@ -86,9 +99,11 @@ def planner_figure(estimates, cluster=None, marks: dict | None = None, title: st
             if not group:
                 continue
             crosses = any(e.crosses["tp"] for e in group if e.tp > 1)
+            name = ("tp={tp}" if fits else _("tp={tp}: does not fit")) if not crosses else \
+                _("tp={tp} (crosses nodes)") if fits else _("tp={tp} (crosses nodes): does not fit")
             fig.add_trace(go.Scatter(
                 x=[e.total_bytes / GB for e in group], y=[e.step_s for e in group], mode="markers",
-                name=f"tp={tp}{' (crosses nodes)' if crosses else ''}" + ("" if fits else ": does not fit"),
+                name=name.format(tp=tp),
                 legendgroup=f"tp{tp}",
                 marker=dict(color=colors[tp], size=8 if fits else 7, opacity=0.8 if fits else 0.45,
                             symbol="circle" if fits else "x-thin-open", line=dict(width=1.5, color=colors[tp])),
@@ -100,11 +115,13 @@ def planner_figure(estimates, cluster=None, marks: dict | None = None, title: st
         fig.add_vline(x=cluster.mem_bytes / GB, line=dict(color="#333", dash="dash"))
         fig.add_annotation(x=math.log10(cluster.mem_bytes / GB), y=1, yref="paper", xanchor="right",
                            yanchor="bottom", showarrow=False,
-                           text=f"usable {cluster.mem_bytes / GB:.0f} GB of {cluster.gpu_mem_gb:g} GB")
+                           text=_("usable {usable:.0f} GB of {gpu:g} GB").format(usable=cluster.mem_bytes / GB,
+                                                                                 gpu=cluster.gpu_mem_gb))
     if fitting:
         best = min(fitting, key=lambda e: (e.step_s, e.total_bytes))
         fig.add_trace(go.Scatter(x=[best.total_bytes / GB], y=[best.step_s], mode="markers",
-                                 name=f"best: {best.layout}", marker=dict(symbol="star", size=18, color="gold",
+                                 name=_("best: {layout}").format(layout=best.layout),
+                                 marker=dict(symbol="star", size=18, color="gold",
                                                                           line=dict(color="black", width=1)),
                                  hovertext=[_hover(best)], hovertemplate="%{hovertext}<extra></extra>"))
     for i, (label, spec) in enumerate((marks or {}).items()):
@@ -118,15 +135,16 @@ def planner_figure(estimates, cluster=None, marks: dict | None = None, title: st
                                  hovertext=[_hover(e)], hovertemplate="%{hovertext}<extra></extra>"))
     n_fit = len(fitting)
     fig.update_layout(
-        title=title or f"{len(estimates)} candidate layouts, {n_fit} fit: memory per GPU vs step time",
-        xaxis=dict(title="memory of the fullest GPU (GB, log)", type="log", minorloglabels="none"),
+        title=title or _("{n} candidate layouts, {fit} fit: memory per GPU vs step time").format(n=len(estimates),
+                                                                                               fit=n_fit),
+        xaxis=dict(title=_("memory of the fullest GPU (GB, log)"), type="log", minorloglabels="none"),
         # plotly's minor log labels are single digits ("2" for 20 s between 10 and 100), which a student reads
         # as 2 s: label 1-2-5 steps in full instead
-        yaxis=dict(title="estimated step time (s, log)", type="log", minorloglabels="none",
+        yaxis=dict(title=_("estimated step time (s, log)"), type="log", minorloglabels="none",
                    tickvals=_ticks_125([e.step_s for e in estimates])),
         # tall enough for the legend (a row per trace, a gap per tp group), which would scroll otherwise
         template="plotly_white", height=max(520, 220 + 21 * len(fig.data) + 10 * len(tps)),
-        legend=dict(title="tensor parallel size"), hovermode="closest")
+        legend=dict(title=_("tensor parallel size")), hovermode="closest")
     return fig
 
 
@@ -138,8 +156,9 @@ def breakdown_figure(ranked, top: int = 8, title: str | None = None) -> go.Figur
     names = [f"{i}. {e.layout}" for i, e in enumerate(rows, 1)]
     fig = go.Figure([go.Bar(y=names, x=[getattr(e, attr) for e in rows], name=label, orientation="h",
                             marker_color=color, hovertemplate=f"{label}: %{{x:.2f}} s<extra></extra>")
-                     for attr, label, color in TERMS])
-    fig.update_layout(barmode="stack", title=title or f"Where the step time goes: the {len(rows)} fastest layouts",
-                      xaxis_title="seconds per step", yaxis=dict(autorange="reversed"), template="plotly_white",
-                      height=max(300, 140 + 34 * len(rows)), legend=dict(title="term"))
+                     for attr, label, color in terms()])
+    fig.update_layout(barmode="stack", title=title or _("Where the step time goes: the {n} fastest layouts").format(
+                          n=len(rows)),
+                      xaxis_title=_("seconds per step"), yaxis=dict(autorange="reversed"), template="plotly_white",
+                      height=max(300, 140 + 34 * len(rows)), legend=dict(title=_("term")))
     return fig

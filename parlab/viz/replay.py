@@ -13,6 +13,7 @@ from typing import Any, Mapping
 import plotly.graph_objects as go
 
 from parlab.cluster.replay import replay, step_time
+from parlab.i18n import _
 from parlab.viz.timeline import as_trace, timeline
 
 __all__ = ["toggle", "toggle_figures", "replay_toggle", "pick_unit"]
@@ -29,15 +30,17 @@ def toggle(measured: Any, replayed: Any, title: str | None = None, labels: tuple
     a, b = as_trace(measured), as_trace(replayed)
     if start not in (0, 1):
         raise ValueError(f"start must be 0 (measured) or 1 (replayed), got {start!r}")
-    names = labels or ("this machine", f"replayed on {b.hardware or 'a model'}")
+    names = labels or (_("this machine"), _("replayed on {hardware}").format(hardware=b.hardware) if b.hardware
+                       else _("replayed on a model"))
     views = []
     for tr, name in ((a, names[0]), (b, names[1])):
         unit = pick_unit(step_time(tr))
         fig = timeline(tr, title=None, time_unit=unit, show_labels=show_labels)
-        views.append((fig, unit, f"{title + ': ' if title else ''}{name}, step {step_time(tr) * 1e3:.3g} ms"))
+        text = _("{title}: {name}, step {ms:.3g} ms") if title else _("{name}, step {ms:.3g} ms")
+        views.append((fig, unit, text.format(title=title, name=name, ms=step_time(tr) * 1e3)))
     out = go.Figure()
     counts = []
-    for i, (fig, _, _) in enumerate(views):
+    for i, (fig, _unit, _text) in enumerate(views):
         for t in fig.data:
             t.visible = i == start
             t.legendgroup = f"{i}-{t.legendgroup}"
@@ -45,7 +48,7 @@ def toggle(measured: Any, replayed: Any, title: str | None = None, labels: tuple
         counts.append(len(fig.data))
     layout = views[start][0].layout
     # both views' legends share the figure, and the buttons take 20 px more of the top than a timeline does
-    height = max(fig.layout.height for fig, _, _ in views) + 20
+    height = max(fig.layout.height for fig, _unit, _text in views) + 20
     out.update_layout(template="plotly_white", barmode="overlay", hovermode="closest", height=height,
                       yaxis=layout.yaxis, xaxis=layout.xaxis, legend=layout.legend,
                       # the title on the top line, the buttons on their own line under it: long labels never meet
@@ -54,10 +57,11 @@ def toggle(measured: Any, replayed: Any, title: str | None = None, labels: tuple
                       margin=dict(t=120))
     buttons = []
     for i, (fig, unit, text) in enumerate(views):
-        visible = [j == i for j, n in enumerate(counts) for _ in range(n)]
+        visible = [j == i for j, n in enumerate(counts) for _k in range(n)]
         buttons.append(dict(label=names[i], method="update",
                             args=[{"visible": visible},
-                                  {"title.text": text, "xaxis.title.text": f"time ({unit}) since the first event",
+                                  {"title.text": text,
+                                   "xaxis.title.text": _("time ({unit}) since the first event").format(unit=unit),
                                    "xaxis.autorange": True}]))
     out.update_layout(updatemenus=[dict(type="buttons", direction="right", buttons=buttons, active=start,
                                         x=0.0, xanchor="left", y=1.02, yanchor="bottom")])
@@ -95,7 +99,7 @@ def toggle_figures(views: Mapping[str, go.Figure], start: int = 0) -> go.Figure:
     xaxes = [a for a in axes[0] if a.startswith("xaxis")]
     buttons = []
     for i, fig in enumerate(figs):
-        visible = [j == i for j, n in enumerate(counts) for _ in range(n)]
+        visible = [j == i for j, n in enumerate(counts) for _k in range(n)]
         relayout = {"title.text": fig.layout.title.text or ""}
         for a in xaxes:
             relayout[f"{a}.title.text"] = fig.layout[a].title.text or ""

@@ -21,24 +21,28 @@ from typing import Mapping, Sequence
 
 import plotly.graph_objects as go
 
+from parlab.i18n import _
+
 __all__ = ["speedup_figure", "iec_bytes", "working_set_figure", "resume_figure", "bubble_vs_microbatches", "link_seconds_bars"]
 
 _IDEAL = dict(color="#888888", dash="dash")
 
 
 def speedup_figure(curves: Mapping[str, Mapping[int, float]], title: str | None = None, log: bool = False,
-                   xaxis_title: str = "ranks (devices)") -> go.Figure:
+                   xaxis_title: str | None = None) -> go.Figure:
     """Speed-up (time on 1 / time on N) against N for each named curve, with the ideal speed-up N dashed.
-    The ideal line spans the curves' N only, so the axes stay within the data."""
+    The ideal line spans the curves' N only, so the axes stay within the data. `xaxis_title` defaults to
+    "ranks (devices)"."""
     ns = sorted({n for c in curves.values() for n in c})
-    fig = go.Figure(go.Scatter(x=ns, y=ns, mode="lines", line=_IDEAL, name="ideal: speed-up = N"))
+    fig = go.Figure(go.Scatter(x=ns, y=ns, mode="lines", line=_IDEAL, name=_("ideal: speed-up = N")))
     for name, c in curves.items():
         xs = sorted(c)
         fig.add_scatter(x=xs, y=[c[n] for n in xs], mode="lines+markers", name=name,
-                        hovertemplate="N = %{x}<br>speed-up %{y:.2f}<extra>" + name + "</extra>")
+                        hovertemplate=_("N = %{x}<br>speed-up %{y:.2f}") + "<extra>" + name + "</extra>")
     kind = "log" if log else "linear"
-    fig.update_layout(title=title, xaxis=dict(title=xaxis_title, type=kind, tickvals=ns),
-                      yaxis=dict(title="speed-up (time on 1 / time on N)", type=kind), height=420,
+    fig.update_layout(title=title, xaxis=dict(title=_("ranks (devices)") if xaxis_title is None else xaxis_title,
+                                              type=kind, tickvals=ns),
+                      yaxis=dict(title=_("speed-up (time on 1 / time on N)"), type=kind), height=420,
                       xaxis_minorloglabels="none", yaxis_minorloglabels="none",
                       template="plotly_white", legend=dict(orientation="h", y=-0.25))
     return fig
@@ -60,8 +64,8 @@ def working_set_figure(sizes_bytes: Sequence[float], ns_per_element: Sequence[fl
     measured sizes in KiB/MiB (they are powers of two, as caches are); dotted vertical lines at the cache sizes
     that lie inside the measured range."""
     fig = go.Figure(go.Scatter(x=list(sizes_bytes), y=list(ns_per_element), mode="lines+markers",
-                               name="measured", text=[iec_bytes(b) for b in sizes_bytes],
-                               hovertemplate="%{text}: %{y:.3f} ns/element<extra></extra>"))
+                               name=_("measured"), text=[iec_bytes(b) for b in sizes_bytes],
+                               hovertemplate=_("%{text}: %{y:.3f} ns/element<extra></extra>")))
     lo, hi = min(sizes_bytes), max(sizes_bytes)
     for name, nbytes in (caches or {}).items():
         if lo <= nbytes <= hi:
@@ -69,10 +73,10 @@ def working_set_figure(sizes_bytes: Sequence[float], ns_per_element: Sequence[fl
             # an annotation on a log axis takes log10 of its position (add_vline's own label would not)
             fig.add_annotation(x=math.log10(nbytes), y=1, yref="paper", yanchor="bottom", text=name,
                                showarrow=False)
-    fig.update_layout(title=title, xaxis=dict(title="working set (KiB, MiB: powers of 1024)", type="log",
+    fig.update_layout(title=title, xaxis=dict(title=_("working set (KiB, MiB: powers of 1024)"), type="log",
                                               tickvals=list(sizes_bytes),
                                               ticktext=[iec_bytes(b) for b in sizes_bytes]),
-                      yaxis=dict(title="ns per element", rangemode="tozero"), height=400,
+                      yaxis=dict(title=_("ns per element"), rangemode="tozero"), height=400,
                       template="plotly_white", showlegend=False, margin=dict(t=90))
     return fig
 
@@ -82,19 +86,19 @@ def resume_figure(reference: Sequence[float], runs: Mapping[str, Mapping[int, fl
     """Loss per step: the uninterrupted reference as a thick grey line, each run (step -> loss) on top, and
     where the crash happened and which checkpoint the runs resumed from."""
     steps = list(range(len(reference)))
-    fig = go.Figure(go.Scatter(x=steps, y=list(reference), mode="lines", name="uninterrupted",
+    fig = go.Figure(go.Scatter(x=steps, y=list(reference), mode="lines", name=_("uninterrupted"),
                                line=dict(color="#bbbbbb", width=8)))
     symbols = ("circle", "x", "diamond", "square")
     for i, (name, losses) in enumerate(runs.items()):
         xs = sorted(losses)
         fig.add_scatter(x=xs, y=[losses[t] for t in xs], mode="lines+markers", name=name,
                         marker=dict(symbol=symbols[i % len(symbols)], size=max(6, 14 - 3 * i)))
-    fig.add_vline(x=crash_step - 0.5, line=dict(color="#d62728", dash="dash"), annotation_text="a rank dies",
+    fig.add_vline(x=crash_step - 0.5, line=dict(color="#d62728", dash="dash"), annotation_text=_("a rank dies"),
                   annotation_position="top right")
     fig.add_vline(x=checkpoint_step - 0.5, line=dict(color="#2ca02c", dash="dot"),
-                  annotation_text="last checkpoint", annotation_position="top left")
-    fig.update_layout(title=title, xaxis=dict(title="step", range=[-0.5, len(reference) - 0.5], dtick=1),
-                      yaxis_title="loss (mean over ranks)", height=430, template="plotly_white",
+                  annotation_text=_("last checkpoint"), annotation_position="top left")
+    fig.update_layout(title=title, xaxis=dict(title=_("step"), range=[-0.5, len(reference) - 0.5], dtick=1),
+                      yaxis_title=_("loss (mean over ranks)"), height=430, template="plotly_white",
                       legend=dict(orientation="h", y=-0.25), margin=dict(t=90))
     return fig
 
@@ -105,13 +109,13 @@ def bubble_vs_microbatches(ms: Sequence[int], bubble: Sequence[float], busy_at_m
     number of micro-batches m; bars with m < stages are red (the rule m >= p is broken)."""
     colors = ["#d62728" if m < stages else "#4c78a8" for m in ms]
     fig = go.Figure(go.Bar(x=[str(m) for m in ms], y=list(bubble), marker_color=colors,
-                           name="idle fraction (red: m < p)",      # the swatch takes the first bar's colour
+                           name=_("idle fraction (red: m < p)"),   # the swatch takes the first bar's colour
                            text=[f"{b:.0%}" for b in bubble], textposition="outside"))
     fig.add_scatter(x=[str(m) for m in ms], y=list(busy_at_most), mode="lines+markers", yaxis="y2",
-                    name="most stages busy at once", line=dict(color="#333333"))
-    fig.update_layout(title=title, xaxis_title=f"micro-batches m (red: m < p = {stages})",
-                      yaxis=dict(title="idle fraction of the step", range=[0, 1.05], tickformat=".0%"),
-                      yaxis2=dict(title="stages busy at once", overlaying="y", side="right",
+                    name=_("most stages busy at once"), line=dict(color="#333333"))
+    fig.update_layout(title=title, xaxis_title=_("micro-batches m (red: m < p = {stages})").format(stages=stages),
+                      yaxis=dict(title=_("idle fraction of the step"), range=[0, 1.05], tickformat=".0%"),
+                      yaxis2=dict(title=_("stages busy at once"), overlaying="y", side="right",
                                   range=[0, stages + 0.5], dtick=1),
                       height=420, template="plotly_white", legend=dict(orientation="h", y=-0.25),
                       margin=dict(t=80, r=80))
@@ -124,7 +128,8 @@ def link_seconds_bars(rows: Sequence[Mapping], title: str | None = None) -> go.F
                            text=[r["link"] for r in rows], textposition="outside",
                            marker_color=["#e45756" if "inter" in r["link"] else "#4c78a8" for r in rows]))
     top = max((r["seconds"] for r in rows), default=1.0)
-    fig.update_layout(title=title, xaxis_title="parallel dimension", yaxis=dict(title="seconds per step on the link",
-                      range=[0, top * 1.25]), height=400, template="plotly_white", showlegend=False,
+    fig.update_layout(title=title, xaxis_title=_("parallel dimension"),
+                      yaxis=dict(title=_("seconds per step on the link"), range=[0, top * 1.25]), height=400,
+                      template="plotly_white", showlegend=False,
                       margin=dict(t=80))
     return fig

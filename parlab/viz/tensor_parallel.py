@@ -18,6 +18,7 @@ from typing import Sequence
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
+from parlab.i18n import _
 from parlab.viz import style
 
 __all__ = ["RANK_COLORS", "rank_color", "split_matmul", "megatron_diagram", "memory_per_rank", "layer_time"]
@@ -54,9 +55,10 @@ def split_matmul(x, w, outs: Sequence, y, split: str, title: str | None = None) 
     tp, s, h, hp = len(outs), len(x), len(w), len(w[0])
     widths = [h, hp] + [len(o[0]) for o in outs] + [hp]
     # two short lines per panel: the panels are narrow (8 of them in a notebook's width at tp=4)
-    names = (["X<br>(every rank)" if split == "column" else "X<br>by columns", "W<br>by " + split + "s"]
+    names = ([_("X<br>(every rank)") if split == "column" else _("X<br>by columns"),
+              _("W<br>by columns") if split == "column" else _("W<br>by rows")]
              + [f"rank {r}<br>X W_{r}" if split == "column" else f"rank {r}<br>X_{r} W_{r}" for r in range(tp)]
-             + ["Y = [Y_0|..]<br>(concat)" if split == "column" else "Y = Σ Y_r<br>(all-reduce)"])
+             + [_("Y = [Y_0|..]<br>(concat)") if split == "column" else "Y = Σ Y_r<br>(all-reduce)"])
     fig = make_subplots(rows=1, cols=len(widths), column_widths=widths, subplot_titles=names,
                         horizontal_spacing=0.035)
     for a in fig.layout.annotations:
@@ -64,7 +66,7 @@ def split_matmul(x, w, outs: Sequence, y, split: str, title: str | None = None) 
     lim = max(abs(v) for m in [x, w, y] + outs for row in m for v in row) or 1.0
     for k, m in enumerate([x, w] + outs + [y], start=1):
         fig.add_trace(go.Heatmap(z=m, zmin=-lim, zmax=lim, colorscale="RdBu", showscale=k == 1,
-                                 hovertemplate="row %{y}, col %{x}: %{z:.3f}<extra></extra>"), row=1, col=k)
+                                 hovertemplate=_("row %{y}, col %{x}: %{z:.3f}<extra></extra>")), row=1, col=k)
         fig.update_yaxes(autorange="reversed", showticklabels=False, row=1, col=k)
         fig.update_xaxes(showticklabels=False, row=1, col=k)
     for r in range(tp):            # blocks of 2 columns or fewer are too narrow for "X_3": only the rank's number
@@ -88,10 +90,14 @@ def split_matmul(x, w, outs: Sequence, y, split: str, title: str | None = None) 
     return fig
 
 
-_LANES = {
-    "mlp": ("X A_{r}", "GELU", "· B_{r}"),
-    "attention": ("Q,K,V<br>heads {heads}", "softmax<br>(QKᵀ/√d) V", "· O_{r}"),   # two short lines per label
-}
+_KINDS = ("mlp", "attention")
+
+
+def _lanes(kind: str) -> tuple[str, str, str]:
+    """The three labels of a rank's lane through `kind` (templates of the rank r and its heads)."""
+    if kind == "mlp":
+        return ("X A_{r}", "GELU", "· B_{r}")
+    return (_("Q,K,V<br>heads {heads}"), "softmax<br>(QKᵀ/√d) V", "· O_{r}")   # two short lines per label
 
 
 def megatron_diagram(kind: str, tp: int, f_note: str = "", g_note: str = "", heads: Sequence[str] | None = None,
@@ -99,11 +105,11 @@ def megatron_diagram(kind: str, tp: int, f_note: str = "", g_note: str = "", hea
     """The Megatron split of the MLP (A by columns, B by rows) or of attention (heads split; QKV by
     columns, output projection O by rows): X -> f -> one lane per rank -> g -> Y.
     `f_note` / `g_note`: what the run recorded for f and g; `heads[r]`: the heads rank r holds."""
-    if kind not in _LANES:
-        raise ValueError(f"kind={kind!r}: choose one of {sorted(_LANES)}")
+    if kind not in _KINDS:
+        raise ValueError(f"kind={kind!r}: choose one of {sorted(_KINDS)}")
     fig = go.Figure()
     lane_y = [(tp - 1) / 2 - r for r in range(tp)]
-    steps = _LANES[kind]
+    steps = _lanes(kind)
     for r, yy in enumerate(lane_y):
         texts = [t.format(r=r, heads=heads[r] if heads else "") for t in steps]
         xs = [2, 3, 4]
@@ -121,10 +127,10 @@ def megatron_diagram(kind: str, tp: int, f_note: str = "", g_note: str = "", hea
         x=[1, 5], y=[0, 0], mode="markers+text", marker=dict(size=44, color=ar, symbol="circle"),
         text=["<b>f</b>", "<b>g</b>"], textfont=dict(color="white", size=16), textposition="middle center",
         name="f / g (all-reduce)", hoverinfo="text",
-        hovertext=["f: forward identity, backward all-reduce", "g: forward all-reduce, backward identity"]))
+        hovertext=[_("f: forward identity, backward all-reduce"), _("g: forward all-reduce, backward identity")]))
     bottom = min(lane_y) - 0.8
-    for x_, head, note in ((1, "f: fwd identity<br>bwd all-reduce", f_note),
-                           (5, "g: fwd all-reduce<br>bwd identity", g_note)):
+    for x_, head, note in ((1, _("f: fwd identity<br>bwd all-reduce"), f_note),
+                           (5, _("g: fwd all-reduce<br>bwd identity"), g_note)):
         fig.add_annotation(x=x_, y=bottom, text=head + (f"<br><i>{note}</i>" if note else ""), showarrow=False,
                            font=dict(color=ar, size=11))
     fig.update_layout(title=title, height=220 + 100 * tp, template="plotly_white",   # room for two-line labels
@@ -138,13 +144,15 @@ def memory_per_rank(tps: Sequence[int], measured: Sequence[float], dense: float,
     """Parameter bytes held by one rank vs tp: measured, the ideal dense/tp, and (optionally) the replicated
     part that does not shrink (layer norms, row-parallel biases, position table)."""
     fig = go.Figure([
-        go.Scatter(x=list(tps), y=[dense / t / 1e3 for t in tps], name="ideal: dense / tp", line=dict(dash="dash")),
+        go.Scatter(x=list(tps), y=[dense / t / 1e3 for t in tps], name=_("ideal: dense / tp"),
+                   line=dict(dash="dash")),
         go.Scatter(x=list(tps), y=[m / 1e3 for m in measured], mode="lines+markers", marker_size=10,
-                   name="measured on rank 0"),
+                   name=_("measured on rank 0")),
     ])
     if replicated:
-        fig.add_trace(go.Bar(x=list(tps), y=[b / 1e3 for b in replicated], name="of which replicated", opacity=0.4))
-    fig.update_layout(title=title, xaxis=dict(title="tp", tickvals=list(tps)), yaxis_title="parameter kB per rank",
+        fig.add_trace(go.Bar(x=list(tps), y=[b / 1e3 for b in replicated], name=_("of which replicated"),
+                             opacity=0.4))
+    fig.update_layout(title=title, xaxis=dict(title="tp", tickvals=list(tps)), yaxis_title=_("parameter kB per rank"),
                       height=380, template="plotly_white")
     return fig
 
@@ -153,12 +161,12 @@ def layer_time(rows: Sequence[dict], title: str | None = None) -> go.Figure:
     """Grouped bars, one group per row: {"name": ..., "compute_ms": ..., "intra_ms": ..., "inter_ms": ...}."""
     names = [r["name"] for r in rows]
     fig = go.Figure([
-        go.Bar(x=names, y=[r["compute_ms"] for r in rows], name="compute", marker_color=style.color("compute",
-                                                                                                    "forward")),
-        go.Bar(x=names, y=[r["intra_ms"] for r in rows], name="TP comm inside a node (NVLink)",
+        go.Bar(x=names, y=[r["compute_ms"] for r in rows], name=_("compute"), marker_color=style.color("compute",
+                                                                                                       "forward")),
+        go.Bar(x=names, y=[r["intra_ms"] for r in rows], name=_("TP comm inside a node (NVLink)"),
                marker_color="#2ca02c"),
-        go.Bar(x=names, y=[r["inter_ms"] for r in rows], name="TP comm across nodes", marker_color="#d62728"),
+        go.Bar(x=names, y=[r["inter_ms"] for r in rows], name=_("TP comm across nodes"), marker_color="#d62728"),
     ])
-    fig.update_layout(title=title, barmode="group", yaxis_title="ms per layer (forward + backward)", height=400,
+    fig.update_layout(title=title, barmode="group", yaxis_title=_("ms per layer (forward + backward)"), height=400,
                       template="plotly_white")
     return fig

@@ -33,6 +33,7 @@ from typing import Any, Iterable, Sequence
 
 import plotly.graph_objects as go
 
+from parlab.i18n import _
 from parlab.trace import COLLECTIVES, P2P, Event, Trace
 from parlab.viz import style
 
@@ -45,11 +46,15 @@ ASYNC_WIDTH = 0.2    # asynchronous calls: a thin strip ...
 ASYNC_SHIFT = 0.3    # ... at the bottom of the lane (rank 0 is at the top; y grows downwards), below the middle
                      # where a compute bar writes its label (0.3 and 0.25 covered half of "wait for buckets")
 
-_GROUP_TITLES = {"compute": "compute regions", "collective": "collectives", "p2p": "point-to-point",
-                 "mark": "instants"}
 _EVENT_FIELDS = ("rank", "kind", "op", "start", "end", "group", "peer", "numel", "nbytes", "dtype", "label",
                  "asynchronous", "flops", "kernels", "waited", "clock", "mem_hist", "batched_flops", "special",
                  "meter_at", "meter_waited")
+
+
+def _group_titles() -> dict[str, str]:
+    """The legend's title of each kind of event, in the language in force."""
+    return {"compute": _("compute regions"), "collective": _("collectives"), "p2p": _("point-to-point"),
+            "mark": _("instants")}
 
 
 def _hist(h) -> tuple:
@@ -129,15 +134,17 @@ def empty_figure(message: str, title: str | None = None) -> go.Figure:
 def hover_text(e: Event, t0: float, scale: float, unit: str) -> str:
     """Everything worth knowing about one event, as plotly hover HTML."""
     lines = [f"<b>{e.op}</b>" + (f" · {e.label}" if e.label else ""),
-             f"rank {e.rank} · {e.kind}" + (" · async" if e.asynchronous else ""),
-             f"start {(e.start - t0) * scale:.4g} {unit} · duration {e.duration * scale:.4g} {unit}"]
+             f"rank {e.rank} · {e.kind}" + (" · " + _("async") if e.asynchronous else ""),
+             _("start {start:.4g} {unit} · duration {duration:.4g} {unit}").format(
+                 start=(e.start - t0) * scale, duration=e.duration * scale, unit=unit)]
     if e.kind in ("collective", "p2p"):
-        lines.append(f"payload {style.human_bytes(e.nbytes)} · wire {style.human_bytes(e.wire_bytes)}"
+        lines.append(_("payload {payload} · wire {wire}").format(payload=style.human_bytes(e.nbytes),
+                                                                  wire=style.human_bytes(e.wire_bytes))
                      + (f" · {e.numel} × {e.dtype}" if e.dtype else ""))
         if e.group:
-            lines.append(f"group {list(e.group)}")
+            lines.append(_("group {group}").format(group=list(e.group)))
         if e.peer is not None:
-            lines.append(f"{'root' if e.kind == 'collective' else 'peer'} {e.peer}")
+            lines.append((_("root {peer}") if e.kind == "collective" else _("peer {peer}")).format(peer=e.peer))
     return "<br>".join(lines)
 
 
@@ -153,10 +160,11 @@ def timeline(trace: Any, title: str | None = None, ranks: Sequence[int] | None =
         raise ValueError(f"unknown time_unit {time_unit!r}; choose one of {sorted(TIME_UNITS)}")
     tr = as_trace(trace)
     if tr.hardware:   # a replayed trace (parlab.cluster.replay) says what it was replayed on
-        title = f"{title} (replayed on {tr.hardware})" if title else f"replayed on {tr.hardware}"
+        title = (_("{title} (replayed on {hardware})").format(title=title, hardware=tr.hardware) if title
+                 else _("replayed on {hardware}").format(hardware=tr.hardware))
     if not tr.events:
-        return empty_figure("empty trace: nothing was recorded (run with parlab.run(..., trace=True) "
-                            "and call parlab.comm / parlab.trace.region inside fn)", title)
+        return empty_figure(_("empty trace: nothing was recorded (run with parlab.run(..., trace=True) "
+                              "and call parlab.comm / parlab.trace.region inside fn)"), title)
     scale, t0 = TIME_UNITS[time_unit], tr.t0
     lanes = list(ranks) if ranks is not None else tr.ranks
     lane_of = {r: i for i, r in enumerate(lanes)}
@@ -169,12 +177,14 @@ def timeline(trace: Any, title: str | None = None, ranks: Sequence[int] | None =
     order = sorted(by_colour, key=lambda k: (style.KIND_ORDER.index(k[0]) if k[0] in style.KIND_ORDER else 9, k[1]))
 
     palette = style.colors(order)                     # no two regions of this figure share a colour
+    group_titles = _group_titles()
     fig = go.Figure()
     for kind, op in order:
         evs = by_colour[(kind, op)]
         hover = [hover_text(e, t0, scale, time_unit) for e in evs]
         # group titles in the plural, so a region called "compute" is not listed as "compute" twice
-        common = dict(name=op, legendgroup=kind, legendgrouptitle_text=_GROUP_TITLES.get(kind, kind),
+        common = dict(name=_("marks") if kind == "mark" else op, legendgroup=kind,   # "marks": a key, shown translated
+                      legendgrouptitle_text=group_titles.get(kind, kind),
                       hovertext=hover, hovertemplate="%{hovertext}<extra></extra>")
         if kind == "mark":
             fig.add_trace(go.Scatter(
@@ -199,9 +209,9 @@ def timeline(trace: Any, title: str | None = None, ranks: Sequence[int] | None =
         title=title, barmode="overlay", template="plotly_white", hovermode="closest",
         uniformtext=dict(minsize=10, mode="hide"),     # a label that would need < 10 px is left to the hover
         # tall enough for the lanes and for the legend (one row per trace, one title per kind)
-        height=max(140 + 48 * len(lanes), 200 + 22 * (len(order) + len({k for k, _ in order}))),
+        height=max(140 + 48 * len(lanes), 200 + 22 * (len(order) + len({k for k, _op in order}))),
         showlegend=True, legend=dict(groupclick="toggleitem"),   # a legend even when one op is shown
-        xaxis=dict(title=f"time ({time_unit}) since the first event", zeroline=False),
+        xaxis=dict(title=_("time ({unit}) since the first event").format(unit=time_unit), zeroline=False),
         yaxis=dict(tickvals=list(range(len(lanes))), ticktext=[f"rank {r}" for r in lanes],
                    range=[len(lanes) - 0.5, -0.5], zeroline=False, showgrid=False))   # reversed: rank 0 on top
     return fig
@@ -220,7 +230,7 @@ def bytes_bars(trace: Any, by: str = "op", title: str | None = None) -> go.Figur
         raise ValueError(f"by={by!r}: choose 'op' (stack by collective) or 'label' (stack by label prefix)")
     tr = as_trace(trace).comm()
     if not tr.events:
-        return empty_figure("no communication in this trace: nothing was sent", title)
+        return empty_figure(_("no communication in this trace: nothing was sent"), title)
     ranks = tr.ranks
     sent: dict[str, dict[int, float]] = {}
     for e in tr.events:
@@ -232,8 +242,10 @@ def bytes_bars(trace: Any, by: str = "op", title: str | None = None) -> go.Figur
         fig.add_trace(go.Bar(
             x=[f"rank {r}" for r in ranks], y=ys, name=key,
             marker_color=style.COLLECTIVE_COLORS.get(key, style.P2P_COLORS.get(key)) if by == "op" else None,
-            hovertext=[f"<b>{key}</b><br>rank {r} sent {style.human_bytes(y)}" for r, y in zip(ranks, ys)],
+            hovertext=[f"<b>{key}</b><br>" + _("rank {rank} sent {nbytes}").format(rank=r, nbytes=style.human_bytes(y))
+                       for r, y in zip(ranks, ys)],
             hovertemplate="%{hovertext}<extra></extra>"))
-    fig.update_layout(title=title or f"bytes sent per rank, by {by}", barmode="stack", template="plotly_white",
-                      yaxis=dict(title="bytes sent (ring model)", tickformat=".3~s", ticksuffix="B"))
+    fig.update_layout(title=title or _("bytes sent per rank, by {by}").format(by=by), barmode="stack",
+                      template="plotly_white",
+                      yaxis=dict(title=_("bytes sent (ring model)"), tickformat=".3~s", ticksuffix="B"))
     return fig
