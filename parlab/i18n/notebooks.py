@@ -120,7 +120,14 @@ def load(path: Path, lang: str = "zh_CN"):
     if not path.is_file():
         return Catalog(locale=lang, project="parlab", fuzzy=False)
     with path.open("rb") as f:
-        return read_po(f, locale=lang)
+        catalog = read_po(f, locale=lang)
+    for m in catalog:            # Babel 2.x reads gettext's "#| msgid" (the previous English) as a comment
+        previous = [c[1:].strip() for c in m.user_comments if c.startswith("|")]
+        if previous:
+            from babel.messages.pofile import denormalize
+            m.user_comments = [c for c in m.user_comments if not c.startswith("|")]
+            m.previous_id = [denormalize("\n".join([previous[0].removeprefix("msgid").strip(), *previous[1:]]))]
+    return catalog
 
 
 def _save(catalog, path: Path) -> None:
@@ -246,7 +253,9 @@ def translate(nb, catalog, code_strings: bool = True):
                 cell.source = m.string
         elif cell.cell_type == "code" and code_strings:
             cell.source = _replace_literals(cell, catalog)
-    out.metadata.setdefault("parlab", {})["lang"] = str(catalog.locale) if catalog.locale else "zh_CN"
+    loc = catalog.locale          # Babel's Locale: zh_CN reads back as zh_Hans_CN; the course's code is zh_CN
+    lang = f"{loc.language}_{loc.territory}" if loc is not None and loc.territory else "zh_CN"
+    out.metadata.setdefault("parlab", {})["lang"] = lang
     return out
 
 

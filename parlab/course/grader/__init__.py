@@ -1,6 +1,7 @@
 """``parlab grade``: grade a folder of submissions into a gradebook, per-student feedback and a class summary.
 
     parlab grade SUBMISSIONS [--out DIR] [--jobs N] [--wall S] [--cell-timeout S] [--cpu-limit S] [--memory-gb G]
+                             [--lang {en,zh}]
 
 For each submission (`collect`: any layout, names with dots, spaces, non-ASCII):
 
@@ -19,6 +20,10 @@ For each submission (`collect`: any layout, names with dots, spaces, non-ASCII):
 Outputs in `out`: ``gradebook.csv`` (one row per student and exercise; per-check pass/fail columns),
 ``gradebook.json`` (everything, with full tracebacks), ``feedback/<student>.md`` and ``summary.html``
 (pass rate per check, a plotly figure). See `report`.
+
+``--lang`` (default: ``PARLAB_LANG``, else the locale, else English) is the language of the feedback: the
+kernels that grade run with ``PARLAB_LANG`` set to it, so every check explains itself in it, and the reports
+are written in it. The gradebook's codes (statuses, ``pass``/``fail``, column names) stay as they are.
 
 Like otter-grader, grading runs the notebook afresh in a separate process; like nbgrader, it trusts the
 released cells, not the submitted ones. Run it in a throw-away container: a submission is arbitrary code.
@@ -40,6 +45,7 @@ from pathlib import Path
 
 import nbformat
 
+from parlab.i18n import _, language, normalize, use_language
 from parlab.course.grader.collect import Submission, collect, released_exercises, restore
 
 __all__ = ["Limits", "Result", "grade", "grade_one", "main"]
@@ -106,8 +112,9 @@ def grade_one(sub: Submission, released_path: Path, limits: Limits) -> Result:
         nb = nbformat.read(str(sub.path), as_version=4)
     except Exception as e:
         for c in blank:
-            c.update(kind="crashed", message=f"the notebook file could not be read: {e}")
-        return Result(sub.student, sub.exercise, "crashed", blank, notes + [f"unreadable notebook: {e}"])
+            c.update(kind="crashed", message=_("the notebook file could not be read: {error}").format(error=e))
+        return Result(sub.student, sub.exercise, "crashed", blank,
+                      notes + [_("unreadable notebook: {error}").format(error=e)])
     nb, restored = restore(nb, released)
     notes += restored
     work = Path(tempfile.mkdtemp(prefix="parlab-grade-"))
@@ -117,11 +124,12 @@ def grade_one(sub: Submission, released_path: Path, limits: Limits) -> Result:
         cmd = [sys.executable, "-m", "parlab.course.grader.worker", str(work / "submission.ipynb"), str(work / "result.json"),
                "--cell-timeout", str(limits.cell_timeout), "--cpu-limit", str(limits.cpu_limit)]
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[3]),
-                                                                        os.environ.get("PYTHONPATH")])))
+                                                                        os.environ.get("PYTHONPATH")])),
+                   PARLAB_LANG=language())           # the worker, its kernel and the ranks speak the reports' language
         proc = subprocess.Popen(cmd, cwd=work, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 preexec_fn=_limit_memory(limits.memory_gb), env=env)
         try:
-            log, _ = proc.communicate(timeout=limits.wall)
+            log = proc.communicate(timeout=limits.wall)[0]
             timed_out = False
         except subprocess.TimeoutExpired:
             timed_out = True
@@ -138,8 +146,12 @@ def grade_one(sub: Submission, released_path: Path, limits: Limits) -> Result:
             out = json.loads((work / "result.json").read_text(encoding="utf-8"))
         except (OSError, ValueError):
             status = "timeout" if timed_out else "crashed"
-            why = (f"the notebook did not finish within {limits.wall:g} s" if timed_out
-                   else "the grading process died" + (f": {log.strip().splitlines()[-1]}" if log.strip() else ""))
+            if timed_out:
+                why = _("the notebook did not finish within {seconds:g} s").format(seconds=limits.wall)
+            elif log.strip():
+                why = _("the grading process died: {error}").format(error=log.strip().splitlines()[-1])
+            else:
+                why = _("the grading process died")
             for c in blank:
                 c.update(kind=status, message=why)
             return Result(sub.student, sub.exercise, status, blank, notes + [why], time.monotonic() - t0)
@@ -150,12 +162,13 @@ def grade_one(sub: Submission, released_path: Path, limits: Limits) -> Result:
     for g in graded:
         c = by_id.get(g["grade_id"])
         if c is None:
-            c = {"passed": False, "kind": out["status"], "message": out.get("crash") or "this cell did not run",
+            c = {"passed": False, "kind": out["status"], "message": out.get("crash") or _("this cell did not run"),
                  "traceback": ""}
         checks.append({**g, **{k: c[k] for k in ("passed", "kind", "message", "traceback")}})
     status = out["status"]
     if status == "tampered":
-        notes.append(f"tampered: {', '.join(out['tampered'])} rebound; no check of this notebook counts")
+        notes.append(_("tampered: {names} rebound; no check of this notebook counts").format(
+            names=", ".join(out["tampered"])))
         for c in checks:
             c["passed"] = False
     if out.get("crash"):
@@ -164,28 +177,32 @@ def grade_one(sub: Submission, released_path: Path, limits: Limits) -> Result:
 
 
 def grade(submissions: str | Path, out: str | Path, exercises: str | Path | None = None, jobs: int = 1,
-          limits: Limits | None = None, progress=print) -> list[Result]:
-    """Grade every submission under `submissions` against the released exercises; write the reports to `out`."""
+          limits: Limits | None = None, progress=print, lang: str | None = None) -> list[Result]:
+    """Grade every submission under `submissions` against the released exercises; write the reports to `out`.
+    `lang` ("en", "zh", ...; default: the language in force) is the language of the checks' messages (the kernels
+    run with PARLAB_LANG set to it) and of the reports."""
     from parlab.course.grader import report
     from parlab.course import ROOT
 
     limits = limits or Limits()
-    released = released_exercises(exercises or ROOT / "exercises")
-    if not released:
-        raise ValueError(f"no released exercises (*.ipynb) in {exercises or ROOT / 'exercises'}")
-    subs, problems = collect(submissions, released)
-    for p in problems:
-        progress(f"skipped: {p}")
-    results: list[Result] = []
+    with use_language(normalize(lang) or language()):
+        released = released_exercises(exercises or ROOT / "exercises")
+        if not released:
+            raise ValueError(_("no released exercises (*.ipynb) in {folder}").format(
+                folder=exercises or ROOT / "exercises"))
+        subs, problems = collect(submissions, released)
+        for p in problems:
+            progress(_("skipped: {problem}").format(problem=p))
+        results: list[Result] = []
 
-    def one(sub):
-        r = grade_one(sub, released[sub.exercise], limits)
-        progress(f"{r.status:>8}  {r.points:g}/{r.max_points:g}  {r.student} / {r.exercise}  ({r.seconds:.0f} s)")
-        return r
+        def one(sub):
+            r = grade_one(sub, released[sub.exercise], limits)
+            progress(f"{r.status:>8}  {r.points:g}/{r.max_points:g}  {r.student} / {r.exercise}  ({r.seconds:.0f} s)")
+            return r
 
-    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
-        results = list(pool.map(one, subs))
-    report.write_all(results, Path(out), problems)
+        with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+            results = list(pool.map(one, subs))
+        report.write_all(results, Path(out), problems)
     return results
 
 
@@ -196,33 +213,51 @@ def main(argv=None) -> int:
     return run_from_args(p.parse_args(argv))
 
 
+def _language(code: str) -> str:
+    """argparse type for --lang: "zh", "zh-CN", "zh_CN" -> "zh_CN", "en" -> "en"; else an error naming both."""
+    import argparse
+    try:
+        return normalize(code) or "en"
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def add_arguments(p) -> None:
     d = Limits()
-    p.add_argument("submissions", type=Path, help="folder of submissions (a folder per student, or "
-                                                  "STUDENT_EXERCISE.ipynb files)")
-    p.add_argument("--out", type=Path, default=Path("grades"), help="folder for the reports (default: ./grades)")
-    p.add_argument("--exercises", type=Path, default=None, help="released exercises (default: this course's)")
-    p.add_argument("--jobs", type=int, default=1, help="notebooks graded side by side (default: 1)")
-    p.add_argument("--wall", type=float, default=d.wall, help=f"seconds per notebook (default: {d.wall:g})")
+    p.add_argument("submissions", type=Path, help=_("folder of submissions (a folder per student, or "
+                                                    "STUDENT_EXERCISE.ipynb files)"))
+    p.add_argument("--out", type=Path, default=Path("grades"), help=_("folder for the reports (default: ./grades)"))
+    p.add_argument("--exercises", type=Path, default=None, help=_("released exercises (default: this course's)"))
+    p.add_argument("--jobs", type=int, default=1, help=_("notebooks graded side by side (default: 1)"))
+    p.add_argument("--wall", type=float, default=d.wall,
+                   help=_("seconds per notebook (default: {seconds:g})").format(seconds=d.wall))
     p.add_argument("--cell-timeout", type=float, default=d.cell_timeout,
-                   help=f"seconds per cell (default: {d.cell_timeout:g})")
+                   help=_("seconds per cell (default: {seconds:g})").format(seconds=d.cell_timeout))
     p.add_argument("--cpu-limit", type=float, default=d.cpu_limit,
-                   help=f"CPU seconds of student code per check and rank (default: {d.cpu_limit:g})")
+                   help=_("CPU seconds of student code per check and rank (default: {seconds:g})").format(
+                       seconds=d.cpu_limit))
     p.add_argument("--memory-gb", type=float, default=d.memory_gb,
-                   help=f"memory per notebook, GiB (default: {d.memory_gb:g})")
+                   help=_("memory per notebook, GiB (default: {gb:g})").format(gb=d.memory_gb))
+    p.add_argument("--lang", type=_language, default=None,
+                   help=_("the language of the feedback and the reports: en or zh (default: PARLAB_LANG, else the "
+                          "locale, else en)"))
 
 
 def run_from_args(args) -> int:
-    if not args.submissions.is_dir():
-        print(f"parlab grade: {args.submissions} is not a folder of submissions", file=sys.stderr)
-        return 2
-    limits = Limits(wall=args.wall, cell_timeout=args.cell_timeout, cpu_limit=args.cpu_limit,
-                    memory_gb=args.memory_gb)
-    try:
-        results = grade(args.submissions, args.out, args.exercises, args.jobs, limits)
-    except ValueError as e:
-        print(f"parlab grade: {e}", file=sys.stderr)
-        return 2
-    print(f"graded {len(results)} notebooks: {args.out / 'gradebook.csv'}, {args.out / 'summary.html'}, "
-          f"{args.out / 'feedback'}/")
+    lang = getattr(args, "lang", None) or language()
+    with use_language(lang):
+        if not args.submissions.is_dir():
+            print(_("parlab grade: {path} is not a folder of submissions").format(path=args.submissions),
+                  file=sys.stderr)
+            return 2
+        limits = Limits(wall=args.wall, cell_timeout=args.cell_timeout, cpu_limit=args.cpu_limit,
+                        memory_gb=args.memory_gb)
+        try:
+            results = grade(args.submissions, args.out, args.exercises, args.jobs, limits, lang=lang)
+        except ValueError as e:
+            print(f"parlab grade: {e}", file=sys.stderr)
+            return 2
+        print(_("graded {n} notebooks: {gradebook}, {summary}, {feedback}/").format(
+            n=len(results), gradebook=args.out / "gradebook.csv", summary=args.out / "summary.html",
+            feedback=args.out / "feedback"))
     return 0

@@ -20,6 +20,8 @@ from pathlib import Path
 
 import nbformat
 
+from parlab.i18n import _
+
 __all__ = ["Submission", "collect", "restore", "released_exercises", "exercise_of"]
 
 SEPARATORS = "_- ."
@@ -70,8 +72,8 @@ def collect(root: str | Path, stems) -> tuple[list[Submission], list[str]]:
             continue
         exercise = exercise_of(path.name, stems)
         if exercise is None:
-            problems.append(f"{rel}: no released exercise matches this file name; rename it to one of "
-                            f"{sorted(stems)}")
+            problems.append(_("{file}: no released exercise matches this file name; rename it to one of "
+                              "{stems}").format(file=rel, stems=sorted(stems)))
             continue
         student = rel.parts[0] if len(rel.parts) > 1 else _student_from_file(path.name, exercise)
         found.setdefault((student, exercise), []).append(path)
@@ -80,12 +82,13 @@ def collect(root: str | Path, stems) -> tuple[list[Submission], list[str]]:
         paths.sort(key=lambda p: (os.stat(p).st_mtime, str(p)))
         sub = Submission(student, exercise, paths[-1])
         if len(paths) > 1:
-            sub.notes.append(f"{len(paths)} files for this exercise; graded the newest, {paths[-1].relative_to(root)}")
+            sub.notes.append(_("{n} files for this exercise; graded the newest, {newest}").format(
+                n=len(paths), newest=paths[-1].relative_to(root)))
         subs.append(sub)
     students = sorted({s.student for s in subs})
     exercises = sorted({s.exercise for s in subs})
     have = {(s.student, s.exercise) for s in subs}
-    subs += [Submission(st, ex, None, ["no notebook handed in"]) for st in students for ex in exercises
+    subs += [Submission(st, ex, None, [_("no notebook handed in")]) for st in students for ex in exercises
              if (st, ex) not in have]
     subs.sort(key=lambda s: (s.student, s.exercise))
     return subs, problems
@@ -98,7 +101,9 @@ def _meta(cell) -> dict:
 
 def _describe(cell) -> str:
     m = _meta(cell)
-    return f"{'graded' if m.get('grade') else 'read-only'} cell {m.get('grade_id')}"
+    if m.get("grade"):
+        return _("graded cell {grade_id}").format(grade_id=m.get("grade_id"))
+    return _("read-only cell {grade_id}").format(grade_id=m.get("grade_id"))
 
 
 def restore(submission: nbformat.NotebookNode, released: nbformat.NotebookNode) -> tuple[nbformat.NotebookNode,
@@ -121,13 +126,13 @@ def restore(submission: nbformat.NotebookNode, released: nbformat.NotebookNode) 
                 cell.setdefault("metadata", {})["nbgrader"] = dict(_meta(ref))
         if gid in locked:
             if gid in seen:
-                notes.append(f"{_describe(locked[gid])} appeared twice: the copy was removed")
+                notes.append(_("{cell} appeared twice: the copy was removed").format(cell=_describe(locked[gid])))
                 continue
             seen.add(gid)
             ref = locked[gid]
             if cell.get("source", "") != ref.source or cell.cell_type != ref.cell_type:
                 if _meta(ref).get("grade") or ref.cell_type == "code":
-                    notes.append(f"{_describe(ref)} was edited: restored")
+                    notes.append(_("{cell} was edited: restored").format(cell=_describe(ref)))
             new = nbformat.from_dict(ref)
             cells.append(new)
         else:
@@ -141,7 +146,7 @@ def restore(submission: nbformat.NotebookNode, released: nbformat.NotebookNode) 
             continue
         ref = locked[gid]
         if _meta(ref).get("grade") or ref.cell_type == "code":
-            notes.append(f"{_describe(ref)} was deleted: re-inserted")
+            notes.append(_("{cell} was deleted: re-inserted").format(cell=_describe(ref)))
         at = 0
         for prev in reversed(order[:k]):
             idx = next((i for i, c in enumerate(cells) if _meta(c).get("grade_id") == prev), None)
@@ -151,7 +156,8 @@ def restore(submission: nbformat.NotebookNode, released: nbformat.NotebookNode) 
         cells.insert(at, nbformat.from_dict(ref))
         seen.add(gid)
     if relabelled:
-        notes.insert(0, f"{relabelled} cells had lost their nbgrader metadata: matched to the release by cell id")
+        notes.insert(0, _("{n} cells had lost their nbgrader metadata: matched to the release by cell id").format(
+            n=relabelled))
     out = nbformat.from_dict(submission)
     out.cells = cells
     for cell in out.cells:

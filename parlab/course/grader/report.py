@@ -15,7 +15,17 @@ import json
 import re
 from pathlib import Path
 
-__all__ = ["write_all", "write_csv", "feedback_markdown", "summary_figure", "safe_name"]
+from parlab.i18n import _
+
+__all__ = ["write_all", "write_csv", "feedback_markdown", "summary_figure", "safe_name", "status_name"]
+
+STATUSES = ("ok", "missing", "timeout", "crashed", "tampered")
+
+
+def status_name(status: str) -> str:
+    """A notebook's status as a reader sees it (the gradebook files keep the code: ok, missing, ...)."""
+    return {"ok": _("ok"), "missing": _("missing"), "timeout": _("timeout"), "crashed": _("crashed"),
+            "tampered": _("tampered")}.get(status, status)
 
 
 def safe_name(name: str) -> str:
@@ -45,16 +55,17 @@ def write_csv(results, path: Path) -> None:
 
 
 def feedback_markdown(student: str, results) -> str:
-    lines = [f"# Feedback for {student}", ""]
+    lines = ["# " + _("Feedback for {student}").format(student=student), ""]
     for r in results:
-        lines += [f"## {r.exercise}: {r.points:g} / {r.max_points:g} points ({r.status})", ""]
+        lines += ["## " + _("{exercise}: {points:g} / {max_points:g} points ({status})").format(
+            exercise=r.exercise, points=r.points, max_points=r.max_points, status=status_name(r.status)), ""]
         for n in r.notes:
             lines.append(f"* {n}")
         if r.notes:
             lines.append("")
         for c in r.checks:
-            mark = "PASS" if c["passed"] else "FAIL"
-            lines.append(f"### {mark}: {c['label']}")
+            mark = _("PASS") if c["passed"] else _("FAIL")
+            lines.append("### " + _("{mark}: {check}").format(mark=mark, check=c["label"]))
             if not c["passed"] and c["message"]:
                 lines += ["", "```", c["message"].strip(), "```"]
             lines.append("")
@@ -77,9 +88,9 @@ def summary_figure(results):
     keys = list(rows)
     rate = [100.0 * sum(rows[k]) / len(rows[k]) for k in keys]
     fig = go.Figure(go.Bar(x=rate, y=[labels[k] for k in keys], orientation="h",
-                           text=[f"{v:.0f}% of {len(rows[k])}" for v, k in zip(rate, keys)],
+                           text=[_("{rate} of {n}").format(rate=f"{v:.0f}%", n=len(rows[k])) for v, k in zip(rate, keys)],
                            hovertext=[hover[k] for k in keys], marker_color=["#d62728" if v < 50 else "#1f77b4" for v in rate]))
-    fig.update_layout(title="Pass rate per check (submissions handed in)", xaxis_title="% passed",
+    fig.update_layout(title=_("Pass rate per check (submissions handed in)"), xaxis_title=_("% passed"),
                       xaxis_range=[0, 100], yaxis_autorange="reversed", height=200 + 28 * len(keys),
                       yaxis_automargin=True, margin=dict(l=20, r=20, t=60, b=40))
     return fig
@@ -90,11 +101,10 @@ def _status_table(results) -> str:
     for r in results:
         counts.setdefault(r.exercise, {}).setdefault(r.status, 0)
         counts[r.exercise][r.status] += 1
-    statuses = ["ok", "missing", "timeout", "crashed", "tampered"]
-    head = "".join(f"<th>{s}</th>" for s in statuses)
-    body = "".join(f"<tr><td>{ex}</td>" + "".join(f"<td>{c.get(s, 0)}</td>" for s in statuses) + "</tr>"
+    head = "".join(f"<th>{status_name(s)}</th>" for s in STATUSES)
+    body = "".join(f"<tr><td>{ex}</td>" + "".join(f"<td>{c.get(s, 0)}</td>" for s in STATUSES) + "</tr>"
                    for ex, c in sorted(counts.items()))
-    return f"<table border=1 cellpadding=4><tr><th>exercise</th>{head}</tr>{body}</table>"
+    return "<table border=1 cellpadding=4><tr><th>" + _("exercise") + f"</th>{head}</tr>{body}</table>"
 
 
 def write_all(results, out: Path, problems=()) -> None:
@@ -112,9 +122,11 @@ def write_all(results, out: Path, problems=()) -> None:
         (fb / f"{safe_name(student)}.md").write_text(text, encoding="utf-8")
     fig = summary_figure(results)
     skipped = "".join(f"<li>{p}</li>" for p in problems)
-    page = ("<html><head><meta charset='utf-8'><title>parlab grading summary</title></head><body>"
-            f"<h1>Grading summary</h1><p>{len(results)} notebooks, {len({r.student for r in results})} "
-            f"students.</p>{_status_table(results)}"
-            + (f"<h2>Files skipped</h2><ul>{skipped}</ul>" if skipped else "")
+    page = ("<html><head><meta charset='utf-8'><title>" + _("parlab grading summary") + "</title></head><body>"
+            "<h1>" + _("Grading summary") + "</h1><p>"
+            + _("{notebooks} notebooks, {students} students.").format(notebooks=len(results),
+                                                                      students=len({r.student for r in results}))
+            + f"</p>{_status_table(results)}"
+            + ("<h2>" + _("Files skipped") + f"</h2><ul>{skipped}</ul>" if skipped else "")
             + pio.to_html(fig, include_plotlyjs=True, full_html=False) + "</body></html>")
     (out / "summary.html").write_text(page, encoding="utf-8")

@@ -24,6 +24,8 @@ from pathlib import Path
 
 import nbformat
 
+from parlab.i18n import _
+
 __all__ = ["grade_notebook", "main"]
 
 MARK = "__parlab_grader__"
@@ -74,9 +76,9 @@ def grade_notebook(nb: nbformat.NotebookNode, workdir: Path, cell_timeout: float
 
     results = workdir / "checks.jsonl"
     results.write_text("")
+    timed_out = _("this cell ran longer than {seconds:g} s and was interrupted").format(seconds=cell_timeout)
     client = _Client(nb, timeout=cell_timeout, kernel_name="python3", allow_errors=True, interrupt_on_timeout=True,
-                     error_on_timeout={"ename": "CellTimeout", "evalue": f"this cell ran longer than "
-                                       f"{cell_timeout:g} s and was interrupted", "traceback": []},
+                     error_on_timeout={"ename": "CellTimeout", "evalue": timed_out, "traceback": []},
                      resources={"metadata": {"path": str(workdir)}})
     cells: list[dict] = []
     status, tampered, crash = "ok", set(), ""
@@ -102,7 +104,7 @@ def grade_notebook(nb: nbformat.NotebookNode, workdir: Path, cell_timeout: float
         for line in _text_of(probe).splitlines():
             if line.startswith(MARK):
                 return json.loads(line[len(MARK):])
-        return ["parlab.course.grading.guard (the tamper probe printed nothing)"]
+        return [_("parlab.course.grading.guard (the tamper probe printed nothing)")]
 
     with client.setup_kernel():
         try:
@@ -110,7 +112,8 @@ def grade_notebook(nb: nbformat.NotebookNode, workdir: Path, cell_timeout: float
                           f"cpu_limit_s={cpu_limit!r})\nimport parlab.course.grading\ndel _g")
             client.execute_cell(pre, 0)
             if _error_of(pre):
-                raise RuntimeError("the grader's set-up cell failed: " + _error_of(pre).get("evalue", ""))
+                raise RuntimeError(_("the grader's set-up cell failed: {error}").format(
+                    error=_error_of(pre).get("evalue", "")))
             new_records()
             last = max((i for i, c in enumerate(nb.cells) if c.metadata.get("nbgrader", {}).get("grade")), default=-1)
             for index, cell in enumerate(nb.cells[:last + 1]):     # cells after the last graded one score nothing
@@ -123,7 +126,7 @@ def grade_notebook(nb: nbformat.NotebookNode, workdir: Path, cell_timeout: float
                 if err and err.get("ename") in ("CellTimeout", "KeyboardInterrupt"):
                     status = "timeout" if status == "ok" else status
                 if err and _out_of_memory(f"{err.get('ename')}: {err.get('evalue')}") and status in ("ok", "timeout"):
-                    status, crash = "crashed", f"cell {index} hit the grader's memory limit"
+                    status, crash = "crashed", _("cell {index} hit the grader's memory limit").format(index=index)
                 if not meta.get("grade"):
                     new_records()
                     continue
@@ -138,8 +141,9 @@ def grade_notebook(nb: nbformat.NotebookNode, workdir: Path, cell_timeout: float
                 kind = "ok" if passed else (kinds[0] if kinds else ("tampered" if bad else "error"))
                 if bad or (err is None and not mine):
                     kind = "tampered"
-                    msg = (f"tampered: {', '.join(sorted(bad)) or check + ' left no record'}; the grading "
-                           f"code or parlab was rebound in this notebook, so this check does not count")
+                    what = ", ".join(sorted(bad)) or _("{check} left no record").format(check=check)
+                    msg = _("tampered: {what}; the grading code or parlab was rebound in this notebook, so this check "
+                            "does not count").format(what=what)
                 elif any(not r["passed"] for r in mine):         # the check's own message, without a class name
                     msg = next(r["message"] for r in mine if not r["passed"])
                 elif err is not None:
@@ -155,11 +159,12 @@ def grade_notebook(nb: nbformat.NotebookNode, workdir: Path, cell_timeout: float
                     status = "timeout"
                 if not passed and _out_of_memory(msg + tb):
                     kind, status = "memory", "crashed" if status in ("ok", "timeout") else status
-                    msg += "\n(the notebook hit the grader's memory limit)"
+                    msg += "\n" + _("(the notebook hit the grader's memory limit)")
                 cells.append({"grade_id": meta.get("grade_id"), "check": check, "passed": passed, "kind": kind,
                               "message": msg, "traceback": tb, "seconds": round(time.monotonic() - start, 2)})
         except DeadKernelError as e:
-            status, crash = "crashed", f"the kernel died ({e}); a cell called os._exit, or ran out of memory"
+            status, crash = "crashed", _("the kernel died ({error}); a cell called os._exit, or ran out of "
+                                         "memory").format(error=e)
         except Exception as e:                           # the kernel died in another way, or nbclient failed
             status, crash = "crashed", f"{type(e).__name__}: {e}"
         if status != "crashed":

@@ -19,6 +19,7 @@ from itertools import combinations
 import torch
 
 from parlab import comm
+from parlab.i18n import _
 from parlab.parallel.context import ring as ra
 from parlab.models import causal_attention
 from parlab.course.grading import TIMEOUT, call_student, run_student
@@ -42,7 +43,7 @@ WORLD_SIZES = (2, 3, 4)
 def qkv(S: int, seed: int = 0, dtype=torch.float64) -> list[torch.Tensor]:
     """The full q, k, v (B, nh, S, hd) every rank starts from (one seed, so the same on all ranks)."""
     g = torch.Generator().manual_seed(seed)
-    return [torch.randn(B, NH, S, HD, generator=g, dtype=dtype) for _ in range(3)]
+    return [torch.randn(B, NH, S, HD, generator=g, dtype=dtype) for _tensor in range(3)]
 
 
 def _err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -52,19 +53,19 @@ def _err(a: torch.Tensor, b: torch.Tensor) -> float:
 # ---------------------------------------------------------------------- part 1: the merge
 def _explain_merge(out, o1, l1, o2, l2) -> str:
     w1 = torch.exp(l1 - torch.logaddexp(l1, l2)).unsqueeze(-1)
-    guesses = {
-        "Your out is the plain average (o1 + o2) / 2: each part must be weighted by its share of the softmax "
-        "mass, exp(lse1 - lse) and exp(lse2 - lse).": (o1 + o2) / 2,
-        "Your out is the sum o1 + o2: the weights exp(lse_i - lse) are missing.": o1 + o2,
-        "Your weights are swapped: o1 must be weighted by exp(lse1 - lse), o2 by exp(lse2 - lse).":
-            (1 - w1) * o1 + w1 * o2,
-        "Your out is o1 unchanged: the second part was not merged in.": o1,
-        "Your out is o2 only: the first part was overwritten instead of merged.": o2,
-    }
-    for text, t in guesses.items():
+    guesses = [
+        (_("Your out is the plain average (o1 + o2) / 2: each part must be weighted by its share of the softmax "
+           "mass, exp(lse1 - lse) and exp(lse2 - lse)."), (o1 + o2) / 2),
+        (_("Your out is the sum o1 + o2: the weights exp(lse_i - lse) are missing."), o1 + o2),
+        (_("Your weights are swapped: o1 must be weighted by exp(lse1 - lse), o2 by exp(lse2 - lse)."),
+         (1 - w1) * o1 + w1 * o2),
+        (_("Your out is o1 unchanged: the second part was not merged in."), o1),
+        (_("Your out is o2 only: the first part was overwritten instead of merged."), o2),
+    ]
+    for text, t in guesses:
         if t.shape == out.shape and _err(out, t) < 1e-9:
             return text
-    return "Your out is none of the usual mistakes; compare it with the formula term by term."
+    return _("Your out is none of the usual mistakes; compare it with the formula term by term.")
 
 
 @graded(*RING_REFS)
@@ -75,43 +76,48 @@ def check_merge_partials(fn) -> None:
     for cut in (8, 3, 13):
         o1, l1 = ra.attention_block(q, k[..., :cut, :], v[..., :cut, :])
         o2, l2 = ra.attention_block(q, k[..., cut:, :], v[..., cut:, :])
-        where = f"merge_partials, keys 0..{cut - 1} and {cut}..15 of 16 (float64)"
+        where = _("merge_partials, keys 0..{last} and {cut}..15 of 16 (float64)").format(last=cut - 1, cut=cut)
         got = call_student(fn, o1, l1, o2, l2, what="merge_partials")
         if not (isinstance(got, (tuple, list)) and len(got) == 2):
-            raise AssertionError(f"{where}: return a pair (out, lse), got {type(got).__name__}.")
+            raise AssertionError(_("{where}: return a pair (out, lse), got {kind}.").format(
+                where=where, kind=type(got).__name__))
         out, lse = got
         want_out = causal_attention(q, k, v, causal=False)                          # (B, nh, 16, hd)
         want_lse = torch.logsumexp(q @ k.transpose(-2, -1) / HD ** 0.5, dim=-1)     # (B, nh, 16)
         for name, g, w in (("out", out, want_out), ("lse", lse, want_lse)):
             if not isinstance(g, torch.Tensor) or g.shape != w.shape:
                 shape = tuple(g.shape) if isinstance(g, torch.Tensor) else type(g).__name__
-                raise AssertionError(f"{where}: {name} has shape {shape}, expected {tuple(w.shape)} (the same "
-                                     f"shape as {name}1).")
+                raise AssertionError(_("{where}: {name} has shape {shape}, expected {want} (the same shape as "
+                                       "{name}1).").format(where=where, name=name, shape=shape, want=tuple(w.shape)))
         if _err(lse, want_lse) > 1e-10:
             m = torch.maximum(l1, l2)
-            hint = (" It equals max(lse1, lse2): the max is only the stable *shift*; lse adds the two masses."
+            hint = (_(" It equals max(lse1, lse2): the max is only the stable *shift*; lse adds the two masses.")
                     if _err(lse, m) < 1e-12 else "")
-            raise AssertionError(f"{where}: lse is wrong (max error {_err(lse, want_lse):.2e}); expected "
-                                 f"{want_lse.flatten()[:3].tolist()}, got {lse.flatten()[:3].tolist()}.{hint}\n"
-                                 f"Hint: {formula}.")
+            raise AssertionError(_("{where}: lse is wrong (max error {err:.2e}); expected {want}, got {got}.{why}\n"
+                                   "Hint: {formula}.").format(where=where, err=_err(lse, want_lse),
+                                                              want=want_lse.flatten()[:3].tolist(),
+                                                              got=lse.flatten()[:3].tolist(), why=hint,
+                                                              formula=formula))
         if _err(out, want_out) > 1e-10:
-            raise AssertionError(f"{where}: out differs from full attention by up to {_err(out, want_out):.2e}. "
-                                 f"{_explain_merge(out, o1, l1, o2, l2)}\nHint: {formula}.")
+            raise AssertionError(_("{where}: out differs from full attention by up to {err:.2e}. {why}\n"
+                                   "Hint: {formula}.").format(where=where, err=_err(out, want_out),
+                                                              why=_explain_merge(out, o1, l1, o2, l2), formula=formula))
     # scores shifted by 100 leave softmax unchanged; in float32 exp(100) = inf breaks the naive formula
     o1, l1 = ra.attention_block(q, k[..., :8, :], v[..., :8, :])
     o2, l2 = ra.attention_block(q, k[..., 8:, :], v[..., 8:, :])
     f32 = [o1.float(), (l1 + 100).float(), o2.float(), (l2 + 100).float()]
     out, lse = call_student(fn, *f32, what="merge_partials")
     if not bool(torch.isfinite(out).all() and torch.isfinite(lse).all()):
-        raise AssertionError("merge_partials overflows: with every score raised by 100 (the softmax does not change) "
-                             "in float32, your result holds inf or nan, because exp(lse) = exp(100+) overflows "
-                             "float32 (max ~3.4e38 = e^88).\nHint: never exponentiate lse itself; use "
-                             "lse = torch.logaddexp(lse1, lse2) and the weights exp(lse1 - lse), exp(lse2 - lse), "
-                             "which are <= 1.")
+        raise AssertionError(_("merge_partials overflows: with every score raised by 100 (the softmax does not "
+                               "change) in float32, your result holds inf or nan, because exp(lse) = exp(100+) "
+                               "overflows float32 (max ~3.4e38 = e^88).\nHint: never exponentiate lse itself; use "
+                               "lse = torch.logaddexp(lse1, lse2) and the weights exp(lse1 - lse), exp(lse2 - lse), "
+                               "which are <= 1."))
     if _err(out, causal_attention(q, k, v, causal=False)) > 1e-5:
-        raise AssertionError(f"merge_partials in float32 with large scores is off by "
-                             f"{_err(out, causal_attention(q, k, v, causal=False)):.1e}. Hint: {formula}.")
-    print("merge_partials equals full attention for 3 key splits, and stays finite when exp(score) overflows")
+        raise AssertionError(_("merge_partials in float32 with large scores is off by {err:.1e}. Hint: "
+                               "{formula}.").format(err=_err(out, causal_attention(q, k, v, causal=False)),
+                                                    formula=formula))
+    print(_("merge_partials equals full attention for 3 key splits, and stays finite when exp(score) overflows"))
 
 
 # ---------------------------------------------------------------------- part 2: one ring step
@@ -122,7 +128,7 @@ def ring_forward_with(ring_step, q, k, v):
     for step in range(comm.get_world_size()):
         got = ring_step(q, kv, out, lse, step)
         if not (isinstance(got, (tuple, list)) and len(got) == 3):
-            raise TypeError(f"ring_step must return (out, lse, kv), got {type(got).__name__}")
+            raise TypeError(_("ring_step must return (out, lse, kv), got {kind}").format(kind=type(got).__name__))
         out, lse, kv = got
     return out
 
@@ -143,20 +149,20 @@ def _explain_ring(got, r, P, seed) -> str:
             part = causal_attention(qr, k[..., idx, :], v[..., idx, :], causal=False)  # noqa: keys of srcs only
             if _err(got, part) < 1e-9:
                 if srcs == (r,):
-                    return ("It is attention over this rank's own K/V block only: the blocks received from the "
-                            "ring were never used (return the received buffer as the next kv) or never merged.")
-                return (f"It is attention over the K/V blocks of ranks {list(srcs)} only; the blocks of ranks "
-                        f"{sorted(set(range(P)) - set(srcs))} are missing (a block overwritten instead of merged, "
-                        f"or the wrong buffer passed on).")
-    return "It is not attention over any subset of the blocks (check the merge and which block you attend to)."
+                    return _("It is attention over this rank's own K/V block only: the blocks received from the "
+                             "ring were never used (return the received buffer as the next kv) or never merged.")
+                return _("It is attention over the K/V blocks of ranks {ranks} only; the blocks of ranks {missing} "
+                         "are missing (a block overwritten instead of merged, or the wrong buffer passed on).").format(
+                    ranks=list(srcs), missing=sorted(set(range(P)) - set(srcs)))
+    return _("It is not attention over any subset of the blocks (check the merge and which block you attend to).")
 
 
 @graded(*RING_REFS)
 def check_ring_step(ring_step, world_sizes=WORLD_SIZES, timeout: float = TIMEOUT) -> None:
     """The ring forward driven by ``ring_step`` gives every rank its rows of full (non-causal) attention."""
-    hint = ("at each step: if step < P-1, start comm.isend(kv, (r+1) % P) and comm.irecv(buf, (r-1) % P); attend q "
-            "to kv (ra.attention_block(q, kv[0], kv[1])); merge into (out, lse) (at step 0 just take it); wait for "
-            "both requests; return (out, lse, buf) (or kv itself on the last step).")
+    hint = _("at each step: if step < P-1, start comm.isend(kv, (r+1) % P) and comm.irecv(buf, (r-1) % P); attend "
+             "q to kv (ra.attention_block(q, kv[0], kv[1])); merge into (out, lse) (at step 0 just take it); wait for "
+             "both requests; return (out, lse, buf) (or kv itself on the last step).")
     for P in world_sizes:
         seed = fresh_seed()                                             # drawn now: no rank can rebuild q, k, v
         res = run_student(_rank_ring, P, ring_step, seed, timeout=timeout, what="ring_step")
@@ -166,12 +172,15 @@ def check_ring_step(ring_step, world_sizes=WORLD_SIZES, timeout: float = TIMEOUT
             want = full[..., r * C:(r + 1) * C, :]
             if not isinstance(got, torch.Tensor) or got.shape != want.shape:
                 shape = tuple(got.shape) if isinstance(got, torch.Tensor) else type(got).__name__
-                raise AssertionError(f"ring_step on {P} ranks: rank {r}'s output has shape {shape}, expected "
-                                     f"{tuple(want.shape)} (B, nh, c, hd).\nHint: {hint}")
+                raise AssertionError(_("ring_step on {P} ranks: rank {r}'s output has shape {shape}, expected "
+                                       "{want} (B, nh, c, hd).\nHint: {hint}").format(
+                    P=P, r=r, shape=shape, want=tuple(want.shape), hint=hint))
             if _err(got, want) > 1e-10:
-                raise AssertionError(f"ring_step on {P} ranks: rank {r}'s output differs from full attention by up "
-                                     f"to {_err(got, want):.2e}. {_explain_ring(got, r, P, seed)}\nHint: {hint}")
-    print(f"ring attention built from ring_step equals full attention on {', '.join(map(str, world_sizes))} ranks")
+                raise AssertionError(_("ring_step on {P} ranks: rank {r}'s output differs from full attention by up "
+                                       "to {err:.2e}. {why}\nHint: {hint}").format(
+                    P=P, r=r, err=_err(got, want), why=_explain_ring(got, r, P, seed), hint=hint))
+    print(_("ring attention built from ring_step equals full attention on {sizes} ranks").format(
+        sizes=", ".join(map(str, world_sizes))))
 
 
 @graded(*RING_REFS)
@@ -182,30 +191,32 @@ def check_ring_traffic(ring_step, world_size: int = 4, timeout: float = TIMEOUT)
     events = res.trace.comm().events
     collectives = sorted({e.op for e in events if e.kind == "collective"})
     if collectives:
-        raise AssertionError(f"ring_step called comm.{', comm.'.join(collectives)}: ring attention passes K/V "
-                             f"blocks point to point. Hint: comm.isend / comm.irecv.")
+        raise AssertionError(_("ring_step called comm.{ops}: ring attention passes K/V blocks point to point. "
+                               "Hint: comm.isend / comm.irecv.").format(ops=", comm.".join(collectives)))
     if not events:
-        raise AssertionError("the trace shows no messages: send with parlab.comm (comm.isend, comm.irecv), not "
-                             "torch.distributed directly, so that they are traced.")
+        raise AssertionError(_("the trace shows no messages: send with parlab.comm (comm.isend, comm.irecv), not "
+                               "torch.distributed directly, so that they are traced."))
     block = 2 * B * NH * C * HD * 8                                   # one K/V block, float64
     for r in range(P):
         sends = [e for e in events if e.rank == r and e.op == "send"]
         peers = sorted({e.peer for e in sends})
         if peers != [(r + 1) % P]:
-            raise AssertionError(f"rank {r} sent to ranks {peers}; in the ring each rank sends only to the next "
-                                 f"one, (r+1) % P = {(r + 1) % P}, and receives from (r-1) % P = {(r - 1) % P}.")
+            raise AssertionError(_("rank {r} sent to ranks {peers}; in the ring each rank sends only to the next "
+                                   "one, (r+1) % P = {next}, and receives from (r-1) % P = {prev}.").format(
+                r=r, peers=peers, next=(r + 1) % P, prev=(r - 1) % P))
         sizes = sorted({e.nbytes for e in sends})
         if sizes != [block]:
-            raise AssertionError(f"rank {r} sent messages of {sizes} bytes; each message is one K/V block, "
-                                 f"kv = torch.stack([k, v]) of {block} bytes (2 x B x nh x c x hd x 8). Send "
-                                 f"K and V together in one message, and nothing else.")
+            raise AssertionError(_("rank {r} sent messages of {sizes} bytes; each message is one K/V block, "
+                                   "kv = torch.stack([k, v]) of {block} bytes (2 x B x nh x c x hd x 8). Send K and V "
+                                   "together in one message, and nothing else.").format(r=r, sizes=sizes, block=block))
         if len(sends) != P - 1:
-            extra = (" The last step's block has nowhere useful to go: every rank has seen every block after "
-                     "P-1 hops, so skip the send and receive when step == P-1." if len(sends) > P - 1 else
-                     " Send at every step except the last.")
-            raise AssertionError(f"rank {r} sent {len(sends)} K/V blocks on {P} ranks; a ring forward needs "
-                                 f"P-1 = {P - 1}.{extra}")
-    print(f"ring_step sends (P-1) = {P - 1} K/V blocks of {block} bytes per rank, only to the next rank")
+            extra = (_(" The last step's block has nowhere useful to go: every rank has seen every block after "
+                       "P-1 hops, so skip the send and receive when step == P-1.") if len(sends) > P - 1 else
+                     _(" Send at every step except the last."))
+            raise AssertionError(_("rank {r} sent {n} K/V blocks on {P} ranks; a ring forward needs P-1 = "
+                                   "{want}.{extra}").format(r=r, n=len(sends), P=P, want=P - 1, extra=extra))
+    print(_("ring_step sends (P-1) = {n} K/V blocks of {block} bytes per rank, only to the next rank").format(
+        n=P - 1, block=block))
 
 
 # ---------------------------------------------------------------------- part 3: zigzag
@@ -218,7 +229,7 @@ def _causal_work(chunks: list[int]) -> float:
 @graded("parlab.parallel.context.ring:chunk_ids", "parlab.parallel.context.ring:shard_positions")
 def check_zigzag_chunks(fn, sizes=range(1, 9)) -> None:
     """``fn(rank, P)`` returns the two half-chunks (of 2P) rank `rank` holds: [rank, 2P-1-rank]."""
-    hint = "pair an early half-chunk with the matching late one: rank r holds r and 2P-1-r."
+    hint = _("pair an early half-chunk with the matching late one: rank r holds r and 2P-1-r.")
     for P in sizes:
         got = {}
         for r in range(P):
@@ -226,32 +237,36 @@ def check_zigzag_chunks(fn, sizes=range(1, 9)) -> None:
             try:
                 got[r] = sorted(int(i) for i in ch)
             except TypeError:
-                raise AssertionError(f"zigzag_chunks({r}, {P}) returned {ch!r}; expected a list of two chunk "
-                                     f"indices.") from None
-        where = f"zigzag_chunks on P={P} ranks ({2 * P} half-chunks)"
+                raise AssertionError(_("zigzag_chunks({r}, {P}) returned {got!r}; expected a list of two chunk "
+                                       "indices.").format(r=r, P=P, got=ch)) from None
+        where = _("zigzag_chunks on P={P} ranks ({n} half-chunks)").format(P=P, n=2 * P)
         for r, ch in got.items():
             if len(ch) != 2:
-                raise AssertionError(f"{where}: rank {r} holds {ch}; every rank holds exactly two half-chunks. "
-                                     f"Hint: {hint}")
+                raise AssertionError(_("{where}: rank {r} holds {chunks}; every rank holds exactly two half-chunks. "
+                                       "Hint: {hint}").format(where=where, r=r, chunks=ch, hint=hint))
         seen = sorted(i for ch in got.values() for i in ch)
         if seen != list(range(2 * P)):
             missing = sorted(set(range(2 * P)) - set(seen))
             twice = sorted({i for i in seen if seen.count(i) > 1})
-            raise AssertionError(f"{where}: the ranks hold {dict(got)}; half-chunks {missing} belong to no rank and "
-                                 f"{twice} to more than one (or out of range 0..{2 * P - 1}). Every half-chunk "
-                                 f"must be held exactly once. Hint: {hint}")
+            raise AssertionError(_("{where}: the ranks hold {held}; half-chunks {missing} belong to no rank and "
+                                   "{twice} to more than one (or out of range 0..{last}). Every half-chunk must be "
+                                   "held exactly once. Hint: {hint}").format(
+                where=where, held=dict(got), missing=missing, twice=twice, last=2 * P - 1, hint=hint))
         work = {r: _causal_work(ch) for r, ch in got.items()}
         if len(set(work.values())) > 1:
             lo, hi = min(work, key=work.get), max(work, key=work.get)
-            raise AssertionError(f"{where}: the ranks hold {dict(got)}, which is not balanced under a causal mask: "
-                                 f"rank {lo} computes {work[lo]:g} and rank {hi} {work[hi]:g} half-chunk blocks of "
-                                 f"scores (half-chunk i sees i + 1/2 blocks). Hint: {hint}")
+            raise AssertionError(_("{where}: the ranks hold {held}, which is not balanced under a causal mask: rank "
+                                   "{lo} computes {lo_work:g} and rank {hi} {hi_work:g} half-chunk blocks of scores "
+                                   "(half-chunk i sees i + 1/2 blocks). Hint: {hint}").format(
+                where=where, held=dict(got), lo=lo, lo_work=work[lo], hi=hi, hi_work=work[hi], hint=hint))
         for r, ch in got.items():
             if ch != ra.chunk_ids(r, P, "zigzag"):
-                raise AssertionError(f"{where}: your assignment {dict(got)} is balanced, but ring attention's "
-                                     f"schedule (ra.block_plan) assumes the zigzag convention: rank {r} must hold "
-                                     f"{ra.chunk_ids(r, P, 'zigzag')}, got {ch}. Hint: {hint}")
-    print(f"zigzag_chunks is the balanced zigzag layout for P = {min(sizes)}..{max(sizes)}")
+                raise AssertionError(_("{where}: your assignment {held} is balanced, but ring attention's schedule "
+                                       "(ra.block_plan) assumes the zigzag convention: rank {r} must hold {want}, got "
+                                       "{got}. Hint: {hint}").format(where=where, held=dict(got), r=r,
+                                                                    want=ra.chunk_ids(r, P, "zigzag"), got=ch,
+                                                                    hint=hint))
+    print(_("zigzag_chunks is the balanced zigzag layout for P = {lo}..{hi}").format(lo=min(sizes), hi=max(sizes)))
 
 
 @graded(*ZIGZAG_REFS)
@@ -267,13 +282,15 @@ def check_zigzag_positions(fn, cases=((8, 2), (16, 4), (24, 3), (48, 4), (16, 8)
             where = f"zigzag_positions(S={S}, P={P}, rank={r})"
             size = S // (2 * P)
             if got_t.numel() == want.numel() and torch.equal(torch.sort(got_t.long()).values, want):
-                raise AssertionError(f"{where}: right positions, wrong order: {got_t.tolist()}; keep them "
-                                     f"increasing (front half-chunk first) so the local causal mask is a plain "
-                                     f"lower triangle.")
-            raise AssertionError(f"{where}: expected {want.tolist()}, got {got_t.tolist()}.\nHint: half-chunk j "
-                                 f"holds positions j*S/(2P) .. (j+1)*S/(2P) - 1 (here {size} positions each); "
-                                 f"concatenate those of zigzag_chunks({r}, {P}).")
-    print(f"zigzag_positions matches parlab.parallel.context.ring.shard_positions for {len(cases)} (S, P) cases")
+                raise AssertionError(_("{where}: right positions, wrong order: {got}; keep them increasing (front "
+                                       "half-chunk first) so the local causal mask is a plain lower triangle.").format(
+                    where=where, got=got_t.tolist()))
+            raise AssertionError(_("{where}: expected {want}, got {got}.\nHint: half-chunk j holds positions "
+                                   "j*S/(2P) .. (j+1)*S/(2P) - 1 (here {size} positions each); concatenate those of "
+                                   "zigzag_chunks({r}, {P}).").format(where=where, want=want.tolist(),
+                                                                      got=got_t.tolist(), size=size, r=r, P=P))
+    print(_("zigzag_positions matches parlab.parallel.context.ring.shard_positions for {n} (S, P) cases").format(
+        n=len(cases)))
 
 
 protect(__name__)

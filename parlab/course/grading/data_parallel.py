@@ -28,6 +28,7 @@ from parlab import comm
 from parlab.data import BatchSampler, load_corpus
 from parlab.parallel.data import assign_buckets
 from parlab.models import GPT, GPTConfig
+from parlab.i18n import _
 from parlab.trace import mark
 from parlab.course.grading import TIMEOUT, call_student, run_student
 from parlab.course.grading.guard import fresh_seed, graded, protect
@@ -54,11 +55,17 @@ HOOK_REFS = ("parlab.parallel.data.ddp:DistributedDataParallel", "parlab.paralle
 BUCKET_REFS = ("parlab.parallel.data.buckets:assign_buckets", "parlab.parallel.data.buckets:GradBucket",
                "parlab.parallel.data.ddp:DistributedDataParallel", *GRADER_REFS)
 
-HOOK_HINT = ("in the hook, comm.all_reduce(p.grad) sums the gradient over the ranks in place; then divide it by "
+
+
+def _hook_hint() -> str:
+    return _("in the hook, comm.all_reduce(p.grad) sums the gradient over the ranks in place; then divide it by "
              "comm.get_world_size() so that every rank holds the average, the gradient of the whole batch.")
-BUCKET_HINT = ("in on_grad_ready copy p.grad into its slice of the bucket's buffer and count it; when the bucket "
-               "has all its gradients launch comm.all_reduce(buffer, async_op=True); in finish() wait for each "
-               "bucket, divide by the world size and copy each slice back into p.grad; then reset the counters.")
+
+
+def _bucket_hint() -> str:
+    return _("in on_grad_ready copy p.grad into its slice of the bucket's buffer and count it; when the bucket "
+             "has all its gradients launch comm.all_reduce(buffer, async_op=True); in finish() wait for each "
+             "bucket, divide by the world size and copy each slice back into p.grad; then reset the counters.")
 
 
 # ---------------------------------------------------------------------- the model, the data, the reference
@@ -141,26 +148,29 @@ def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def _explain_grad(got, want, rank, world, step, name, hint, what, seed) -> str:
-    where = f"{what} on {world} ranks, step {step}: rank {rank}, gradient of {name}"
+    where = _("{what} on {world} ranks, step {step}: rank {rank}, gradient of {name}").format(
+        what=what, world=world, step=step, rank=rank, name=name)
     if got is None:
-        return (f"{where} is None: nothing was written into p.grad (or it was set to None).\nHint: {hint}")
+        return _("{where} is None: nothing was written into p.grad (or it was set to None).\nHint: {hint}").format(
+            where=where, hint=hint)
     if got.shape != want.shape:
-        return f"{where} has shape {tuple(got.shape)}, expected {tuple(want.shape)}.\nHint: {hint}"
+        return _("{where} has shape {shape}, expected {want}.\nHint: {hint}").format(
+            where=where, shape=tuple(got.shape), want=tuple(want.shape), hint=hint)
     mine = local_grads(rank, world, step, seed)[name]
-    diagnosis = "It is not the average of the ranks' gradients."
+    diagnosis = _("It is not the average of the ranks' gradients.")
     if _close(got, want * world):
-        diagnosis = "It is the SUM over the ranks, not the average: divide by the world size."
+        diagnosis = _("It is the SUM over the ranks, not the average: divide by the world size.")
     elif _close(got, mine):
-        diagnosis = "It is this rank's own gradient: the all-reduce did not happen (or did not land in p.grad)."
+        diagnosis = _("It is this rank's own gradient: the all-reduce did not happen (or did not land in p.grad).")
     elif _close(got, mine / world):
-        diagnosis = "It is this rank's own gradient divided by the world size: the all-reduce is missing."
+        diagnosis = _("It is this rank's own gradient divided by the world size: the all-reduce is missing.")
     elif _close(got, want / world):
-        diagnosis = "It is the average divided by the world size once more: divide only once."
+        diagnosis = _("It is the average divided by the world size once more: divide only once.")
     elif torch.count_nonzero(got) == 0:
-        diagnosis = "It is all zeros: the averaged values were never copied back into p.grad."
+        diagnosis = _("It is all zeros: the averaged values were never copied back into p.grad.")
     err = (got - want).abs().max().item()
-    return (f"{where} is wrong (largest error {err:.3g}):\n  expected {_show(want)}\n  got      {_show(got)}\n"
-            f"{diagnosis}\nHint: {hint}")
+    return _("{where} is wrong (largest error {err:.3g}):\n  expected {want}\n  got      {got}\n{why}\n"
+             "Hint: {hint}").format(where=where, err=err, want=_show(want), got=_show(got), why=diagnosis, hint=hint)
 
 
 def _show(t: torch.Tensor, k: int = 4) -> str:
@@ -177,15 +187,16 @@ def _compare_runs(results, world, want_steps, hint, what, seed, label="") -> Non
                 if g is None or not _close(g, w):
                     msg = _explain_grad(g, w, rank, world, step, name, hint, what + label, seed)
                     if step > 0:
-                        msg += ("\nStep 0 was right, so something kept from the previous step is wrong: reset the "
-                                "per-step state (arrival counters, pending works) at the end of finish(), and "
-                                "read p.grad afresh in every hook.")
+                        msg += "\n" + _("Step 0 was right, so something kept from the previous step is wrong: "
+                                         "reset the per-step state (arrival counters, pending works) at the end of "
+                                         "finish(), and read p.grad afresh in every hook.")
                     raise AssertionError(msg)
         if res["error"] is not None:
             step, kind, message = res["error"]
-            raise AssertionError(f"{what}{label} on {world} ranks: step 0 was right, but step {step} raised {kind} "
-                                 f"on rank {rank}: {message}\nHint: reset the per-step state (arrival counters, "
-                                 f"pending works) at the end of finish(), so that the next backward starts afresh.")
+            raise AssertionError(_("{what} on {world} ranks: step 0 was right, but step {step} raised {exc} on rank "
+                                   "{rank}: {error}\nHint: reset the per-step state (arrival counters, pending "
+                                   "works) at the end of finish(), so that the next backward starts afresh.").format(
+                what=what + label, world=world, step=step, exc=kind, rank=rank, error=message))
 
 
 # ---------------------------------------------------------------------- part 1: a hook per parameter
@@ -196,8 +207,9 @@ def check_hook_grads(fn, world_sizes=WORLD_SIZES, timeout: float = TIMEOUT) -> N
         seed = fresh_seed()
         want = reference_grads(STEPS, seed)
         res = run_student(_rank_train, n, _hooks, False, STEPS, seed, fn, timeout=timeout, what="attach_grad_hooks")
-        _compare_runs(res.results, n, want, HOOK_HINT, "attach_grad_hooks", seed)
-    print(f"attach_grad_hooks: every rank holds the whole-batch gradient on {', '.join(map(str, world_sizes))} ranks")
+        _compare_runs(res.results, n, want, _hook_hint(), "attach_grad_hooks", seed)
+    print(_("attach_grad_hooks: every rank holds the whole-batch gradient on {sizes} ranks").format(
+        sizes=", ".join(map(str, world_sizes))))
 
 
 def _payloads(events) -> list[int]:
@@ -217,21 +229,23 @@ def check_hook_all_reduce_calls(fn, world_size: int = 2, timeout: float = TIMEOU
         events = res.trace.filter(rank=r).comm().events
         others = sorted({e.op for e in events if e.op != "all_reduce"})
         if others:
-            raise AssertionError(f"rank {r} called comm.{', comm.'.join(others)}; gradient averaging needs only "
-                                 f"comm.all_reduce (sum), followed by a division.")
+            raise AssertionError(_("rank {r} called comm.{ops}; gradient averaging needs only comm.all_reduce (sum), "
+                                   "followed by a division.").format(r=r, ops=", comm.".join(others)))
         got = _payloads(events)
         if len(got) != n_params:
-            more = ("more: is a gradient reduced twice (a hook registered twice, or a hook that reduces every "
-                    "parameter)?" if len(got) > n_params else
-                    "fewer: does every trainable parameter get a hook (model.parameters() with requires_grad)?")
-            raise AssertionError(f"rank {r} made {len(got)} all-reduce calls in one backward; the model has "
-                                 f"{n_params} trainable parameters (the tied embedding counts once, "
-                                 f"{FROZEN[0]} is frozen), so expected {n_params}, one per parameter. You made "
-                                 f"{more}")
+            more = (_("more: is a gradient reduced twice (a hook registered twice, or a hook that reduces every "
+                      "parameter)?") if len(got) > n_params else
+                    _("fewer: does every trainable parameter get a hook (model.parameters() with requires_grad)?"))
+            raise AssertionError(_("rank {r} made {calls} all-reduce calls in one backward; the model has {n} "
+                                   "trainable parameters (the tied embedding counts once, {frozen} is frozen), so "
+                                   "expected {n}, one per parameter. You made {more}").format(
+                r=r, calls=len(got), n=n_params, frozen=FROZEN[0], more=more))
         if got != sizes:
-            raise AssertionError(f"rank {r}: the all-reduce payloads {got[:6]}... bytes are not the parameters' "
-                                 f"sizes {sizes[:6]}...; all-reduce p.grad itself, once per parameter.")
-    print(f"attach_grad_hooks: {n_params} all-reduces per backward on each rank, one per trainable parameter")
+            raise AssertionError(_("rank {r}: the all-reduce payloads {got}... bytes are not the parameters' sizes "
+                                   "{sizes}...; all-reduce p.grad itself, once per parameter.").format(
+                r=r, got=got[:6], sizes=sizes[:6]))
+    print(_("attach_grad_hooks: {n} all-reduces per backward on each rank, one per trainable parameter").format(
+        n=n_params))
 
 
 # ---------------------------------------------------------------------- part 2: buckets
@@ -248,7 +262,7 @@ BUCKET_CASES = (      # (nbytes, cap): what a greedy bucketing must do, edge cas
 def _random_bucket_cases(k: int = 3) -> list[tuple[list[int], int]]:
     """`k` cases drawn at grading time (so the answers cannot be copied from a run): 3-12 items of 1-64 bytes."""
     rng = random.Random(fresh_seed())
-    return [([rng.randint(1, 64) for _ in range(rng.randint(3, 12))], rng.randint(1, 100)) for _ in range(k)]
+    return [([rng.randint(1, 64) for _item in range(rng.randint(3, 12))], rng.randint(1, 100)) for _case in range(k)]
 
 
 @graded("parlab.parallel.data.buckets:assign_buckets", *GRADER_REFS)
@@ -261,28 +275,35 @@ def check_make_buckets(fn) -> None:
         try:
             got = [[int(i) for i in b] for b in got]
         except TypeError:
-            raise AssertionError(f"make_buckets({nbytes}, {cap}) returned {got!r}; expected a list of buckets, "
-                                 f"each a list of item indices, e.g. {want}") from None
+            raise AssertionError(_("make_buckets({nbytes}, {cap}) returned {got!r}; expected a list of buckets, "
+                                   "each a list of item indices, e.g. {want}").format(
+                nbytes=nbytes, cap=cap, got=got, want=want)) from None
         if got != want:
-            raise AssertionError(
-                f"make_buckets({nbytes}, cap_bytes={cap}):\n  expected {want}\n  got      {got}\nHint: go through "
-                f"the items in order and keep adding to the current bucket while its total stays <= cap_bytes; "
-                f"start a new bucket when the next item would go over (an item bigger than the cap gets a bucket "
-                f"of its own). Every index appears once, in order.")
-    print(f"make_buckets matches the greedy layout on {len(BUCKET_CASES)} edge cases and 3 random ones")
+            raise AssertionError(_(
+                "make_buckets({nbytes}, cap_bytes={cap}):\n  expected {want}\n  got      {got}\nHint: go through "
+                "the items in order and keep adding to the current bucket while its total stays <= cap_bytes; "
+                "start a new bucket when the next item would go over (an item bigger than the cap gets a bucket "
+                "of its own). Every index appears once, in order.").format(nbytes=nbytes, cap=cap, want=want, got=got))
+    print(_("make_buckets matches the greedy layout on {n} edge cases and 3 random ones").format(n=len(BUCKET_CASES)))
 
 
 def bucket_layout(cap_bytes: int) -> list[list[str]]:
     """The reference buckets of the grader model: names, reverse registration order, greedy up to the cap."""
     model = grader_model()
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad][::-1]
-    layout = assign_buckets([p.numel() * p.element_size() for _, p in named], ["f"] * len(named), cap_bytes)
+    layout = assign_buckets([p.numel() * p.element_size() for _name, p in named], ["f"] * len(named), cap_bytes)
     return [[named[i][0] for i in idx] for idx in layout]
 
 
 def _caps() -> dict[str, int]:
     total = sum(p.numel() * p.element_size() for p in grader_model().parameters() if p.requires_grad)
     return {"one bucket": 2 * total, "a few buckets": total // 3, "one bucket per parameter": 1}
+
+
+def _cap_name(name: str) -> str:
+    """A key of `_caps` as the student reads it."""
+    return {"one bucket": _("one bucket"), "a few buckets": _("a few buckets"),
+            "one bucket per parameter": _("one bucket per parameter")}[name]
 
 
 def _rank_caps(student_cls, caps, seed):
@@ -299,10 +320,10 @@ def check_bucketed_grads(cls, world_sizes=WORLD_SIZES, timeout: float = TIMEOUT)
         want = reference_grads(STEPS, seed)
         res = run_student(_rank_caps, n, cls, caps, seed, timeout=timeout, what="BucketedGradSync")
         for name, cap in caps.items():
-            _compare_runs([r[name] for r in res.results], n, want, BUCKET_HINT, "BucketedGradSync", seed,
-                          f" (bucket_cap_bytes={cap}: {name})")
-    print(f"BucketedGradSync: whole-batch gradients on {', '.join(map(str, world_sizes))} ranks with one bucket, "
-          f"a few, and one per parameter, two steps each")
+            _compare_runs([r[name] for r in res.results], n, want, _bucket_hint(), "BucketedGradSync", seed,
+                          f" (bucket_cap_bytes={cap}: {_cap_name(name)})")
+    print(_("BucketedGradSync: whole-batch gradients on {sizes} ranks with one bucket, a few, and one per parameter, "
+            "two steps each").format(sizes=", ".join(map(str, world_sizes))))
 
 
 @graded(*BUCKET_REFS)
@@ -321,30 +342,34 @@ def check_bucketed_all_reduce_calls(cls, world_size: int = 2, timeout: float = T
         reduces = tr.filter(op="all_reduce").events
         others = sorted({e.op for e in tr.comm().events if e.op != "all_reduce"})
         if others:
-            raise AssertionError(f"rank {r} called comm.{', comm.'.join(others)}; use only comm.all_reduce.")
+            raise AssertionError(_("rank {r} called comm.{ops}; use only comm.all_reduce.").format(
+                r=r, ops=", comm.".join(others)))
         if len(reduces) != STEPS * len(want):
             per = len(reduces) / STEPS
-            why = (" That is one per parameter: all-reduce the bucket's flat buffer, not each gradient."
+            why = (_(" That is one per parameter: all-reduce the bucket's flat buffer, not each gradient.")
                    if per == sum(len(b) for b in layout) else "")
-            raise AssertionError(f"rank {r} made {per:g} all-reduce calls per step with bucket_cap_bytes={cap}; "
-                                 f"the layout has {len(want)} buckets {layout}, so expected {len(want)}, one per "
-                                 f"bucket.{why}\nHint: {BUCKET_HINT}")
+            raise AssertionError(_("rank {r} made {per:g} all-reduce calls per step with bucket_cap_bytes={cap}; the "
+                                   "layout has {n} buckets {layout}, so expected {n}, one per bucket.{why}\n"
+                                   "Hint: {hint}").format(r=r, per=per, cap=cap, n=len(want), layout=layout, why=why,
+                                                          hint=_bucket_hint()))
         got = [e.nbytes for e in reduces[:len(want)]]
         if got != want:
-            raise AssertionError(f"rank {r}: the all-reduces of one step carry {got} bytes, in launch order; the "
-                                 f"buckets hold {want} bytes (bucket 0 first). Reduce each bucket's whole flat buffer "
-                                 f"once, when it is full.")
+            raise AssertionError(_("rank {r}: the all-reduces of one step carry {got} bytes, in launch order; the "
+                                   "buckets hold {want} bytes (bucket 0 first). Reduce each bucket's whole flat "
+                                   "buffer once, when it is full.").format(r=r, got=got, want=want))
         if not all(e.asynchronous for e in reduces):
-            raise AssertionError(f"rank {r}: the bucket all-reduces were blocking. Launch them with "
-                                 f"comm.all_reduce(buffer, async_op=True), keep the returned work, and call "
-                                 f"work.wait() in finish(): that is what lets communication overlap backward.")
+            raise AssertionError(_("rank {r}: the bucket all-reduces were blocking. Launch them with "
+                                   "comm.all_reduce(buffer, async_op=True), keep the returned work, and call "
+                                   "work.wait() in finish(): that is what lets communication overlap backward.").format(
+                r=r))
         done = [e.start for e in tr.filter(op="backward done", kind="mark").events]
         if done and reduces[0].start > done[0]:
-            raise AssertionError(f"rank {r}: the first bucket's all-reduce started after backward had finished. "
-                                 f"Launch each bucket from on_grad_ready as soon as its last gradient arrives, so "
-                                 f"it travels while backward computes the earlier layers; finish() only waits.")
-    print(f"BucketedGradSync: {len(want)} asynchronous all-reduces per step ({want} bytes), one per bucket, "
-          f"the first launched during backward")
+            raise AssertionError(_("rank {r}: the first bucket's all-reduce started after backward had finished. "
+                                   "Launch each bucket from on_grad_ready as soon as its last gradient arrives, so it "
+                                   "travels while backward computes the earlier layers; finish() only waits.").format(
+                r=r))
+    print(_("BucketedGradSync: {n} asynchronous all-reduces per step ({want} bytes), one per bucket, the first "
+            "launched during backward").format(n=len(want), want=want))
 
 
 protect(__name__)

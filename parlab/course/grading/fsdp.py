@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from parlab import comm
+from parlab.i18n import _
 from parlab.trace import mark, wire_bytes
 from parlab.course.grading import TIMEOUT, run_student
 from parlab.course.grading.guard import fresh_seed, graded, protect
@@ -78,7 +79,7 @@ def _data(seed: int):
 # ---------------------------------------------------------------------- part 1: the gather
 def _rank_gather(fn, seed):
     P, r = comm.get_world_size(), comm.get_rank()
-    flat, _, _ = _data(seed)
+    flat = _data(seed)[0]
     out = fn(shard_of(flat, r, P))
     return out.detach().clone() if isinstance(out, torch.Tensor) else out
 
@@ -89,20 +90,21 @@ def check_gather_full(fn, world_sizes=WORLD_SIZES, timeout: float = TIMEOUT) -> 
     for P in world_sizes:
         seed = fresh_seed()
         res = run_student(_rank_gather, P, fn, seed, timeout=timeout, what="gather_full")
-        flat, _, _ = _data(seed)
+        flat = _data(seed)[0]
         want = torch.cat([shard_of(flat, r, P) for r in range(P)])       # (N s,) padded
         for r, got in enumerate(res.results):
             if not isinstance(got, torch.Tensor) or got.shape != want.shape or not torch.equal(got, want):
                 shape = tuple(got.shape) if isinstance(got, torch.Tensor) else type(got).__name__
-                raise AssertionError(f"gather_full on {P} ranks: rank {r} returned {shape}, expected the full padded "
-                                     f"flat vector {tuple(want.shape)}, rank j's shard at [j s, (j+1) s).\nHint: "
-                                     f"full = torch.empty(P * shard.numel(), dtype=shard.dtype); "
-                                     f"comm.all_gather(full, shard); return full.")
+                raise AssertionError(_("gather_full on {P} ranks: rank {r} returned {shape}, expected the full "
+                                       "padded flat vector {want}, rank j's shard at [j s, (j+1) s).\nHint: full = "
+                                       "torch.empty(P * shard.numel(), dtype=shard.dtype); comm.all_gather(full, "
+                                       "shard); return full.").format(P=P, r=r, shape=shape, want=tuple(want.shape)))
         ops = [e.op for e in res.trace.comm().events if e.rank == 0]
         if ops != ["all_gather"]:
-            raise AssertionError(f"gather_full on {P} ranks: rank 0 called {ops or 'nothing'}; one comm.all_gather "
-                                 f"of the shards is all it takes.")
-    print(f"gather_full rebuilds the full flat vector on {', '.join(map(str, world_sizes))} ranks, one all-gather")
+            raise AssertionError(_("gather_full on {P} ranks: rank 0 called {ops}; one comm.all_gather of the shards "
+                                   "is all it takes.").format(P=P, ops=ops or _("nothing")))
+    print(_("gather_full rebuilds the full flat vector on {sizes} ranks, one all-gather").format(
+        sizes=", ".join(map(str, world_sizes))))
 
 
 # ---------------------------------------------------------------------- part 2: the unit
@@ -165,9 +167,10 @@ def _reference(seed, P):
 @graded(*REFS)
 def check_fsdp_unit_grads(cls, world_sizes=WORLD_SIZES, timeout: float = TIMEOUT) -> None:
     """Output, x gradient and the shard's gradient equal one process (the shard's: rank r's slice of the average)."""
-    hint = ("backward: full = gather_full(shard) again; with torch.enable_grad(): recompute y = unit_forward(x, full) "
-            "from detached copies that require grad; dx, dfull = torch.autograd.grad(y, (x, full), grad_y); "
-            "comm.reduce_scatter(dshard, dfull) then divide by P (the average over ranks, as DDP).")
+    hint = _("backward: full = gather_full(shard) again; with torch.enable_grad(): recompute y = unit_forward(x, "
+             "full) from detached copies that require grad; dx, dfull = torch.autograd.grad(y, (x, full), grad_y); "
+             "comm.reduce_scatter(dshard, dfull) then divide by P (the average over ranks, as DDP).")
+    names = {"output": _("output"), "x gradient": _("x gradient"), "shard gradient": _("shard gradient")}
     for P in world_sizes:
         seed = fresh_seed()
         res = run_student(_rank_unit, P, cls, seed, timeout=timeout, what="FSDPUnitFn")
@@ -179,18 +182,20 @@ def check_fsdp_unit_grads(cls, world_sizes=WORLD_SIZES, timeout: float = TIMEOUT
                       ("shard gradient", got["shard_grad"], shard_of(fg, r, P)))
             for what, g, w in checks:
                 if g is None or g.shape != w.shape or (g - w).abs().max() > TOL:
-                    detail = "None" if g is None else (f"shape {tuple(g.shape)}, expected {tuple(w.shape)}"
-                                                       if g.shape != w.shape else
-                                                       f"off by {(g - w).abs().max():.3g}")
+                    detail = "None" if g is None else (
+                        _("shape {shape}, expected {want}").format(shape=tuple(g.shape), want=tuple(w.shape))
+                        if g.shape != w.shape else _("off by {err:.3g}").format(err=(g - w).abs().max()))
                     why = ""
                     if what == "shard gradient" and g is not None and g.shape == w.shape:
                         if (g - P * w).abs().max() < TOL:
-                            why = " It is the SUM over ranks: divide by P (the average, as DDP)."
+                            why = _(" It is the SUM over ranks: divide by P (the average, as DDP).")
                         elif g.abs().max() == 0:
-                            why = " It is all zeros: was the reduce-scatter's output returned?"
-                    raise AssertionError(f"FSDPUnitFn on {P} ranks: rank {r}'s {what} is {detail}.{why}\n"
-                                         f"Hint: {hint}")
-    print(f"FSDPUnitFn: output, x and shard gradients equal one process on {', '.join(map(str, world_sizes))} ranks")
+                            why = _(" It is all zeros: was the reduce-scatter's output returned?")
+                    raise AssertionError(_("FSDPUnitFn on {P} ranks: rank {r}'s {what} is {detail}.{why}\n"
+                                           "Hint: {hint}").format(P=P, r=r, what=names[what], detail=detail, why=why,
+                                                                  hint=hint))
+    print(_("FSDPUnitFn: output, x and shard gradients equal one process on {sizes} ranks").format(
+        sizes=", ".join(map(str, world_sizes))))
 
 
 @graded(*REFS)
@@ -204,27 +209,29 @@ def check_fsdp_unit_trace(cls, world_size: int = 4, timeout: float = TIMEOUT) ->
         full = got["shard_numel"] * P
         big = [n for n in got["saved"] if n >= full]
         if big:
-            raise AssertionError(f"rank {r} kept a tensor of {big[0]} elements from forward to backward, the size "
-                                 f"of the full flat parameters ({full}): ZeRO-3 frees them after forward (in ctx, "
-                                 f"a global or an attribute alike). Save only x and the shard "
-                                 f"(ctx.save_for_backward(x, shard)) and all-gather again in backward.")
+            raise AssertionError(_("rank {r} kept a tensor of {numel} elements from forward to backward, the size "
+                                   "of the full flat parameters ({full}): ZeRO-3 frees them after forward (in ctx, a "
+                                   "global or an attribute alike). Save only x and the shard "
+                                   "(ctx.save_for_backward(x, shard)) and all-gather again in backward.").format(
+                r=r, numel=big[0], full=full))
         tr = res.trace.filter(rank=r)
         back = next((e.start for e in tr.events if e.kind == "mark" and e.op == "backward"), None)
         events = tr.comm().events
         fwd = [e.op for e in events if back is None or e.start < back]
         bwd = sorted(e.op for e in events if back is not None and e.start >= back)
         if fwd != ["all_gather"] or bwd != ["all_gather", "reduce_scatter"]:
-            raise AssertionError(f"rank {r}: forward called {fwd or 'nothing'}, backward {bwd or 'nothing'}; a "
-                                 f"ZeRO-3 unit all-gathers in forward, and all-gathers again and reduce-scatters "
-                                 f"the gradient in backward.")
+            raise AssertionError(_("rank {r}: forward called {fwd}, backward {bwd}; a ZeRO-3 unit all-gathers in "
+                                   "forward, and all-gathers again and reduce-scatters the gradient in "
+                                   "backward.").format(r=r, fwd=fwd or _("nothing"), bwd=bwd or _("nothing")))
         sent = sum(wire_bytes(e.op, e.nbytes, P) for e in events)
         ddp = wire_bytes("all_reduce", full * 8, P)
         if abs(sent / ddp - 1.5) > 1e-9:
-            raise AssertionError(f"rank {r} sent {sent:.0f} bytes per step, {sent / ddp:.2f}x what DDP's all-reduce "
-                                 f"of the same parameters sends ({ddp:.0f}); ZeRO-3 sends 1.5x: each collective "
-                                 f"moves the whole flat vector once (float64, {full} elements).")
-    print(f"FSDPUnitFn on {P} ranks: all-gather forward, all-gather + reduce-scatter backward = 1.5x DDP's bytes; "
-          f"nothing full-size kept between forward and backward")
+            raise AssertionError(_("rank {r} sent {sent:.0f} bytes per step, {ratio:.2f}x what DDP's all-reduce of "
+                                   "the same parameters sends ({ddp:.0f}); ZeRO-3 sends 1.5x: each collective moves "
+                                   "the whole flat vector once (float64, {full} elements).").format(
+                r=r, sent=sent, ratio=sent / ddp, ddp=ddp, full=full))
+    print(_("FSDPUnitFn on {P} ranks: all-gather forward, all-gather + reduce-scatter backward = 1.5x DDP's bytes; "
+            "nothing full-size kept between forward and backward").format(P=P))
 
 
 protect(__name__)

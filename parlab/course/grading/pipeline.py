@@ -23,6 +23,7 @@ import random
 
 import torch
 
+from parlab.i18n import _
 from parlab.parallel import pipeline as sch
 from parlab.models import GPT, GPTConfig
 from parlab.course.grading import call_student, run_student
@@ -51,7 +52,9 @@ def _random_bubble_cases() -> list[tuple[int, int, int]]:
     return [rng.choice([c for c in cases if c not in BUBBLE_CASES]) for cases in (plain, interleaved)]
 
 
-HINT_1F1B = ("rank r runs min(p - r - 1, m) warm-up forwards F0, F1, ...; then, while forwards are left, one "
+
+def _hint_1f1b() -> str:
+    return _("rank r runs min(p - r - 1, m) warm-up forwards F0, F1, ...; then, while forwards are left, one "
              "forward and one backward (F(warm + i), then B(i)); then the remaining backwards in order.")
 
 
@@ -61,8 +64,8 @@ def _actions(fn, p: int, m: int, r: int) -> list[sch.Action]:
     if isinstance(got, str):
         got = got.split()
     if not isinstance(got, (list, tuple)):
-        raise AssertionError(f"one_f_one_b_rank({p}, {m}, {r}) returned {type(got).__name__}; return a list of "
-                             f"actions such as ['{r}F0', '{r}F1', '{r}B0', ...].")
+        raise AssertionError(_("one_f_one_b_rank({p}, {m}, {r}) returned {kind}; return a list of actions such as "
+                               "['{r}F0', '{r}F1', '{r}B0', ...].").format(p=p, m=m, r=r, kind=type(got).__name__))
     out = []
     for k, a in enumerate(got):
         if isinstance(a, sch.Action):
@@ -71,7 +74,8 @@ def _actions(fn, p: int, m: int, r: int) -> list[sch.Action]:
         try:
             out.append(sch.Action.parse(str(a)))
         except sch.ScheduleError as e:
-            raise AssertionError(f"one_f_one_b_rank({p}, {m}, {r}), position {k}: {e}") from None
+            raise AssertionError(_("one_f_one_b_rank({p}, {m}, {r}), position {k}: {error}").format(
+                p=p, m=m, r=r, k=k, error=e)) from None
     return out
 
 
@@ -84,17 +88,19 @@ def _simulate(fn, p: int, m: int) -> sch.Simulation:
     try:
         return sch.simulate(s)
     except sch.ScheduleError as e:
-        raise AssertionError(f"your 1F1B schedule for p={p} stages, m={m} micro-batches is not valid: {e}\n"
-                             f"your schedule:\n{s.text()}\nHint: {HINT_1F1B}") from None
+        raise AssertionError(_("your 1F1B schedule for p={p} stages, m={m} micro-batches is not valid: {error}\n"
+                               "your schedule:\n{schedule}\nHint: {hint}").format(
+            p=p, m=m, error=e, schedule=s.text(), hint=_hint_1f1b())) from None
 
 
 def _phase(p: int, m: int, r: int, k: int) -> str:
     warm = min(p - r - 1, m)
     if k < warm:
-        return f"warm-up (the first {warm} actions)"
+        return _("warm-up (the first {warm} actions)").format(warm=warm)
     if k < warm + 2 * (m - warm):
-        return f"steady state (actions {warm}..{warm + 2 * (m - warm) - 1}: F then B, alternating)"
-    return f"cool-down (the last {warm} actions: the remaining backwards)"
+        return _("steady state (actions {first}..{last}: F then B, alternating)").format(
+            first=warm, last=warm + 2 * (m - warm) - 1)
+    return _("cool-down (the last {warm} actions: the remaining backwards)").format(warm=warm)
 
 
 # ---------------------------------------------------------------------- running it for real
@@ -114,21 +120,22 @@ def _rank_step(schedule):
 
 def _check_run(schedule: sch.Schedule) -> None:
     p = schedule.ranks
-    res = run_student(_rank_step, p, schedule, what="the pipeline executor running your schedule")
+    res = run_student(_rank_step, p, schedule, what=_("the pipeline executor running your schedule"))
     model = GPT(CFG, seed=0, dtype=torch.float64)
-    _, ref_loss = model(*_batch())
+    ref_loss = model(*_batch())[1]
     ref_loss.backward()
-    loss = next(l for l, _ in res.results if l is not None)
+    loss = next(l for l, _grads in res.results if l is not None)
     # float64; the pipeline sums m micro-batch gradients where the reference does one batch: rounding only
     if not torch.allclose(loss, ref_loss.detach(), rtol=1e-10, atol=1e-12):
-        raise AssertionError(f"running your schedule on {p} ranks gave loss {loss.item():.12f}, the unsplit model "
-                             f"{ref_loss.item():.12f}")
-    for r, (_, grads) in enumerate(res.results):
+        raise AssertionError(_("running your schedule on {p} ranks gave loss {loss:.12f}, the unsplit model "
+                               "{want:.12f}").format(p=p, loss=loss.item(), want=ref_loss.item()))
+    for r, (_loss, grads) in enumerate(res.results):
         for name, g in grads.items():
             want = dict(model.named_parameters())[name].grad
             if not torch.allclose(g, want, rtol=1e-10, atol=1e-12):
-                raise AssertionError(f"running your schedule on {p} ranks: rank {r}'s gradient of {name} differs "
-                                     f"from the unsplit model's (max difference {(g - want).abs().max():.3g})")
+                raise AssertionError(_("running your schedule on {p} ranks: rank {r}'s gradient of {name} differs "
+                                       "from the unsplit model's (max difference {err:.3g})").format(
+                    p=p, r=r, name=name, err=(g - want).abs().max()))
 
 
 # ---------------------------------------------------------------------- checks: the 1F1B order
@@ -141,9 +148,10 @@ def check_1f1b_valid(fn, cases=CASES, run_case=RUN_CASE) -> None:
         _simulate(fn, p, m)
     if run_case:
         _check_run(_schedule(fn, *run_case))
-    ran = f"; it runs on {run_case[0]} ranks with {run_case[1]} micro-batches and matches the unsplit model" \
-        if run_case else ""
-    print(f"your schedule is valid for (p, m) in {list(cases)} and {drawn}, drawn at random{ran}")
+    ran = _("; it runs on {p} ranks with {m} micro-batches and matches the unsplit model").format(
+        p=run_case[0], m=run_case[1]) if run_case else ""
+    print(_("your schedule is valid for (p, m) in {cases} and {drawn}, drawn at random{ran}").format(
+        cases=list(cases), drawn=drawn, ran=ran))
 
 
 @graded("parlab.parallel.pipeline:one_f_one_b", "parlab.parallel.pipeline:interleaved_1f1b")
@@ -156,23 +164,26 @@ def check_1f1b_reference(fn, cases=CASES) -> None:
             got, want = _actions(fn, p, m, r), list(ref.actions[r])
             if got == want:
                 continue
-            where = f"1F1B for p={p}, m={m}, rank {r}"
+            where = _("1F1B for p={p}, m={m}, rank {r}").format(p=p, m=m, r=r)
             show = lambda acts: " ".join(map(str, acts))        # noqa: E731
             k = next((k for k, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
             if got == list(sch.gpipe(p, m).actions[r]):
-                why = "that is GPipe's order (all forwards, then all backwards), not 1F1B's."
+                why = _("that is GPipe's order (all forwards, then all backwards), not 1F1B's.")
             elif k < len(want):
-                why = (f"position {k}, in the {_phase(p, m, r, k)}: expected {want[k]}, got "
-                       f"{got[k] if k < len(got) else 'nothing (your list is too short)'}.")
+                why = _("position {k}, in the {phase}: expected {want}, got {got}.").format(
+                    k=k, phase=_phase(p, m, r, k), want=want[k],
+                    got=got[k] if k < len(got) else _("nothing (your list is too short)"))
             else:
-                why = f"your list has {len(got)} actions, 1F1B has {len(want)}: {show(got[len(want):])} are extra."
+                why = _("your list has {n} actions, 1F1B has {want}: {extra} are extra.").format(
+                    n=len(got), want=len(want), extra=show(got[len(want):]))
             warm_got = next((i for i, a in enumerate(got) if a.kind == "B"), len(got))
-            more = "" if warm_got == p - r or m < p - r else (
-                f" You run {warm_got} forwards before the first backward; 1F1B runs p - r = {p - r} "
-                f"(p - r - 1 warm-up forwards, then the steady state's first F).")
-            raise AssertionError(f"{where}: {why}{more}\n  expected {show(want)}\n  got      {show(got)}\n"
-                                 f"Hint: {HINT_1F1B}")
-    print(f"one_f_one_b_rank equals parlab's 1F1B for (p, m) in {list(cases)} and one drawn at random, every rank")
+            more = "" if warm_got == p - r or m < p - r else _(
+                " You run {n} forwards before the first backward; 1F1B runs p - r = {want} (p - r - 1 warm-up "
+                "forwards, then the steady state's first F).").format(n=warm_got, want=p - r)
+            raise AssertionError(_("{where}: {why}{more}\n  expected {want}\n  got      {got}\nHint: {hint}").format(
+                where=where, why=why, more=more, want=show(want), got=show(got), hint=_hint_1f1b()))
+    print(_("one_f_one_b_rank equals parlab's 1F1B for (p, m) in {cases} and one drawn at random, every rank").format(
+        cases=list(cases)))
 
 
 @graded("parlab.parallel.pipeline:one_f_one_b", "parlab.parallel.pipeline:interleaved_1f1b")
@@ -183,19 +194,21 @@ def check_1f1b_bubble(fn, cases=CASES) -> None:
         sim = _simulate(fn, p, m)
         want = (p - 1) / (m + p - 1)
         if not math.isclose(sim.bubble_fraction, want, abs_tol=1e-9):
-            raise AssertionError(
-                f"p={p}, m={m}: your schedule idles {sim.bubble_fraction:.4f} of the step (simulated, F = 1, "
-                f"B = 2), 1F1B idles (p-1)/(m+p-1) = {want:.4f}; step time {sim.makespan:g} instead of "
-                f"{3 * (m + p - 1)} units.\nHint: a rank that waits for a backward while it could still run a "
-                f"forward wastes time: {HINT_1F1B}")
+            raise AssertionError(_(
+                "p={p}, m={m}: your schedule idles {got:.4f} of the step (simulated, F = 1, B = 2), 1F1B idles "
+                "(p-1)/(m+p-1) = {want:.4f}; step time {makespan:g} instead of {ideal} units.\nHint: a rank that "
+                "waits for a backward while it could still run a forward wastes time: {hint}").format(
+                p=p, m=m, got=sim.bubble_fraction, want=want, makespan=sim.makespan, ideal=3 * (m + p - 1),
+                hint=_hint_1f1b()))
         for r, peak in enumerate(sim.peak_in_flight):
             if peak > min(p - r, m):
-                raise AssertionError(
-                    f"p={p}, m={m}: the bubble is right, but rank {r} keeps {peak} micro-batches of activations "
-                    f"alive at once; 1F1B keeps at most min(p - r, m) = {min(p - r, m)}. Run each backward as "
-                    f"soon as possible instead of more forwards (GPipe keeps all m).\nHint: {HINT_1F1B}")
-    print(f"your schedule has 1F1B's bubble (p-1)/(m+p-1) and at most p - r micro-batches alive on rank r, for "
-          f"(p, m) in {list(cases)} and one drawn at random")
+                raise AssertionError(_(
+                    "p={p}, m={m}: the bubble is right, but rank {r} keeps {peak} micro-batches of activations alive "
+                    "at once; 1F1B keeps at most min(p - r, m) = {most}. Run each backward as soon as possible "
+                    "instead of more forwards (GPipe keeps all m).\nHint: {hint}").format(
+                    p=p, m=m, r=r, peak=peak, most=min(p - r, m), hint=_hint_1f1b()))
+    print(_("your schedule has 1F1B's bubble (p-1)/(m+p-1) and at most p - r micro-batches alive on rank r, for "
+            "(p, m) in {cases} and one drawn at random").format(cases=list(cases)))
 
 
 # ---------------------------------------------------------------------- checks: the bubble formulas
@@ -211,40 +224,43 @@ def _check_formula(fn, name: str, attr: str, cases, hint: str, other: tuple[str,
         try:
             got = float(got)
         except (TypeError, ValueError):
-            raise AssertionError(f"{name}({p}, {m}, {v}) returned {got!r}; return a number (a fraction, "
-                                 f"e.g. 0.25 for 25%).") from None
+            raise AssertionError(_("{name}({p}, {m}, {v}) returned {got!r}; return a number (a fraction, e.g. 0.25 "
+                                   "for 25%).").format(name=name, p=p, m=m, v=v, got=got)) from None
         if math.isclose(got, want, rel_tol=1e-9, abs_tol=1e-12):
             continue
-        kind = "1F1B" if v == 1 else f"interleaved 1F1B with v={v} chunks"
+        kind = "1F1B" if v == 1 else _("interleaved 1F1B with v={v} chunks").format(v=v)
         extra = ""
         if math.isclose(got, getattr(sim, other[0]), rel_tol=1e-9):
-            extra = f" That is the other convention, {other[1]}."
+            extra = _(" That is the other convention, {other}.").format(other=other[1])
         elif v > 1 and math.isclose(got, getattr(_reference_sim(p, m, 1), attr), rel_tol=1e-9):
-            extra = " That is the bubble without interleaving: with v chunks the fill and drain shrink by v."
+            extra = _(" That is the bubble without interleaving: with v chunks the fill and drain shrink by v.")
         elif math.isclose(got, 100 * want, rel_tol=1e-9):
-            extra = " That is a percentage; return a fraction."
-        raise AssertionError(f"{name}(p={p}, m={m}, v={v}) returned {got:.6f}; the simulation of {kind} (step "
-                             f"{sim.makespan:g} units, one rank busy {max(sim.busy):g}) gives {want:.6f}.{extra}\n"
-                             f"Hint: {hint}")
-    print(f"{name} matches the simulation for (p, m, v) in {list(cases)} and 2 cases drawn at random")
+            extra = _(" That is a percentage; return a fraction.")
+        raise AssertionError(_("{name}(p={p}, m={m}, v={v}) returned {got:.6f}; the simulation of {kind} (step "
+                               "{makespan:g} units, one rank busy {busy:g}) gives {want:.6f}.{extra}\n"
+                               "Hint: {hint}").format(name=name, p=p, m=m, v=v, got=got, kind=kind,
+                                                      makespan=sim.makespan, busy=max(sim.busy), want=want,
+                                                      extra=extra, hint=hint))
+    print(_("{name} matches the simulation for (p, m, v) in {cases} and 2 cases drawn at random").format(
+        name=name, cases=list(cases)))
 
 
 @graded("parlab.parallel.pipeline:simulate", "parlab.parallel.pipeline:bubble_formula")
 def check_bubble_of_step(fn, cases=BUBBLE_CASES) -> None:
     """``fn(p, m, v)`` = idle time / (p x step time) of (interleaved) 1F1B, from `simulate` with unit costs."""
     _check_formula(fn, "bubble_of_step", "bubble_fraction", cases,
-                   "each rank idles (p-1)(t_f + t_b)/v; the step is m(t_f + t_b) of work plus that idle time.",
-                   ("bubble_over_ideal", "idle time over the ideal time, (p-1)/(vm); this one divides by the "
-                                         "whole step"))
+                   _("each rank idles (p-1)(t_f + t_b)/v; the step is m(t_f + t_b) of work plus that idle time."),
+                   ("bubble_over_ideal", _("idle time over the ideal time, (p-1)/(vm); this one divides by the "
+                                           "whole step")))
 
 
 @graded("parlab.parallel.pipeline:simulate", "parlab.parallel.pipeline:bubble_formula")
 def check_bubble_over_ideal(fn, cases=BUBBLE_CASES) -> None:
     """``fn(p, m, v)`` = (step time - ideal time) / ideal time of (interleaved) 1F1B, from `simulate`."""
     _check_formula(fn, "bubble_over_ideal", "bubble_over_ideal", cases,
-                   "the ideal step is m(t_f + t_b) (no idle time); the bubble adds (p-1)(t_f + t_b)/v to it.",
-                   ("bubble_fraction", "the fraction of the whole step, (p-1)/(vm+p-1); this one divides by the "
-                                       "ideal time"))
+                   _("the ideal step is m(t_f + t_b) (no idle time); the bubble adds (p-1)(t_f + t_b)/v to it."),
+                   ("bubble_fraction", _("the fraction of the whole step, (p-1)/(vm+p-1); this one divides by the "
+                                         "ideal time")))
 
 
 protect(__name__)

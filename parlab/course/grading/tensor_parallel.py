@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from parlab import comm
+from parlab.i18n import _
 from parlab.trace import mark
 from parlab.course.grading import TIMEOUT, _show, run_student
 from parlab.course.grading.guard import fresh_seed, graded, protect
@@ -128,23 +129,27 @@ def _phases(trace, rank):
     return [e for e in evs if e.start < t], [e for e in evs if e.start >= t]
 
 
-def _ops(evs) -> str:
-    return ", ".join(f"{e.op}({e.numel} values)" for e in evs) or "nothing"
+def _ops(evs, sep: str = ", ") -> str:
+    return sep.join(_("{op}({n} values)").format(op=e.op, n=e.numel) for e in evs) or _("nothing")
 
 
 def _shape_check(got, want: torch.Tensor, what: str, where: str, hint: str) -> None:
     if got is None:
-        raise AssertionError(f"{where}: {what} is None: backward did not produce it (return one gradient per input "
-                             f"of forward, None only for `group`). Hint: {hint}")
+        raise AssertionError(_("{where}: {what} is None: backward did not produce it (return one gradient per input "
+                               "of forward, None only for `group`). Hint: {hint}").format(where=where, what=what,
+                                                                                         hint=hint))
     if not isinstance(got, torch.Tensor) or tuple(got.shape) != tuple(want.shape):
         shape = tuple(got.shape) if isinstance(got, torch.Tensor) else type(got).__name__
-        raise AssertionError(f"{where}: {what} has shape {shape}, expected {tuple(want.shape)}. Hint: {hint}")
+        raise AssertionError(_("{where}: {what} has shape {shape}, expected {want}. Hint: {hint}").format(
+            where=where, what=what, shape=shape, want=tuple(want.shape), hint=hint))
 
 
 def _mismatch(got, want, what: str, where: str, why: str, hint: str) -> AssertionError:
     bad = (got - want).abs().flatten().argmax().item()
-    return AssertionError(f"{where}: {what} is wrong (largest error at flat index {bad}):\n  expected "
-                          f"{_show(want.flatten())}\n  got      {_show(got.flatten())}\n{why}Hint: {hint}")
+    return AssertionError(_("{where}: {what} is wrong (largest error at flat index {bad}):\n  expected {want}\n"
+                            "  got      {got}\n{why}Hint: {hint}").format(where=where, what=what, bad=bad,
+                                                                        want=_show(want.flatten()),
+                                                                        got=_show(got.flatten()), why=why, hint=hint))
 
 
 def _compare(got, want, what, where, hint, explain=(), tol: float = 0.0) -> None:
@@ -162,10 +167,12 @@ def _traffic(trace, n, name, fwd_want, bwd_want, hint):
         fwd, bwd = _phases(trace, r)
         for phase, got, want in (("forward", fwd, fwd_want), ("backward", bwd, bwd_want)):
             if [(e.op, e.numel) for e in got] != want:
-                raw = "; ".join(f"{e.op}({e.numel} values)" for e in got)
-                exp = ", ".join(f"{op}({k} values)" for op, k in want) or "nothing"
-                raise AssertionError(f"{name} on {n} ranks: rank {r} communicated in {phase}: {raw or 'nothing'}; "
-                                     f"expected {exp}. Hint: {hint}")
+                exp = ", ".join(_("{op}({n} values)").format(op=op, n=k) for op, k in want) or _("nothing")
+                raise AssertionError((_("{name} on {n} ranks: rank {r} communicated in forward: {raw}; expected "
+                                        "{exp}. Hint: {hint}") if phase == "forward" else
+                                      _("{name} on {n} ranks: rank {r} communicated in backward: {raw}; expected "
+                                        "{exp}. Hint: {hint}")).format(name=name, n=n, r=r, raw=_ops(got, "; "),
+                                                                      exp=exp, hint=hint))
 
 
 # ---------------------------------------------------------------------- the checks
@@ -173,9 +180,9 @@ def _traffic(trace, n, name, fwd_want, bwd_want, hint):
 def check_column_parallel_linear(fn, tp_sizes=TP_SIZES, timeout: float = TIMEOUT) -> None:
     """y_r = x W_r^T + b_r equals the dense output's columns r; x.grad equals the dense input gradient on every
     rank (all-reduced in backward, nothing in forward); weight and bias gradients equal the dense ones' rows r."""
-    hint = ("forward: y = x @ weight.t() + bias, no communication (f is the identity); backward: grad_x = "
-            "grad_y @ weight is only this rank's share, so comm.all_reduce(grad_x, group=ctx.group); grad_weight = "
-            "grad_y^T x and grad_bias = grad_y summed over (B, S), both local.")
+    hint = _("forward: y = x @ weight.t() + bias, no communication (f is the identity); backward: grad_x = "
+             "grad_y @ weight is only this rank's share, so comm.all_reduce(grad_x, group=ctx.group); grad_weight = "
+             "grad_y^T x and grad_bias = grad_y summed over (B, S), both local.")
     for n in tp_sizes:
         seed = fresh_seed()
         x, w, b, gy = _dense_linear(seed)
@@ -183,33 +190,33 @@ def check_column_parallel_linear(fn, tp_sizes=TP_SIZES, timeout: float = TIMEOUT
         dw_full, db_full = gy.flatten(0, 1).t() @ x.flatten(0, 1), gy.sum((0, 1))
         res = run_student(_rank_column, n, fn, seed, timeout=timeout, what="ColumnParallelLinearFn")
         for r, got in enumerate(res.results):
-            where = f"ColumnParallelLinearFn on {n} ranks, rank {r}"
+            where = _("{name} on {n} ranks, rank {r}").format(name="ColumnParallelLinearFn", n=n, r=r)
             w_r, gy_r = w.chunk(n, 0)[r], gy.chunk(n, -1)[r]
-            _compare(got["y"], y_full.chunk(n, -1)[r], "the output y", where, hint, [
-                (F.linear(x, w_r), "It is x @ weight.t() without the bias."),
-                (sum(y_full.chunk(n, -1)), "It is the sum of every rank's output slice: the column-parallel forward "
-                                           "needs no all-reduce in forward (each rank keeps its own columns).")])
+            _compare(got["y"], y_full.chunk(n, -1)[r], _("the output y"), where, hint, [
+                (F.linear(x, w_r), _("It is x @ weight.t() without the bias.")),
+                (sum(y_full.chunk(n, -1)), _("It is the sum of every rank's output slice: the column-parallel forward "
+                                             "needs no all-reduce in forward (each rank keeps its own columns)."))])
             _compare(got["dx"], dx_full, "x.grad", where, hint, [
-                (gy_r @ w_r, "It holds only this rank's partial sum grad_y_r @ weight_r: the backward of f is an "
-                             "all-reduce of the input gradient over the group."),
-                (dx_full * n, "It is n times too large: all-reduce once, and do not multiply by the world size.")])
+                (gy_r @ w_r, _("It holds only this rank's partial sum grad_y_r @ weight_r: the backward of f is an "
+                               "all-reduce of the input gradient over the group.")),
+                (dx_full * n, _("It is n times too large: all-reduce once, and do not multiply by the world size."))])
             _compare(got["dw"], dw_full.chunk(n, 0)[r], "weight.grad", where, hint, [
-                (sum(dw_full.chunk(n, 0)), "It is the sum of every rank's weight gradient: the weight gradient is "
-                                           "local, do not all-reduce it."),
-                (dw_full.chunk(n, 0)[r].t(), "It is transposed: weight is (out/tp, in), so grad_y^T @ x.")])
+                (sum(dw_full.chunk(n, 0)), _("It is the sum of every rank's weight gradient: the weight gradient is "
+                                             "local, do not all-reduce it.")),
+                (dw_full.chunk(n, 0)[r].t(), _("It is transposed: weight is (out/tp, in), so grad_y^T @ x."))])
             _compare(got["db"], db_full.chunk(n, 0)[r], "bias.grad", where, hint)
         _traffic(res.trace, n, "ColumnParallelLinearFn", [], [("all_reduce", B * S * IN)], hint)
-    print(f"ColumnParallelLinearFn: output and all gradients equal the dense layer on {', '.join(map(str, tp_sizes))} "
-          f"ranks; forward communicates nothing, backward one all-reduce of x.grad")
+    print(_("ColumnParallelLinearFn: output and all gradients equal the dense layer on {sizes} ranks; forward "
+            "communicates nothing, backward one all-reduce of x.grad").format(sizes=", ".join(map(str, tp_sizes))))
 
 
 @graded(*LAYER_REFS)
 def check_row_parallel_linear(fn, tp_sizes=TP_SIZES, timeout: float = TIMEOUT) -> None:
     """y = sum_r x_r W_r^T + b equals the dense output on every rank (one all-reduce in forward, the bias added
     once); x_r.grad, weight and bias gradients equal the dense ones' slices (nothing communicated in backward)."""
-    hint = ("forward: partial = x_r @ weight_r.t(), comm.all_reduce(partial, group=ctx.group), then + bias (once, "
-            "after the sum); backward: grad_x_r = grad_y @ weight_r, grad_weight_r = grad_y^T x_r, grad_bias = "
-            "grad_y summed over (B, S): no communication (g's backward is the identity).")
+    hint = _("forward: partial = x_r @ weight_r.t(), comm.all_reduce(partial, group=ctx.group), then + bias (once, "
+             "after the sum); backward: grad_x_r = grad_y @ weight_r, grad_weight_r = grad_y^T x_r, grad_bias = "
+             "grad_y summed over (B, S): no communication (g's backward is the identity).")
     for n in tp_sizes:
         seed = fresh_seed()
         x, w, b, gy = _dense_linear(seed)
@@ -217,32 +224,35 @@ def check_row_parallel_linear(fn, tp_sizes=TP_SIZES, timeout: float = TIMEOUT) -
         dw_full, db_full = gy.flatten(0, 1).t() @ x.flatten(0, 1), gy.sum((0, 1))
         res = run_student(_rank_row, n, fn, seed, timeout=timeout, what="RowParallelLinearFn")
         for r, got in enumerate(res.results):
-            where = f"RowParallelLinearFn on {n} ranks, rank {r}"
+            where = _("{name} on {n} ranks, rank {r}").format(name="RowParallelLinearFn", n=n, r=r)
             x_r, w_r = x.chunk(n, -1)[r], w.chunk(n, 1)[r]
-            _compare(got["y"], y_full, "the output y", where, hint, [
-                (F.linear(x_r, w_r, b), "It is this rank's partial sum x_r @ weight_r.t() + bias: the partial "
-                                        "outputs were never summed (all-reduce them, that is g)."),
-                (F.linear(x_r, w_r), "It is this rank's partial sum without the bias, never all-reduced."),
-                (y_full + (n - 1) * b, "The bias was added on every rank before the all-reduce, so it counts n "
-                                       "times: add it once, after the sum."),
-                (F.linear(x, w), "It is the sum without the bias.")])
+            _compare(got["y"], y_full, _("the output y"), where, hint, [
+                (F.linear(x_r, w_r, b), _("It is this rank's partial sum x_r @ weight_r.t() + bias: the partial "
+                                          "outputs were never summed (all-reduce them, that is g).")),
+                (F.linear(x_r, w_r), _("It is this rank's partial sum without the bias, never all-reduced.")),
+                (y_full + (n - 1) * b, _("The bias was added on every rank before the all-reduce, so it counts n "
+                                         "times: add it once, after the sum.")),
+                (F.linear(x, w), _("It is the sum without the bias."))])
             _compare(got["dx"], dx_full.chunk(n, -1)[r], "x_r.grad", where, hint, [
-                (sum(dx_full.chunk(n, -1)), "It is the sum of every rank's x_r.grad: g's backward is the identity, "
-                                            "do not all-reduce in backward.")])
+                (sum(dx_full.chunk(n, -1)), _("It is the sum of every rank's x_r.grad: g's backward is the identity, "
+                                              "do not all-reduce in backward."))])
             _compare(got["dw"], dw_full.chunk(n, 1)[r], "weight.grad", where, hint, [
-                (sum(dw_full.chunk(n, 1)), "It is the sum of every rank's weight gradient: the weight gradient is "
-                                           "local, do not all-reduce it.")])
+                (sum(dw_full.chunk(n, 1)), _("It is the sum of every rank's weight gradient: the weight gradient is "
+                                             "local, do not all-reduce it."))])
             _compare(got["db"], db_full, "bias.grad", where, hint, [
-                (db_full * n, "It is n times too large: grad_y is already the same on every rank, so the bias "
-                              "gradient needs no all-reduce.")])
+                (db_full * n, _("It is n times too large: grad_y is already the same on every rank, so the bias "
+                                "gradient needs no all-reduce."))])
         _traffic(res.trace, n, "RowParallelLinearFn", [("all_reduce", B * S * OUT)], [], hint)
-    print(f"RowParallelLinearFn: output and all gradients equal the dense layer on {', '.join(map(str, tp_sizes))} "
-          f"ranks; forward one all-reduce of the (B, S, out) partial sums, backward communicates nothing")
+    print(_("RowParallelLinearFn: output and all gradients equal the dense layer on {sizes} ranks; forward one "
+            "all-reduce of the (B, S, out) partial sums, backward communicates nothing").format(
+        sizes=", ".join(map(str, tp_sizes))))
 
 
-CE_HINT = ("m = all-reduce MAX of the per-token max; z = logits_r - m; the target's z only on the rank that owns it "
-           "(0 elsewhere), all-reduce SUM; sum of exp(z) over the local slice, all-reduce SUM; loss = log(sum_exp) - "
-           "z_target. backward: grad = (softmax_r - one_hot_r) * grad_loss, softmax_r = exp(z) / sum_exp.")
+def _ce_hint() -> str:
+    return _("m = all-reduce MAX of the per-token max; z = logits_r - m; the target's z only on the rank that owns "
+             "it (0 elsewhere), all-reduce SUM; sum of exp(z) over the local slice, all-reduce SUM; loss = "
+             "log(sum_exp) - z_target. backward: grad = (softmax_r - one_hot_r) * grad_loss, softmax_r = exp(z) / "
+             "sum_exp.")
 
 
 @graded(*CE_REFS)
@@ -259,28 +269,29 @@ def check_vocab_parallel_cross_entropy(fn, tp_sizes=TP_SIZES, timeout: float = T
         want = want.detach()
         res = run_student(_rank_cross_entropy, n, fn, seed, timeout=timeout, what="VocabParallelCrossEntropyFn")
         for r, got in enumerate(res.results):
-            where = f"VocabParallelCrossEntropyFn on {n} ranks, rank {r}"
+            where = _("{name} on {n} ranks, rank {r}").format(name="VocabParallelCrossEntropyFn", n=n, r=r)
             loss = got["loss"]
-            _shape_check(loss, want, "the per-token loss", where, CE_HINT)
+            _shape_check(loss, want, _("the per-token loss"), where, _ce_hint())
             if not torch.isfinite(loss).all():
-                raise AssertionError(f"{where}: the loss has inf or nan ({_show(loss.flatten())}). The logits are "
-                                     f"about 800 and exp(800) overflows: subtract the global max first (all-reduce "
-                                     f"the per-token max with op=comm.ReduceOp.MAX). Hint: {CE_HINT}")
+                raise AssertionError(_("{where}: the loss has inf or nan ({values}). The logits are about 800 and "
+                                       "exp(800) overflows: subtract the global max first (all-reduce the per-token "
+                                       "max with op=comm.ReduceOp.MAX). Hint: {hint}").format(
+                    where=where, values=_show(loss.flatten()), hint=_ce_hint()))
             mine = logits.chunk(n, -1)[r]
             start = r * (V // n)
             local_ce = F.cross_entropy(mine.flatten(0, 1), (targets.flatten() - start).clamp(0, V // n - 1),
                                        reduction="none").view(B, S)
-            _compare(loss, want, "the per-token loss", where, CE_HINT, [
-                (local_ce, "It is the cross-entropy of this rank's slice alone: the max, the sum of exponentials "
-                           "and the target logit must be all-reduced over the group.")], tol=tol)
+            _compare(loss, want, _("the per-token loss"), where, _ce_hint(), [
+                (local_ce, _("It is the cross-entropy of this rank's slice alone: the max, the sum of exponentials "
+                             "and the target logit must be all-reduced over the group."))], tol=tol)
             g_want = full.grad.chunk(n, -1)[r]
             softmax_only = (torch.softmax(logits, -1) * upstream.unsqueeze(-1)).chunk(n, -1)[r]
-            _compare(got["grad"], g_want, "logits_r.grad", where, CE_HINT, [
-                (softmax_only, "It is softmax * grad: subtract 1 at the target (only on the rank that owns it)."),
-                (g_want / upstream.unsqueeze(-1), "It ignores the incoming gradient: multiply by grad_loss[..., None]."
-                 )], tol=tol)
-    print(f"VocabParallelCrossEntropyFn: loss and logits gradient equal F.cross_entropy on "
-          f"{', '.join(map(str, tp_sizes))} ranks")
+            _compare(got["grad"], g_want, "logits_r.grad", where, _ce_hint(), [
+                (softmax_only, _("It is softmax * grad: subtract 1 at the target (only on the rank that owns it).")),
+                (g_want / upstream.unsqueeze(-1),
+                 _("It ignores the incoming gradient: multiply by grad_loss[..., None]."))], tol=tol)
+    print(_("VocabParallelCrossEntropyFn: loss and logits gradient equal F.cross_entropy on {sizes} ranks").format(
+        sizes=", ".join(map(str, tp_sizes))))
 
 
 @graded(*CE_REFS)
@@ -293,15 +304,16 @@ def check_vocab_parallel_cross_entropy_traffic(fn, tp: int = 4, timeout: float =
         fwd, bwd = _phases(res.trace, r)
         big = [e for e in fwd + bwd if e.numel > B * S]
         if big:
-            raise AssertionError(f"rank {r} communicated {_ops(big)}: more than one value per token, e.g. the "
-                                 f"(B, S, V/tp) logits. The point of the vocab-parallel loss is never to move "
-                                 f"them. Hint: {CE_HINT}")
+            raise AssertionError(_("rank {r} communicated {ops}: more than one value per token, e.g. the (B, S, "
+                                   "V/tp) logits. The point of the vocab-parallel loss is never to move them. Hint: "
+                                   "{hint}").format(r=r, ops=_ops(big), hint=_ce_hint()))
         if [e.op for e in fwd] != ["all_reduce"] * 3 or bwd:
-            raise AssertionError(f"rank {r} communicated {_ops(fwd)} in forward and {_ops(bwd)} in backward; "
-                                 f"expected 3 all-reduces of B*S = {B * S} values in forward (max, target logit, "
-                                 f"sum of exponentials) and nothing in backward. Hint: {CE_HINT}")
-    print(f"VocabParallelCrossEntropyFn: 3 all-reduces of {B * S} values (one per token) in forward, nothing in "
-          f"backward, on {tp} ranks")
+            raise AssertionError(_("rank {r} communicated {fwd} in forward and {bwd} in backward; expected 3 "
+                                   "all-reduces of B*S = {n} values in forward (max, target logit, sum of "
+                                   "exponentials) and nothing in backward. Hint: {hint}").format(
+                r=r, fwd=_ops(fwd), bwd=_ops(bwd), n=B * S, hint=_ce_hint()))
+    print(_("VocabParallelCrossEntropyFn: 3 all-reduces of {n} values (one per token) in forward, nothing in "
+            "backward, on {tp} ranks").format(n=B * S, tp=tp))
 
 
 protect(__name__)

@@ -35,7 +35,7 @@ from parlab.i18n import _
 from parlab.trace import current_recorder
 from parlab.course.grading import guard
 
-__all__ = ["rank_entry", "verdict", "TraceEdited", "POLL", "WINDOW", "CPU_EPS", "EXIT_DEADLOCK"]
+__all__ = ["rank_entry", "verdict", "explain", "hint", "TraceEdited", "POLL", "WINDOW", "CPU_EPS", "EXIT_DEADLOCK"]
 
 POLL = 0.25          # seconds between state samples
 WINDOW = 3.0         # seconds every live rank must sit in communication, unchanged, to call it a deadlock
@@ -192,6 +192,20 @@ def rank_entry(folder: str, cpu_limit_s: float, fn, *args):
             dog._write()
         except OSError:
             pass
+
+
+def hint() -> str:
+    return _("Usually this is a deadlock: every rank waits in a recv (or a blocking send) that its peer never "
+             "matches. If all ranks call comm.send before comm.recv, each waits for a receiver forever: start "
+             "the send with req = comm.isend(...), then comm.recv(...), then req.wait().")
+
+
+def explain(found: dict, what: str, world_size: int) -> str:
+    """The check's message for the deadlock `found` (a `verdict`) of `what` on `world_size` ranks."""
+    where = "\n".join(_("  rank {rank} waits in {site}").format(rank=r, site=site) for r, site in found["ranks"].items())
+    return _("{what} deadlocked on {world} ranks: every rank still running has waited in communication for "
+             "{window:g} s with no progress:\n{where}\n{hint}").format(what=what, world=world_size,
+                                                                        window=found["window"], where=where, hint=hint())
 
 
 def verdict(folder: str) -> dict | None:

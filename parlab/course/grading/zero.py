@@ -25,6 +25,7 @@ import random
 import torch
 
 from parlab import comm
+from parlab.i18n import _
 from parlab.data import BatchSampler, load_corpus
 from parlab.parallel.zero import FullyShardedDataParallel
 from parlab.parallel.zero import STAGES, measure, model_state_bytes
@@ -97,30 +98,33 @@ def reference_adamw(steps: int = STEPS, grad_scale: float = 1.0, seed: int = 1) 
         "parlab.course.grading.fsdp:shard_of")
 def check_partition(fn) -> None:
     """``fn(flat, rank, world_size)`` returns rank's shard: equal lengths ceil(numel / N), zero padding at the end."""
-    hint = ("s = ceil(numel / N) (in Python: -(-numel // N)); pad flat with zeros to N * s elements "
-            "(torch.nn.functional.pad or torch.cat with torch.zeros), then take elements [rank * s, (rank + 1) * s).")
+    hint = _("s = ceil(numel / N) (in Python: -(-numel // N)); pad flat with zeros to N * s elements "
+             "(torch.nn.functional.pad or torch.cat with torch.zeros), then take elements [rank * s, (rank + 1) * s).")
     cases = [(12, 4), (13, 4), (10, 3), (7, 2), (3, 4), (1, 2)]
     for numel, n in cases:
         flat = torch.arange(1, numel + 1, dtype=torch.float64)          # 1..numel: padding zeros stand out
         shards = [call_student(fn, flat.clone(), r, n, what="partition") for r in range(n)]
         want = [reference_partition(flat, r, n) for r in range(n)]
-        where = f"partition of {numel} elements over {n} ranks"
+        where = _("partition of {numel} elements over {n} ranks").format(numel=numel, n=n)
         for r, (got, ref) in enumerate(zip(shards, want)):
             if not isinstance(got, torch.Tensor):
-                raise AssertionError(f"{where}: rank {r} returned {type(got).__name__}, expected a tensor.")
+                raise AssertionError(_("{where}: rank {r} returned {kind}, expected a tensor.").format(
+                    where=where, r=r, kind=type(got).__name__))
             if got.numel() != ref.numel():
-                raise AssertionError(
-                    f"{where}: rank {r}'s shard has {got.numel()} elements, expected s = ceil({numel}/{n}) = "
-                    f"{ref.numel()} on every rank. All shards must be equally long so that one all-gather of equal "
-                    f"pieces rebuilds the vector (gloo cannot gather unequal sizes).\nHint: {hint}")
+                raise AssertionError(_(
+                    "{where}: rank {r}'s shard has {got} elements, expected s = ceil({numel}/{n}) = {s} on every "
+                    "rank. All shards must be equally long so that one all-gather of equal pieces rebuilds the vector "
+                    "(gloo cannot gather unequal sizes).\nHint: {hint}").format(
+                    where=where, r=r, got=got.numel(), numel=numel, n=n, s=ref.numel(), hint=hint))
             if not torch.equal(got.reshape(-1).to(ref.dtype), ref):
                 if torch.equal(got.reshape(-1), flat[r::n][:got.numel()]):
-                    why = "It takes every N-th element: a shard must be one contiguous range."
+                    why = _("It takes every N-th element: a shard must be one contiguous range.")
                 else:
-                    why = "It is not the right slice of the padded vector."
-                raise AssertionError(f"{where}: rank {r}'s shard is wrong.\n  expected {ref.tolist()}\n  got      "
-                                     f"{got.reshape(-1).tolist()}\n{why}\nHint: {hint}")
-    print(f"partition gives equal, zero-padded, contiguous shards in {len(cases)} cases")
+                    why = _("It is not the right slice of the padded vector.")
+                raise AssertionError(_("{where}: rank {r}'s shard is wrong.\n  expected {want}\n  got      {got}\n"
+                                       "{why}\nHint: {hint}").format(where=where, r=r, want=ref.tolist(),
+                                                                     got=got.reshape(-1).tolist(), why=why, hint=hint))
+    print(_("partition gives equal, zero-padded, contiguous shards in {n} cases").format(n=len(cases)))
 
 
 # ---------------------------------------------------------------------- part 2: the ZeRO-1 step
@@ -167,24 +171,28 @@ def _compare_training(results, n, what, seed):
                 if i < off + k:
                     break
                 off += k
-            msg = (f"{what} on {n} ranks: after step {step + 1}, rank {r}'s parameter '{name}' differs from "
-                   f"single-process AdamW on the full batch by up to {err.max().item():.3g}.\n")
+            msg = _("{what} on {n} ranks: after step {step}, rank {r}'s parameter '{name}' differs from "
+                    "single-process AdamW on the full batch by up to {err:.3g}.").format(
+                what=what, n=n, step=step + 1, r=r, name=name, err=err.max().item()) + "\n"
             others = [o["flats"][step] for o in results]
             if any(not torch.equal(o, others[0]) for o in others):
                 stale = (got == (init if step == 0 else results[r]["flats"][step - 1])).float().mean().item()
-                raise AssertionError(msg + f"The ranks hold different parameters ({stale:.0%} of rank {r}'s values "
-                                     f"did not change in this step): each rank updated only its shard and the "
-                                     f"others never received it.\nHint: after self.optim.step(), comm.all_gather the "
-                                     f"updated shard of every rank into a flat vector of N * s elements and copy it "
-                                     f"into the parameters (unflatten_into).")
+                raise AssertionError(msg + _("The ranks hold different parameters ({stale:.0%} of rank {r}'s values "
+                                             "did not change in this step): each rank updated only its shard and the "
+                                             "others never received it.\nHint: after self.optim.step(), "
+                                             "comm.all_gather the updated shard of every rank into a flat vector of "
+                                             "N * s elements and copy it into the parameters (unflatten_into).").format(
+                    stale=stale, r=r))
             if step == 0 and reference_adamw(1, grad_scale=n, seed=seed)[0].sub(got).abs().max() <= ATOL:
-                raise AssertionError(msg + "Your update equals AdamW with gradients summed over the ranks, not "
-                                     "averaged.\nHint: comm.reduce_scatter(shard_grad, flat_grads, "
-                                     "op=comm.ReduceOp.AVG): the mean of the per-rank mean losses is the global mean.")
-            raise AssertionError(msg + "All ranks agree with each other, so the all-gather works; the update itself "
-                                 "is wrong.\nHint: each rank must step with the gradient averaged over all ranks (not "
-                                 "its local one), for exactly its own shard: reduce-scatter the padded flat gradients "
-                                 "with op=comm.ReduceOp.AVG into the shard's .grad, then self.optim.step().")
+                raise AssertionError(msg + _("Your update equals AdamW with gradients summed over the ranks, not "
+                                             "averaged.\nHint: comm.reduce_scatter(shard_grad, flat_grads, "
+                                             "op=comm.ReduceOp.AVG): the mean of the per-rank mean losses is the "
+                                             "global mean."))
+            raise AssertionError(msg + _("All ranks agree with each other, so the all-gather works; the update itself "
+                                         "is wrong.\nHint: each rank must step with the gradient averaged over all "
+                                         "ranks (not its local one), for exactly its own shard: reduce-scatter the "
+                                         "padded flat gradients with op=comm.ReduceOp.AVG into the shard's .grad, then "
+                                         "self.optim.step()."))
 
 
 @graded(*ZERO1_REFS)
@@ -195,8 +203,8 @@ def check_zero1_step(cls, world_sizes=(2, 3), steps: int = STEPS, timeout: float
         seed = fresh_seed()
         res = run_student(_rank_zero1, n, cls, steps, seed, timeout=timeout, what="Zero1")
         _compare_training(res.results, n, "Zero1", seed)
-    print(f"Zero1 matches single-process AdamW to {ATOL:g} after {steps} steps on "
-          f"{', '.join(map(str, world_sizes))} ranks (psi = {CFG.param_count():,})")
+    print(_("Zero1 matches single-process AdamW to {atol:g} after {steps} steps on {sizes} ranks (psi = "
+            "{psi:,})").format(atol=ATOL, steps=steps, sizes=", ".join(map(str, world_sizes)), psi=CFG.param_count()))
 
 
 @graded(*ZERO1_REFS)
@@ -210,58 +218,63 @@ def check_zero1_memory_and_traffic(cls, world_size: int = 4, steps: int = 2, tim
     s = -(-psi // n)
     for r, out in enumerate(res.results):
         if out["n_optimizers"] == 0:
-            raise AssertionError("found no torch optimizer in your Zero1 object: keep the AdamW on the shard as "
-                                 "self.optim (the notebook's skeleton does).")
+            raise AssertionError(_("found no torch optimizer in your Zero1 object: keep the AdamW on the shard as "
+                                   "self.optim (the notebook's skeleton does)."))
         if out["stepped_elements"] > s:
-            raise AssertionError(
-                f"rank {r}'s optimizer steps {out['stepped_elements']:,} elements; under ZeRO-1 each rank steps only "
-                f"its shard, s = ceil(psi / N) = {s:,} of the {psi:,} parameters.\nHint: give torch.optim.AdamW the "
-                f"shard (self.shard), not the model's parameters or the whole flat vector.")
+            raise AssertionError(_(
+                "rank {r}'s optimizer steps {got:,} elements; under ZeRO-1 each rank steps only its shard, s = "
+                "ceil(psi / N) = {s:,} of the {psi:,} parameters.\nHint: give torch.optim.AdamW the shard "
+                "(self.shard), not the model's parameters or the whole flat vector.").format(
+                r=r, got=out["stepped_elements"], s=s, psi=psi))
         if out["state_elements"] > 2 * s:
-            raise AssertionError(
-                f"rank {r}'s optimizer state holds {out['state_elements']:,} elements; ZeRO-1 keeps m and v only for "
-                f"its shard: 2 x {s:,} = {2 * s:,}.")
+            raise AssertionError(_("rank {r}'s optimizer state holds {got:,} elements; ZeRO-1 keeps m and v only for "
+                                   "its shard: 2 x {s:,} = {want:,}.").format(r=r, got=out["state_elements"], s=s,
+                                                                              want=2 * s))
     elt = 8                                                           # float64
     want = 2 * (n - 1) / n * s * n * elt * steps                      # reduce-scatter + all-gather of N * s
     sent = res.trace.bytes_per_rank()
     ops = sorted({e.op for e in res.trace.comm().events})
     for r, b in sent.items():
         if b > 1.01 * want:
-            extra = (" You call all_reduce: it sends twice what a reduce-scatter does, although each rank only "
-                     "needs the averaged gradients of its own shard." if "all_reduce" in ops else "")
-            raise AssertionError(
-                f"rank {r} sent {b:,.0f} bytes in {steps} steps ({b / want:.2f}x the ZeRO-1 budget); ZeRO-1 sends "
-                f"a reduce-scatter plus an all-gather of the {n * s:,} padded elements per step: "
-                f"2 (N-1)/N x {n * s:,} x 8 bytes = {want / steps:,.0f} bytes, the same as one DP all-reduce. "
-                f"Operations used: {ops}.{extra}\nHint: comm.reduce_scatter(shard_grad, flat_grads, "
-                f"op=comm.ReduceOp.AVG), then comm.all_gather(flat, shard).")
+            extra = (_(" You call all_reduce: it sends twice what a reduce-scatter does, although each rank only "
+                       "needs the averaged gradients of its own shard.") if "all_reduce" in ops else "")
+            raise AssertionError(_(
+                "rank {r} sent {sent:,.0f} bytes in {steps} steps ({ratio:.2f}x the ZeRO-1 budget); ZeRO-1 sends a "
+                "reduce-scatter plus an all-gather of the {padded:,} padded elements per step: 2 (N-1)/N x {padded:,} "
+                "x 8 bytes = {per_step:,.0f} bytes, the same as one DP all-reduce. Operations used: {ops}.{extra}\n"
+                "Hint: comm.reduce_scatter(shard_grad, flat_grads, op=comm.ReduceOp.AVG), then comm.all_gather(flat, "
+                "shard).").format(r=r, sent=b, steps=steps, ratio=b / want, padded=n * s, per_step=want / steps,
+                                  ops=ops, extra=extra))
     for r in range(n):                     # under the budget, but not ZeRO-1's collectives (a DDP in disguise)
         got = sorted(e.op for e in res.trace.filter(rank=r).comm().events)
         if got != sorted(["reduce_scatter", "all_gather"] * steps):
-            raise AssertionError(
-                f"rank {r} called {', '.join(f'comm.{op} x{got.count(op)}' for op in sorted(set(got))) or 'nothing'} "
-                f"in {steps} steps; ZeRO-1 makes one comm.reduce_scatter (the averaged gradients of this rank's "
-                f"shard) and one comm.all_gather (the updated shards) per step, and nothing else.\nHint: "
-                f"comm.reduce_scatter(shard_grad, flat_grads, op=comm.ReduceOp.AVG), then comm.all_gather(flat, "
-                f"shard).")
-    print(f"Zero1 on {n} ranks: AdamW state for {s:,} of {psi:,} parameters per rank; "
-          f"{max(sent.values()) / steps:,.0f} bytes sent per rank per step = 2 (N-1)/N x psi x 8 B, as DP")
+            raise AssertionError(_(
+                "rank {r} called {calls} in {steps} steps; ZeRO-1 makes one comm.reduce_scatter (the averaged "
+                "gradients of this rank's shard) and one comm.all_gather (the updated shards) per step, and nothing "
+                "else.\nHint: comm.reduce_scatter(shard_grad, flat_grads, op=comm.ReduceOp.AVG), then "
+                "comm.all_gather(flat, shard).").format(
+                r=r, calls=", ".join(f"comm.{op} x{got.count(op)}" for op in sorted(set(got))) or _("nothing"),
+                steps=steps))
+    print(_("Zero1 on {n} ranks: AdamW state for {s:,} of {psi:,} parameters per rank; {sent:,.0f} bytes sent per "
+            "rank per step = 2 (N-1)/N x psi x 8 B, as DP").format(n=n, s=s, psi=psi, sent=max(sent.values()) / steps))
 
 
 # ---------------------------------------------------------------------- part 3: memory formulas
-STAGE_HINTS = {
-    "params": "the weights are sharded only by ZeRO-3: params = param_bytes * psi, divided by nd when stage >= 3.",
-    "grads": "the gradients are sharded from ZeRO-2 on: grads = grad_bytes * psi, divided by nd when stage >= 2.",
-    "optimizer": "the optimizer state is sharded from ZeRO-1 on: optimizer = k * psi, divided by nd when stage >= 1.",
-}
+def _stage_hint(part: str) -> str:
+    return {"params": _("the weights are sharded only by ZeRO-3: params = param_bytes * psi, divided by nd when "
+                        "stage >= 3."),
+            "grads": _("the gradients are sharded from ZeRO-2 on: grads = grad_bytes * psi, divided by nd when "
+                       "stage >= 2."),
+            "optimizer": _("the optimizer state is sharded from ZeRO-1 on: optimizer = k * psi, divided by nd when "
+                           "stage >= 1.")}[part]
 
 
 def _student_bytes(fn, psi, nd, stage, **widths) -> dict:
     args = (psi, nd, stage) + tuple(widths[k] for k in ("param_bytes", "grad_bytes", "k") if k in widths)
     got = call_student(fn, *args, what="zero_memory")
     if not isinstance(got, dict) or any(p not in got for p in PARTS):
-        raise AssertionError(f"zero_memory{args} returned {got!r}; return a dict with the keys 'params', 'grads' "
-                             f"and 'optimizer' (bytes per GPU).")
+        raise AssertionError(_("zero_memory{args} returned {got!r}; return a dict with the keys 'params', 'grads' "
+                               "and 'optimizer' (bytes per GPU).").format(args=args, got=got))
     return got
 
 
@@ -274,7 +287,7 @@ def check_memory_formulas(fn) -> None:
              (1000, 1, {}), (5e9, 16, dict(param_bytes=2, grad_bytes=4, k=12))] + [
         (float(rng.randint(10 ** 5, 10 ** 10)), 2 ** rng.randint(0, 10),
          dict(param_bytes=rng.choice((1, 2, 4)), grad_bytes=rng.choice((2, 4)), k=rng.choice((4, 8, 12, 16))))
-        for _ in range(2)]
+        for _case in range(2)]
     for psi, nd, widths in cases:
         for stage in STAGES:
             got = _student_bytes(fn, psi, nd, stage, **widths)
@@ -282,12 +295,13 @@ def check_memory_formulas(fn) -> None:
             call = f"zero_memory(psi={psi:g}, nd={nd}, stage={stage}" + "".join(f", {k}={v}" for k, v in widths.items())
             for part in PARTS:
                 if not math.isclose(float(got[part]), want[part], rel_tol=1e-9):
-                    raise AssertionError(
-                        f"{call})['{part}'] = {float(got[part]):,.6g} bytes, expected {want[part]:,.6g} "
-                        f"({STAGES[stage]}).\nHint: {STAGE_HINTS[part]}")
+                    raise AssertionError(_("{call})['{part}'] = {got:,.6g} bytes, expected {want:,.6g} ({stage}).\n"
+                                           "Hint: {hint}").format(call=call, part=part, got=float(got[part]),
+                                                                  want=want[part], stage=STAGES[stage],
+                                                                  hint=_stage_hint(part)))
     paper = [sum(_student_bytes(fn, 7.5e9, 64, s)[p] for p in PARTS) / 1e9 for s in STAGES]
-    print("zero_memory reproduces the ZeRO paper's figure 1 (psi = 7.5B, Nd = 64): "
-          + ", ".join(f"{STAGES[s]} {gb:.1f} GB" for s, gb in zip(STAGES, paper)))
+    print(_("zero_memory reproduces the ZeRO paper's figure 1 (psi = 7.5B, Nd = 64): {stages}").format(
+        stages=", ".join(f"{STAGES[s]} {gb:.1f} GB" for s, gb in zip(STAGES, paper))))
 
 
 def _rank_measure_stages():
@@ -317,7 +331,7 @@ def check_memory_measured(fn, world_size: int = 4, timeout: float = TIMEOUT) -> 
     params, grads and optimizer state, summed over the ranks, equal Nd x zero_memory(psi, Nd, stage, 4, 4, 8)
     to 1% (step counters and ZeRO-3's padding are the difference)."""
     nd = world_size
-    res = run_student(_rank_measure_stages, nd, timeout=timeout, what="the measuring run (parlab's own code)")
+    res = run_student(_rank_measure_stages, nd, timeout=timeout, what=_("the measuring run (parlab's own code)"))
     psi = res.results[0]["psi"]
     widths = dict(param_bytes=4, grad_bytes=4, k=8)
     lines = []
@@ -327,13 +341,16 @@ def check_memory_measured(fn, world_size: int = 4, timeout: float = TIMEOUT) -> 
             measured = sum(r["bytes"][stage][part] for r in res.results) / nd       # mean over the ranks
             formula = float(got[part])
             if not (formula > 0 and 0.99 <= measured / formula <= 1.01):
-                raise AssertionError(
-                    f"{STAGES[stage]} on {nd} ranks, fp32 AdamW (4 + 4 + 8 bytes), psi = {psi:,}: the ranks hold "
-                    f"{measured:,.0f} bytes of {part} on average, your formula says {formula:,.0f} "
-                    f"(ratio {measured / formula if formula else float('inf'):.3f}).\nHint: {STAGE_HINTS[part]}")
+                raise AssertionError(_(
+                    "{stage} on {nd} ranks, fp32 AdamW (4 + 4 + 8 bytes), psi = {psi:,}: the ranks hold {measured:,.0f} "
+                    "bytes of {part} on average, your formula says {formula:,.0f} (ratio {ratio:.3f}).\n"
+                    "Hint: {hint}").format(stage=STAGES[stage], nd=nd, psi=psi, measured=measured, part=part,
+                                           formula=formula, ratio=measured / formula if formula else float("inf"),
+                                           hint=_stage_hint(part)))
         total = sum(float(got[p]) for p in PARTS)
         lines.append(f"{STAGES[stage]} {sum(r['bytes'][stage]['total'] for r in res.results) / nd / total:.3f}")
-    print(f"zero_memory matches the bytes measured on {nd} ranks (measured / formula: {', '.join(lines)})")
+    print(_("zero_memory matches the bytes measured on {nd} ranks (measured / formula: {ratios})").format(
+        nd=nd, ratios=", ".join(lines)))
 
 
 protect(__name__)
