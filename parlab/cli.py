@@ -40,7 +40,8 @@ def _unreadable(paths) -> str | None:
         try:
             course.read(p)
         except Exception as e:  # nbformat raises several kinds (NotJSONError, ValidationError, UnicodeError...)
-            return f"{p}: not a readable notebook ({type(e).__name__}: {str(e).splitlines()[0][:150] if str(e) else ''})"
+            return _("{path}: not a readable notebook ({error})").format(
+                path=p, error=f"{type(e).__name__}: {str(e).splitlines()[0][:150] if str(e) else ''}")
     return None
 
 
@@ -48,7 +49,8 @@ def _course_build(args) -> int:
     from parlab import course
     folder = Path(args.root) / "exercises" / "solutions"
     if not folder.is_dir():
-        print(f"parlab course build: no such folder: {folder} (is --root the repository root?)", file=sys.stderr)
+        print("parlab course build: " + _("no such folder: {folder} (is --root the repository root?)").format(
+            folder=folder), file=sys.stderr)
         return 2
     bad = _unreadable(sorted(folder.glob("*.ipynb")))
     if bad:
@@ -56,21 +58,21 @@ def _course_build(args) -> int:
         return 2
     stale = course.build(args.root, check=args.check)
     for p in stale:
-        print(f"{'stale' if args.check else 'wrote'}: {p}")
+        print(f"{_('stale') if args.check else _('wrote')}: {p}")
     if args.check and stale:
-        print("generated exercises are out of date: run `parlab course build` and commit the result",
+        print(_("generated exercises are out of date: run `parlab course build` and commit the result"),
               file=sys.stderr)
         return 1
     if not stale:
-        print("exercises are up to date")
+        print(_("exercises are up to date"))
     return 0
 
 
 def _course_strip(args) -> int:
     from parlab import course
     if not any((Path(args.root) / f).is_dir() for f in ("lessons", "exercises")):
-        print(f"parlab course strip: no such folder: {Path(args.root) / 'lessons'} or "
-              f"{Path(args.root) / 'exercises'} (is --root the repository root?)", file=sys.stderr)
+        print("parlab course strip: " + _("no such folder: {folder} (is --root the repository root?)").format(
+            folder=f"{Path(args.root) / 'lessons'} / {Path(args.root) / 'exercises'}"), file=sys.stderr)
         return 2
     bad = _unreadable(course.course_notebooks(args.root))
     if bad:
@@ -78,12 +80,12 @@ def _course_strip(args) -> int:
         return 2
     dirty = course.strip(args.root, check=args.check)
     for p in dirty:
-        print(f"{'not stripped' if args.check else 'stripped'}: {p}")
+        print(f"{_('not stripped') if args.check else _('stripped')}: {p}")
     if args.check and dirty:
-        print("notebooks carry outputs: run `parlab course strip` before committing", file=sys.stderr)
+        print(_("notebooks carry outputs: run `parlab course strip` before committing"), file=sys.stderr)
         return 1
     if not dirty:
-        print("all course notebooks are stripped")
+        print(_("all course notebooks are stripped"))
     return 0
 
 
@@ -91,24 +93,25 @@ def _course_scorecard(args) -> int:
     import xml.etree.ElementTree as ET
     from parlab import course
     if not Path(args.junit_xml).is_file():
-        print(f"parlab course scorecard: no such file: {args.junit_xml}", file=sys.stderr)
+        print("parlab course scorecard: " + _("no such file: {path}").format(path=args.junit_xml), file=sys.stderr)
         return 2
     try:
         rows = course.scorecard(args.junit_xml, root=args.root)
     except ET.ParseError as e:
-        print(f"parlab course scorecard: {args.junit_xml} is not JUnit XML ({e})", file=sys.stderr)
+        print("parlab course scorecard: " + _("{path} is not JUnit XML ({error})").format(path=args.junit_xml, error=e),
+              file=sys.stderr)
         return 2
     if not rows:
-        print(f"parlab course scorecard: {args.junit_xml} holds no graded check; make it with pytest --nbval-lax "
-              f"--junitxml {args.junit_xml} on exercise notebooks (their graded cells call grading.check_*)",
-              file=sys.stderr)
+        print("parlab course scorecard: " + _("{path} holds no graded check; make it with pytest --nbval-lax "
+                                              "--junitxml {path} on exercise notebooks (their graded cells call "
+                                              "grading.check_*)").format(path=args.junit_xml), file=sys.stderr)
         return 2
     for r in rows:
         first = r["message"].splitlines()[0][:100] if r["message"] else ""
         print(f"{'PASS' if r['passed'] else 'FAIL'}  {r['file']}  cell {r['cell']:>2}  {r['check']}"
               + (f"\n      {first}" if first else ""))
     passed = sum(r["passed"] for r in rows)
-    print(f"{passed}/{len(rows)} checks passed")
+    print(_("{passed}/{total} checks passed").format(passed=passed, total=len(rows)))
     return 0 if passed == len(rows) else 1
 
 
@@ -178,43 +181,43 @@ def _course_i18n(args) -> int:
 
 
 def add_course(sub) -> None:
-    p = sub.add_parser("course", help="build exercises, strip notebooks, read grading results")
+    p = sub.add_parser("course", help=_("build exercises, strip notebooks, read grading results"))
     csub = p.add_subparsers(dest="course_command", required=True)
-    b = csub.add_parser("build", help="regenerate exercises/*.ipynb from exercises/solutions/*.ipynb")
-    b.add_argument("--check", action="store_true", help="write nothing; exit 1 and list the stale exercises")
+    b = csub.add_parser("build", help=_("regenerate exercises/*.ipynb from exercises/solutions/*.ipynb"))
+    b.add_argument("--check", action="store_true", help=_("write nothing; exit 1 and list the stale exercises"))
     b.set_defaults(func=_course_build)
-    s = csub.add_parser("strip", help="remove outputs and execution counts from lessons/ and exercises/")
-    s.add_argument("--check", action="store_true", help="write nothing; exit 1 and list the notebooks with outputs")
+    s = csub.add_parser("strip", help=_("remove outputs and execution counts from lessons/ and exercises/"))
+    s.add_argument("--check", action="store_true", help=_("write nothing; exit 1 and list the notebooks with outputs"))
     s.set_defaults(func=_course_strip)
-    h = csub.add_parser("html", help="execute notebooks (default: every lesson) and export them as HTML pages")
+    h = csub.add_parser("html", help=_("execute notebooks (default: every lesson) and export them as HTML pages"))
     h.add_argument("notebooks", nargs="*", type=Path)
-    h.add_argument("--out", type=Path, default=Path("html"), help="folder for the pages (default: ./html)")
-    h.add_argument("--timeout", type=float, default=300.0, help="seconds one cell may run (default: 300)")
+    h.add_argument("--out", type=Path, default=Path("html"), help=_("folder for the pages (default: ./html)"))
+    h.add_argument("--timeout", type=float, default=300.0, help=_("seconds one cell may run (default: 300)"))
     h.add_argument("--lang", type=_language, default=None,
-                   help="the handouts' language: en or zh (default: PARLAB_LANG, else the locale, else en)")
+                   help=_("the handouts' language: en or zh (default: PARLAB_LANG, else the locale, else en)"))
     h.set_defaults(func=_course_html)
-    o = csub.add_parser("open", help="copy the lessons and exercises to my-course/ (your own, git-ignored copy; "
-                                     "re-run after git pull) and open JupyterLab on my-course/START.ipynb")
-    o.add_argument("--no-browser", action="store_true", help="start JupyterLab without opening a browser")
+    o = csub.add_parser("open", help=_("copy the lessons and exercises to my-course/ (your own, git-ignored copy; "
+                                       "re-run after git pull) and open JupyterLab on my-course/START.ipynb"))
+    o.add_argument("--no-browser", action="store_true", help=_("start JupyterLab without opening a browser"))
     o.add_argument("--lang", type=_language, default=None,
-                   help="the course's language: en or zh (default: PARLAB_LANG, else the locale, else en)")
+                   help=_("the course's language: en or zh (default: PARLAB_LANG, else the locale, else en)"))
     o.add_argument("lab_args", nargs=argparse.REMAINDER,
-                   help="further options for JupyterLab after --, e.g. -- --port 8890")
+                   help=_("further options for JupyterLab after --, e.g. -- --port 8890"))
     o.set_defaults(func=_course_open)
-    t = csub.add_parser("i18n", help="update, check or build the course's translations (translations/LANG/)")
+    t = csub.add_parser("i18n", help=_("update, check or build the course's translations (translations/LANG/)"))
     t.add_argument("action", choices=["update", "check", "build"],
-                   help="update: merge the notebooks' English into the PO files (changed cells marked stale); "
-                        "check: list every missing or stale translation (exit 1 if any); build: write the "
-                        "translated course to --out")
-    t.add_argument("--lang", type=_language, default="zh_CN", help="the translation's language (default: zh)")
-    t.add_argument("--out", type=Path, default=Path("course-zh"), help="folder for build (default: ./course-zh)")
+                   help=_("update: merge the notebooks' English into the PO files (changed cells marked stale); "
+                          "check: list every missing or stale translation (exit 1 if any); build: write the "
+                          "translated course to --out"))
+    t.add_argument("--lang", type=_language, default="zh_CN", help=_("the translation's language (default: zh)"))
+    t.add_argument("--out", type=Path, default=Path("course-zh"), help=_("folder for build (default: ./course-zh)"))
     t.set_defaults(func=_course_i18n)
-    c = csub.add_parser("scorecard", help="per-check results from a pytest --junitxml file")
+    c = csub.add_parser("scorecard", help=_("per-check results from a pytest --junitxml file"))
     c.add_argument("junit_xml", type=Path)
     c.set_defaults(func=_course_scorecard)
     for q in (b, s, o, t):
-        q.add_argument("--root", type=Path, default=None, help="repository root (default: this checkout)")
-    c.add_argument("--root", type=Path, default=Path("."), help="folder the tests were run from (default: .)")
+        q.add_argument("--root", type=Path, default=None, help=_("repository root (default: this checkout)"))
+    c.add_argument("--root", type=Path, default=Path("."), help=_("folder the tests were run from (default: .)"))
 
 
 # ---------------------------------------------------------------------- parlab grid

@@ -174,3 +174,14 @@ def test_the_chinese_server_gets_its_own_interface_settings(tmp_path):
         "plugin.jupyterlab-settings"
     assert json.loads(plugin.read_text()) == {"locale": "zh_CN"}
     assert workspace.lab_settings(tmp_path, "en") == {}
+
+
+def test_course_html_runs_the_notebook_with_parlab_speaking_its_language(tmp_path):
+    """`parlab course html --lang zh`: the kernel that runs the notebook has parlab speaking Chinese."""
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(
+        "from parlab.i18n import _, language\nprint(language(), _('lesson'))")])
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nbformat.write(nb, tmp_path / "probe.ipynb")
+    assert cli.main(["course", "html", str(tmp_path / "probe.ipynb"), "--lang", "zh", "--out", str(tmp_path / "out")]) == 0
+    page = (tmp_path / "out" / "probe.html").read_text(encoding="utf-8")
+    assert "zh_CN 课程" in page

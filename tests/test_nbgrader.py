@@ -9,8 +9,9 @@ The lecturer's steps (nbgrader 0.9's documented layout, ``source/<assignment>/``
    written and one graded cell edited to pass): nbgrader's score for every graded cell equals the one
    ``parlab grade`` gives the same two notebooks. (A blank scores 0 under nbval: tests/test_notebooks.py.)
 
-3. the same in Chinese: the Chinese source notebooks (`parlab.course.translated`) released by nbgrader as a second
-   assignment are the Chinese exercises parlab builds, and the two hand-ins in Chinese get the same scores.
+3. the same in Chinese, in the same assignment (one nbgrader run each): the Chinese source notebooks
+   (`parlab.course.translated`, named NAME_zh) are released as the Chinese exercises parlab builds, and the two
+   hand-ins in Chinese get the same scores.
 
 Exercise 05 is the one autograded because its checks are pure (no ranks), so its kernels start and finish in
 seconds; the restoring of edited cells it exercises is the same for every exercise.
@@ -63,10 +64,10 @@ def nbgrader_course(tmp_path_factory):
     """A course directory released and autograded by nbgrader, and the same hand-ins graded by parlab."""
     root = tmp_path_factory.mktemp("nbgrader-course")
     plain = root.parent / (root.name + "-parlab")                     # parlab grade's folder: <student>/NN.ipynb
-    for assignment, lang in (("all", "en"), ("all_zh", "zh_CN")):
+    for lang, suffix in (("en", ""), ("zh_CN", "_zh")):
         for student, nb in _submissions(lang).items():
-            (root / "submitted" / student / assignment).mkdir(parents=True)     # the one notebook handed in
-            nbformat.write(nb, str(root / "submitted" / student / assignment / f"{EX}.ipynb"))
+            (root / "submitted" / student / "all").mkdir(parents=True, exist_ok=True)   # the notebooks handed in
+            nbformat.write(nb, str(root / "submitted" / student / "all" / f"{EX}{suffix}.ipynb"))
             if lang == "en":
                 (plain / student).mkdir(parents=True)
                 nbformat.write(nb, str(plain / student / f"{EX}.ipynb"))
@@ -74,30 +75,29 @@ def nbgrader_course(tmp_path_factory):
     with ThreadPoolExecutor(1) as pool:                                 # parlab grades while nbgrader works
         parlab_grades = pool.submit(grader.grade, plain, root / "parlab-gradebook", jobs=2, progress=lambda line: None)
         (root / "source" / "all").mkdir(parents=True)
-        (root / "source" / "all_zh").mkdir(parents=True)
         for sol in sorted((ROOT / "exercises" / "solutions").glob("*.ipynb")):
             shutil.copy(sol, root / "source" / "all" / sol.name)
-            shutil.copy(zh_course / "exercises" / "solutions" / sol.name, root / "source" / "all_zh" / sol.name)
-        for assignment in ("all", "all_zh"):
-            _nbgrader(root, "generate_assignment", assignment, "--create")
-            _nbgrader(root, "autograde", assignment, "--create")
+            shutil.copy(zh_course / "exercises" / "solutions" / sol.name, root / "source" / "all" / f"{sol.stem}_zh.ipynb")
+        _nbgrader(root, "generate_assignment", "all", "--create")
+        _nbgrader(root, "autograde", "all", "--create")
         ours = {r.student: {c["grade_id"]: c["points"] * c["passed"] for c in r.checks}
                 for r in parlab_grades.result()}
     theirs, theirs_zh = {}, {}
     with nbgrader_api.Gradebook(f"sqlite:///{root / 'gradebook.db'}") as gb:
         for student in ("solution", "edited"):
             theirs[student] = {g.name: g.score for g in gb.find_submission_notebook(EX, "all", student).grades}
-            theirs_zh[student] = {g.name: g.score for g in gb.find_submission_notebook(EX, "all_zh", student).grades}
+            theirs_zh[student] = {g.name: g.score for g in gb.find_submission_notebook(f"{EX}_zh", "all", student).grades}
     return root, theirs, ours, theirs_zh, zh_course
 
 
-@pytest.mark.parametrize("assignment", ["all", "all_zh"])
-def test_nbgrader_releases_from_the_solutions_exactly_the_exercises_parlab_builds(nbgrader_course, assignment):
+@pytest.mark.parametrize("lang", ["en", "zh_CN"])
+def test_nbgrader_releases_from_the_solutions_exactly_the_exercises_parlab_builds(nbgrader_course, lang):
     root, zh_course = nbgrader_course[0], nbgrader_course[4]
-    released = sorted((root / "release" / assignment).glob("*.ipynb"))
-    assert [p.name for p in released] == sorted(p.name for p in (ROOT / "exercises").glob("*.ipynb"))
+    suffix = "_zh" if lang == "zh_CN" else ""
+    released = sorted(p for p in (root / "release" / "all").glob("*.ipynb") if p.stem.endswith("_zh") == bool(suffix))
+    assert [p.name for p in released] == sorted(p.stem + suffix + ".ipynb" for p in (ROOT / "exercises").glob("*.ipynb"))
     for path in released:
-        built = (ROOT if assignment == "all" else zh_course) / "exercises" / path.name
+        built = (ROOT if lang == "en" else zh_course) / "exercises" / (path.stem.removesuffix(suffix) + ".ipynb")
         theirs, ours = course.read(path), course.read(built)
         for k, (a, b) in enumerate(zip(theirs.cells, ours.cells)):
             assert (a.cell_type, a.source, dict(a.metadata)) == (b.cell_type, b.source, dict(b.metadata)), \

@@ -288,12 +288,14 @@ def _executed(path: str, timeout: float, lang: str | None = None):
 def run(paths: list[Path], out: Path, jobs: int = 1, width: int = WIDTH, timeout: float = 300.0,
         lang: str | None = None) -> list[str]:
     """Execute (parlab speaking `lang`, default this process's language), collect, draw and check; returns
-    every problem as 'notebook/cellNN_k: what'."""
+    every problem as 'notebook/cellNN_k: what'. Each executed notebook is left in `out` under its own name."""
+    from parlab import course
     out.mkdir(parents=True, exist_ok=True)
     with ProcessPoolExecutor(max_workers=max(1, jobs)) as pool:
         done = list(pool.map(_executed, map(str, paths), [timeout] * len(paths), [lang] * len(paths)))
     figs, labels, failed = [], [], []
     for path, (nb, error) in zip(paths, done):
+        (out / Path(path).name).write_text(course.dumps(nb), encoding="utf-8")     # as executed, for a handout
         f, lb = collect(nb, Path(path).stem)
         figs += f
         labels += lb

@@ -323,8 +323,10 @@ def _sliced(get_msg, poll: float):
     return get
 
 
-def export_html(paths, out: str | Path, timeout: float = 300.0, lang: str | None = None) -> list[Path]:
-    """Execute each notebook (in its own folder) and write NAME.html into `out`; returns the pages written.
+def export_html(paths, out: str | Path, timeout: float = 300.0, lang: str | None = None,
+                executed: bool = False) -> list[Path]:
+    """Execute each notebook (in its own folder; not when `executed`: the notebooks carry their outputs
+    already) and write NAME.html into `out`; returns the pages written.
     The pages read fully offline (`parlab.course.handout`): plotly figures carry their own plotly.js, formulas are
     typeset by the MathJax copied into ``out/mathjax/``, and each widget shows its controls' initial values and
     the figure it drew for them."""
@@ -337,7 +339,7 @@ def export_html(paths, out: str | Path, timeout: float = 300.0, lang: str | None
     mathjax = offline_mathjax(out)
     pages = []
     for path in map(Path, paths):
-        nb = execute(read(path), path.resolve().parent, timeout=timeout, lang=lang)
+        nb = read(path) if executed else execute(read(path), path.resolve().parent, timeout=timeout, lang=lang)
         static_widgets(nb)
         html, _ = HTMLExporter(mathjax_url=mathjax).from_notebook_node(nb)
         page = out / (path.stem + ".html")

@@ -167,8 +167,14 @@ def _import_before_fork() -> None:
     `add_param_group` imports torch._dynamo (its `_disable_dynamo` decorator): 0.9 s of CPU on a quiet core of the
     2-core CI machine, 2.7 s with 4 ranks sharing 2 cores, paid by each rank of each run that builds an optimizer
     unless the parent has it already (lesson 03's 4-rank runs took 2.2 s each before, 0.2 s after). Forked ranks
-    share the parent's imported modules for free."""
+    share the parent's imported modules for free. Likewise the message catalogue of the language in force
+    (compiled from its PO file on first use: 0.1 s), which a rank that prints or raises in Chinese would compile
+    again for itself."""
     import torch._dynamo  # noqa: F401
+
+    from parlab.i18n.catalogue import translations
+    from parlab.i18n.language import language
+    translations(language())
 
 
 def run(fn: Callable, world_size: int, *args, backend: str = "gloo", timeout: float = 60.0, trace: bool = False,
