@@ -185,3 +185,33 @@ def test_course_html_runs_the_notebook_with_parlab_speaking_its_language(tmp_pat
     assert cli.main(["course", "html", str(tmp_path / "probe.ipynb"), "--lang", "zh", "--out", str(tmp_path / "out")]) == 0
     page = (tmp_path / "out" / "probe.html").read_text(encoding="utf-8")
     assert "zh_CN 课程" in page
+
+
+# ---------------------------------------------------------------------- the READMEs
+READMES = ["README.md", "lessons/README.md", "exercises/README.md", "parlab/labs/README.md"]
+SOURCE_MARK = re.compile(r"<!-- translated from (\S+) sha256:([0-9a-f]{12}) -->")
+
+
+def _blocks(text: str) -> list[str]:
+    return re.findall(r"```.*?```", text, flags=re.S)
+
+
+@pytest.mark.parametrize("english", READMES)
+def test_each_readme_has_a_current_chinese_twin_with_the_same_commands(english):
+    """README.zh-CN.md beside each README.md: it names the hash of the English it translates (a changed English
+    makes it stale, as a PO entry would be), links back, and carries the same code blocks (the Quickstart's
+    course-opening command opens the course in Chinese)."""
+    import hashlib
+    en_path = ROOT / english
+    zh_path = en_path.with_name("README.zh-CN.md")
+    en, zh = en_path.read_text(encoding="utf-8"), zh_path.read_text(encoding="utf-8")
+    mark = SOURCE_MARK.search(zh)
+    assert mark and mark.group(1) == en_path.name, f"{zh_path.relative_to(ROOT)} must name its source: " \
+        f"<!-- translated from {en_path.name} sha256:... -->"
+    digest = hashlib.sha256(en.encode()).hexdigest()[:12]
+    assert mark.group(2) == digest, (f"{zh_path.relative_to(ROOT)} is stale: {english} changed since it was "
+                                     f"translated; update the translation and its mark to sha256:{digest}")
+    assert "[English](README.md)" in zh and "[简体中文](README.zh-CN.md)" in en
+    zh_blocks = [b.replace('-e ".[zh]" && .venv/bin/parlab course open --lang zh', '-e . && .venv/bin/parlab course open')
+                 for b in _blocks(zh)]
+    assert zh_blocks == _blocks(en)

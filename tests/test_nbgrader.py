@@ -17,6 +17,7 @@ Exercise 05 is the one autograded because its checks are pure (no ranks), so its
 seconds; the restoring of edited cells it exercises is the same for every exercise.
 """
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -68,26 +69,30 @@ def nbgrader_course(tmp_path_factory):
         for student, nb in _submissions(lang).items():
             (root / "submitted" / student / "all").mkdir(parents=True, exist_ok=True)   # the notebooks handed in
             nbformat.write(nb, str(root / "submitted" / student / "all" / f"{EX}{suffix}.ipynb"))
-            if lang == "en":
-                (plain / student).mkdir(parents=True)
-                nbformat.write(nb, str(plain / student / f"{EX}.ipynb"))
+            folder = plain / ("en" if lang == "en" else "zh") / student
+            folder.mkdir(parents=True)
+            nbformat.write(nb, str(folder / f"{EX}.ipynb"))
     zh_course = translated.write_course(ROOT, "zh_CN", root.parent / (root.name + "-zh"))
     with ThreadPoolExecutor(1) as pool:                                 # parlab grades while nbgrader works
-        parlab_grades = pool.submit(grader.grade, plain, root / "parlab-gradebook", jobs=2, progress=lambda line: None)
+        parlab_grades = pool.submit(grader.grade, plain / "en", root / "parlab-gradebook", jobs=2,
+                                    progress=lambda line: None)
+        parlab_grades_zh = pool.submit(grader.grade, plain / "zh", root / "parlab-gradebook-zh", jobs=2,
+                                       progress=lambda line: None, lang="zh_CN",
+                                       exercises=zh_course / "exercises")
         (root / "source" / "all").mkdir(parents=True)
         for sol in sorted((ROOT / "exercises" / "solutions").glob("*.ipynb")):
             shutil.copy(sol, root / "source" / "all" / sol.name)
             shutil.copy(zh_course / "exercises" / "solutions" / sol.name, root / "source" / "all" / f"{sol.stem}_zh.ipynb")
         _nbgrader(root, "generate_assignment", "all", "--create")
         _nbgrader(root, "autograde", "all", "--create")
-        ours = {r.student: {c["grade_id"]: c["points"] * c["passed"] for c in r.checks}
-                for r in parlab_grades.result()}
+        ours, ours_zh = ({r.student: {c["grade_id"]: c["points"] * c["passed"] for c in r.checks}
+                          for r in grades.result()} for grades in (parlab_grades, parlab_grades_zh))
     theirs, theirs_zh = {}, {}
     with nbgrader_api.Gradebook(f"sqlite:///{root / 'gradebook.db'}") as gb:
         for student in ("solution", "edited"):
             theirs[student] = {g.name: g.score for g in gb.find_submission_notebook(EX, "all", student).grades}
             theirs_zh[student] = {g.name: g.score for g in gb.find_submission_notebook(f"{EX}_zh", "all", student).grades}
-    return root, theirs, ours, theirs_zh, zh_course
+    return root, theirs, ours, theirs_zh, zh_course, ours_zh
 
 
 @pytest.mark.parametrize("lang", ["en", "zh_CN"])
@@ -106,9 +111,13 @@ def test_nbgrader_releases_from_the_solutions_exactly_the_exercises_parlab_build
 
 
 def test_nbgrader_autograde_scores_every_check_as_parlab_grade_does(nbgrader_course):
-    _, theirs, ours, theirs_zh, _course = nbgrader_course
+    _, theirs, ours, theirs_zh, zh_course, ours_zh = nbgrader_course
     assert theirs == ours
-    assert theirs_zh == theirs                                  # the same hand-ins in Chinese: the same scores
+    assert theirs_zh == theirs                 # the same hand-ins in Chinese: the same scores, from nbgrader
+    assert ours_zh == ours                     # and from parlab grade --lang zh against the Chinese release
+    reports = zh_course.parent / zh_course.name.removesuffix("-zh") / "parlab-gradebook-zh"
+    for page in [reports / "summary.html", *(reports / "feedback").glob("*.md")]:
+        assert re.search(r"[\u4e00-\u9fff]", page.read_text(encoding="utf-8")), f"{page.name} is not in Chinese"
     total = {student: sum(scores.values()) for student, scores in ours.items()}
     # the edited graded cell was restored by both (it checks the unwritten one_f_one_b_rank, so it fails),
     # and the cell holding the two bubble functions passes their two checks only

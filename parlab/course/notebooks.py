@@ -285,10 +285,8 @@ def execute(nb: nbformat.NotebookNode, cwd: str | Path, timeout: float = 300.0,
     sit unnoticed on the client's socket until the wait times out (measured here: lesson 07 under plain
     nbclient stalled a cell for the full 90 s timeout in 2 of 3 runs, and forever without a timeout).
     Waiting in slices of `poll` seconds makes every wake-up also look at the socket, so a stall lasts at
-    most `poll` seconds. `lang` ("en", "zh_CN"): the language parlab speaks in that kernel (``PARLAB_LANG``;
-    default: this process's)."""
+    most `poll` seconds. `lang`: the language parlab speaks in that kernel (``PARLAB_LANG``; default: ours)."""
     import os
-
     from nbclient import NotebookClient
 
     class _Client(NotebookClient):
@@ -323,10 +321,9 @@ def _sliced(get_msg, poll: float):
     return get
 
 
-def export_html(paths, out: str | Path, timeout: float = 300.0, lang: str | None = None,
-                executed: bool = False) -> list[Path]:
-    """Execute each notebook (in its own folder; not when `executed`: the notebooks carry their outputs
-    already) and write NAME.html into `out`; returns the pages written.
+def export_html(paths, out: str | Path, timeout: float = 300.0, lang: str | None = None, executed=False) -> list[Path]:
+    """Execute each notebook in its own folder (unless `executed`: they carry outputs) and write NAME.html into
+    `out`; returns the pages written.
     The pages read fully offline (`parlab.course.handout`): plotly figures carry their own plotly.js, formulas are
     typeset by the MathJax copied into ``out/mathjax/``, and each widget shows its controls' initial values and
     the figure it drew for them."""
