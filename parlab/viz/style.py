@@ -17,10 +17,11 @@ from __future__ import annotations
 
 import zlib
 
+from parlab.i18n import _
 from parlab.trace import format_bytes
 
 __all__ = ["COMPUTE_COLORS", "COLLECTIVE_COLORS", "P2P_COLORS", "MARK_COLOR", "OTHER_COLOR", "KIND_ORDER",
-           "color", "colors", "human_bytes"]
+           "color", "colors", "human_bytes", "op_label"]
 
 COMPUTE_COLORS: dict[str, str] = {
     "forward": "#9ecae1",
@@ -88,3 +89,11 @@ def colors(keys) -> dict[tuple[str, str], str]:
 def human_bytes(n: float) -> str:
     """4_000_000 -> '4.00 MB' (SI, powers of 1000, as `Trace.summary` writes them)."""
     return format_bytes(n)
+
+
+def op_label(op: str) -> str:
+    """How a legend names a compute region: the course's own region names in the language in force ("forward"
+    is 前向 in Chinese), every other name (a collective, a region the student named) as it is in the trace."""
+    names = {"forward": _("forward"), "backward": _("backward"), "optimizer": _("optimizer"), "loss": _("loss"),
+             "untraced": _("untraced"), "grad sync": _("grad sync"), "ring attention": _("ring attention")}
+    return names.get(op, op)

@@ -183,7 +183,8 @@ def timeline(trace: Any, title: str | None = None, ranks: Sequence[int] | None =
         evs = by_colour[(kind, op)]
         hover = [hover_text(e, t0, scale, time_unit) for e in evs]
         # group titles in the plural, so a region called "compute" is not listed as "compute" twice
-        common = dict(name=_("marks") if kind == "mark" else op, legendgroup=kind,   # "marks": a key, shown translated
+        common = dict(name=_("marks") if kind == "mark" else style.op_label(op) if kind == "compute" else op,
+                      legendgroup=kind,                       # "marks", a region's name: keys, shown translated
                       legendgrouptitle_text=group_titles.get(kind, kind),
                       hovertext=hover, hovertemplate="%{hovertext}<extra></extra>")
         if kind == "mark":
