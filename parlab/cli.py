@@ -297,6 +297,13 @@ def main(argv: list[str] | None = None) -> int:
 
 def _main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    if os.environ.get("PARLAB_LANG"):           # a language the course does not have: say so, not English silently
+        from parlab.i18n import normalize
+        try:
+            normalize(os.environ["PARLAB_LANG"])
+        except ValueError as e:
+            print(f"parlab: PARLAB_LANG={os.environ['PARLAB_LANG']!r}: {e}", file=sys.stderr)
+            return 2
     if argv[:1] == ["plan"]:  # the planner owns its options (see parlab.cluster.plan_cli.main)
         from parlab.cluster.plan_cli import main as plan_main
         return plan_main(argv[1:])

@@ -138,7 +138,11 @@ def test_the_language_follows_the_flag_then_parlab_lang_then_the_locale(monkeypa
             normalize(bad)
 
 
-def test_cli_refuses_a_language_the_course_does_not_have(capsys):
+def test_cli_refuses_a_language_the_course_does_not_have(capsys, monkeypatch):
+    monkeypatch.setenv("PARLAB_LANG", "fr")
+    assert cli.main(["course", "i18n", "check"]) == 2
+    assert "PARLAB_LANG='fr'" in capsys.readouterr().err
+    monkeypatch.delenv("PARLAB_LANG")
     for argv in (["course", "open", "--lang", "fr"], ["course", "html", "--lang", "klingon"]):
         with pytest.raises(SystemExit) as e:
             cli.main(argv)
