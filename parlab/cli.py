@@ -173,8 +173,8 @@ def _course_i18n(args) -> int:
         if problems:
             print("\n".join(problems))
     c = counts(Path(args.root), lang)
-    print(_("{translated}/{cells} prose cells and {strings_translated}/{strings} display strings translated, "
-            "{stale} stale").format(**c))
+    print(_("{translated}/{cells} prose cells, {strings_translated}/{strings} display strings and "
+            "{labels_translated}/{labels} check names translated, {stale} stale").format(**c))
     print(_("{n} of {total} messages of parlab itself translated").format(
         n=len(runtime_messages()) - len(messages), total=len(runtime_messages())))
     return 1 if (found or messages) and args.action == "check" else 0

@@ -118,6 +118,8 @@ def test_nbgrader_autograde_scores_every_check_as_parlab_grade_does(nbgrader_cou
     reports = zh_course.parent / zh_course.name.removesuffix("-zh") / "parlab-gradebook-zh"
     for page in [reports / "summary.html", *(reports / "feedback").glob("*.md")]:
         assert re.search(r"[\u4e00-\u9fff]", page.read_text(encoding="utf-8")), f"{page.name} is not in Chinese"
+    edited = (reports / "feedback" / "edited.md").read_text(encoding="utf-8")      # each check named in Chinese
+    assert edited.count("### ") == 5 and edited.count("评分：") == 5, edited
     total = {student: sum(scores.values()) for student, scores in ours.items()}
     # the edited graded cell was restored by both (it checks the unwritten one_f_one_b_rank, so it fails),
     # and the cell holding the two bubble functions passes their two checks only

@@ -25,12 +25,13 @@ from __future__ import annotations
 import ast
 import copy
 import difflib
+import functools
 import io
 import re
 import tokenize
 from pathlib import Path
 
-__all__ = ["po_path", "course_sources", "entries", "update", "load", "fill", "translate", "problems",
+__all__ = ["po_path", "course_sources", "entries", "cell_docstring", "docstring_translation", "DOCSTRING", "update", "load", "fill", "translate", "problems",
            "check_literal", "display_strings"]
 
 #: a word a person reads: three letters or more
@@ -100,16 +101,46 @@ def display_strings(source: str) -> list[str]:
     return out
 
 
+#: the context suffix of a code cell's docstring: an exercise's graded cell says what it checks in one, and
+#: `parlab grade` shows that sentence in its feedback (translated there; the cell itself keeps its code)
+DOCSTRING = ":docstring"
+
+
+def cell_docstring(source: str) -> str | None:
+    """What a code cell says it does: the text of the docstring it opens with (``parlab grade``'s rule)."""
+    return source.split('"""')[1].strip() if source.startswith('"""') else None
+
+
 def entries(nb, code_strings: bool) -> list[tuple[str, str]]:
-    """[(cell id, English)] of a notebook: each non-empty markdown cell, and (`code_strings`) each display
-    string of each code cell."""
+    """[(cell id, English)] of a notebook: each non-empty markdown cell, and each display string of each code
+    cell (`code_strings`: a lesson) or else each code cell's docstring (an exercise's graded cells, under the
+    context ``ID:docstring``)."""
     out = []
     for cell in nb.cells:
         if cell.cell_type == "markdown" and cell.source.strip():
             out.append((cell.id, cell.source))
         elif cell.cell_type == "code" and code_strings:
             out += [(cell.id, s) for s in display_strings(cell.source)]
+        elif cell.cell_type == "code" and cell_docstring(cell.source):
+            out.append((cell.id + DOCSTRING, cell_docstring(cell.source)))
     return out
+
+
+@functools.lru_cache(maxsize=64)
+def _catalog(path: str, mtime: float, lang: str):
+    return load(Path(path), lang)
+
+
+def docstring_translation(root: Path, lang: str, exercise: str, cell_id: str, english: str) -> str:
+    """`english`, the docstring of cell `cell_id` of exercise `exercise`, in `lang` (itself where there is no
+    current translation, or for English)."""
+    if lang == "en":
+        return english
+    path = po_path(Path(root) / "exercises" / f"{exercise}.ipynb", lang, root)
+    if not path.is_file():
+        return english
+    m = _lookup(_catalog(str(path), path.stat().st_mtime, lang), cell_id + DOCSTRING, english)
+    return m.string if m is not None else english
 
 
 def load(path: Path, lang: str = "zh_CN"):
@@ -284,10 +315,11 @@ def problems(nb, catalog, name: str, code_strings: bool = True) -> list[str]:
     for cell_id, english in entries(nb, code_strings):
         m = catalog.get(english, context=cell_id)
         what = "markdown" if not re.match(r"[rRbBuUfF]*['\"]", english) else f"string {english[:50]!r}"
+        what = "docstring (the check's name in parlab grade)" if cell_id.endswith(DOCSTRING) else what
         if m is None or not m.string:
             out.append(f"{name} cell {cell_id}: {what} missing")
         elif "fuzzy" in m.flags:
             out.append(f"{name} cell {cell_id}: {what} stale (the English changed; the old one is #| msgid)")
-        elif what != "markdown" and check_literal(english, m.string):
+        elif what.startswith("string") and check_literal(english, m.string):
             out.append(f"{name} cell {cell_id}: {what}: {check_literal(english, m.string)}")
     return out

@@ -63,16 +63,18 @@ def counts(root: Path, lang: str = "zh_CN") -> dict[str, int]:
     """{"cells": prose cells, "translated": with a current translation, "stale": fuzzy, "strings": display
     strings, "strings_translated": ...} over the whole course."""
     import nbformat
-    c = {"cells": 0, "translated": 0, "stale": 0, "strings": 0, "strings_translated": 0}
+    c = {"cells": 0, "translated": 0, "stale": 0, "strings": 0, "strings_translated": 0, "labels": 0,
+         "labels_translated": 0}
     for path in notebooks.course_sources(root):
         nb = nbformat.read(path, as_version=4)
         catalog = notebooks.load(notebooks.po_path(path, lang, root), lang)
         for cell_id, english in notebooks.entries(nb, path.parent.name == "lessons"):
-            kind = "strings" if re.match(r"[rRbBuUfF]*['\"]", english) else "cells"
+            kind = ("labels" if cell_id.endswith(notebooks.DOCSTRING) else
+                    "strings" if re.match(r"[rRbBuUfF]*['\"]", english) else "cells")
             c[kind] += 1
             m = catalog.get(english, context=cell_id)
             if m is not None and m.string and "fuzzy" not in m.flags:
-                c["translated" if kind == "cells" else "strings_translated"] += 1
+                c["translated" if kind == "cells" else f"{kind}_translated"] += 1
             elif m is not None and "fuzzy" in m.flags:
                 c["stale"] += 1
     return c

@@ -81,13 +81,19 @@ class Result:
         return sum(c["points"] for c in self.checks)
 
 
-def _graded(released: nbformat.NotebookNode) -> list[dict]:
+def _graded(released: nbformat.NotebookNode, exercise: str = "") -> list[dict]:
+    """The graded cells of a released exercise: grade id, points, and what each checks (its docstring, in the
+    language in force: `parlab.i18n.notebooks.docstring_translation`)."""
+    from parlab.course.notebooks import ROOT
+    from parlab.i18n.notebooks import cell_docstring, docstring_translation
     out = []
     for cell in released.cells:
         m = cell.metadata.get("nbgrader", {})
         if m.get("grade"):
-            doc = cell.source.split('"""')[1].strip() if cell.source.startswith('"""') else m["grade_id"]
-            out.append({"grade_id": m["grade_id"], "label": doc, "points": float(m.get("points", 1))})
+            doc = cell_docstring(cell.source)
+            label = docstring_translation(ROOT, language(), exercise, cell.get("id", ""), doc) if doc else None
+            out.append({"grade_id": m["grade_id"], "label": label or m["grade_id"],
+                        "points": float(m.get("points", 1))})
     return out
 
 
@@ -103,7 +109,7 @@ def _limit_memory(gb: float):
 def grade_one(sub: Submission, released_path: Path, limits: Limits) -> Result:
     """Restore, run and score one submission."""
     released = nbformat.read(str(released_path), as_version=4)
-    graded = _graded(released)
+    graded = _graded(released, sub.exercise)
     blank = [{**g, "passed": False, "kind": "missing", "message": "", "traceback": ""} for g in graded]
     if sub.path is None:
         return Result(sub.student, sub.exercise, "missing", blank, list(sub.notes))
