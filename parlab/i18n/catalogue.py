@@ -105,7 +105,10 @@ def missing_messages(lang: str, package: str | Path = PACKAGE) -> list[str]:
     """The package's messages with no current translation in `lang` ("where: message (missing|stale)")."""
     from babel.messages.pofile import read_po
     path = catalogue_path(lang)
-    catalog = read_po(path.open("rb"), locale=lang) if path.is_file() else None
+    catalog = None
+    if path.is_file():
+        with path.open("rb") as f:
+            catalog = read_po(f, locale=lang)
     out = []
     for message, where in runtime_messages(package).items():
         m = catalog.get(message) if catalog is not None else None

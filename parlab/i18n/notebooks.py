@@ -9,9 +9,9 @@ for the exercise ``exercises/02_ddp.ipynb`` (and its solution, which shares its 
     msgstr  "根据第二次更新的 trace 回放..."
 
 and, for a lesson, one entry per **display string** of a code cell: a string literal that holds words (a
-printed sentence, a figure title; `_is_display`), its ``msgid`` the literal as written (``f"{n} ranks sent {mb:.2f} MB"``), its
-``msgstr`` the literal to put there instead (``f"{n} 个 rank 共发送 {mb:.2f} MB"``, the same fields, checked), or
-the same literal where it must stay (a trace label the code looks up). The Chinese notebook is the English one
+printed sentence, a figure title; `_is_display`), its ``msgid`` the literal as written
+(``f"{n} ranks sent {mb:.2f} MB"``), its ``msgstr`` the literal to put there instead
+(``f"{n} 个 rank 共发送 {mb:.2f} MB"``, the same fields, checked), or the same literal where it must stay (a trace label the code looks up). The Chinese notebook is the English one
 with those replacements: the same code, cells, ids and nbgrader metadata. Exercises translate their markdown
 only, so that every graded and solution cell, with its checksum, is the English one.
 
@@ -31,8 +31,8 @@ import re
 import tokenize
 from pathlib import Path
 
-__all__ = ["po_path", "course_sources", "entries", "cell_docstring", "docstring_translation", "DOCSTRING", "update", "load", "fill", "translate", "problems",
-           "check_literal", "display_strings"]
+__all__ = ["po_path", "course_sources", "entries", "cell_docstring", "docstring_translation", "DOCSTRING", "update",
+           "load", "fill", "translate", "problems", "check_literal", "display_strings"]
 
 #: a word a person reads: three letters or more
 _WORD = re.compile(r"[A-Za-z]{3,}")
