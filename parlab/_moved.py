@@ -20,6 +20,7 @@ import sys
 
 #: old path -> new path (the module whose names the old one had; a face where the old module was split)
 MOVED = {
+    "parlab.meta_init": "parlab.parallel.meta_init",
     "parlab.trace_clock": "parlab.trace.clock",
     "parlab.wire": "parlab.trace.wire",
     "parlab.replay_meter": "parlab.trace.meter",

@@ -36,7 +36,7 @@ Notes for the strategies that shard this model:
 * To copy a model, use ``clone_model`` (``copy.deepcopy``, which keeps the
   tied ``lm_head.weight is wte.weight``).
 * Meta-device construction (``GPT(config, seed, device="meta")``, then
-  ``parlab.meta_init.materialize``): see `parlab.meta_init`.
+  ``parlab.parallel.meta_init.materialize``): see `parlab.parallel.meta_init`.
 
 References
     [1] A. Radford, J. Wu, R. Child, D. Luan, D. Amodei, I. Sutskever,

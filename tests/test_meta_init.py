@@ -12,7 +12,7 @@ from parlab import models as models_mod
 from parlab.parallel.zero import FullyShardedDataParallel
 from parlab.parallel.groups import build_groups
 from parlab.parallel.hybrid import build_hybrid
-from parlab.meta_init import init_value, materialize, meta_parameters
+from parlab.parallel.meta_init import init_value, materialize, meta_parameters
 from parlab.models import GPT, GPTConfig
 from parlab.parallel.pipeline import PipelineParallel
 from parlab.parallel.pipeline import one_f_one_b

@@ -115,7 +115,7 @@ class Lab:
         """The dense tiny GPT, the same on every rank (seeded init), on this rank's device; with ``host=True``
         on the CPU; with ``meta=True`` on the meta device (no memory, no values yet), for a strategy that
         keeps only a part of it and materialises just that part on the device, with the dense model's values
-        (`parlab.meta_init.materialize`: pipeline, tensor parallel, ZeRO-3 and hybrid do)."""
+        (`parlab.parallel.meta_init.materialize`: pipeline, tensor parallel, ZeRO-3 and hybrid do)."""
         device = torch.device("meta") if meta else torch.device("cpu") if host else self.device
         return GPT(self.config, seed=self.args.seed, dtype=self.dtype, device=device)
 

@@ -31,7 +31,7 @@ def main(argv=None):
     try:
         schedule = make_schedule(a.schedule, n, m, a.chunks)
         # built on the meta device and handed over (no copy): only this rank's stages are materialised, on
-        # the device, with the dense model's values (parlab.meta_init.materialize); the rest never exists
+        # the device, with the dense model's values (parlab.parallel.meta_init.materialize); the rest never exists
         pipe = PipelineParallel(lab.model(meta=True), schedule, copy=False, device=lab.device)
     except ValueError as e:
         raise SystemExit(_("error: {error}").format(error=e)) from None

@@ -11,7 +11,7 @@ import torch
 
 from parlab.i18n import _
 from parlab.labs import start
-from parlab.meta_init import materialize
+from parlab.parallel.meta_init import materialize
 from parlab.parallel.tensor import parallelize_gpt, sync_sequence_parallel_grads
 
 

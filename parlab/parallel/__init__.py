@@ -16,6 +16,8 @@ Beside them, the grid every technique lives on:
 * ``topology.py``  `ParallelGrid`: which global ranks form each TP, CP, DP and PP group (Megatron's order),
                     which groups cross nodes. Pure Python, tested at world sizes no machine could launch.
 * ``groups.py``    the torch.distributed groups of this rank for a grid, handed to the techniques explicitly.
+* ``meta_init.py`` a rank's part of the model built on the meta device and given the dense model's values
+                    (a pipeline stage, a tensor-parallel shard, an FSDP flat), so no rank builds the whole model.
 * ``hybrid.py``    the one module that composes techniques: 4D training of the tiny GPT on a grid (lesson 07).
 
 The rules of the house: each technique keeps its communication apart from its layers, and imports no other

@@ -214,7 +214,7 @@ def build_hybrid(model: GPT, groups: ProcessGroups, *, schedule: str | Schedule 
                   rank's part). With `device`, build `model` on the CPU: only this rank's stage, TP-sharded,
                   moves to `device`, so the accelerator never holds the dense model. Or build it on the meta
                   device (``GPT(config, seed, device="meta")``): only the stage's TP shards are then drawn, on
-                  `device`, with the dense model's values (`parlab.meta_init.materialize`), and the host never
+                  `device`, with the dense model's values (`parlab.parallel.meta_init.materialize`), and the host never
                   holds the dense model either.
     optimizer_kwargs go to `optimizer_cls` (e.g. lr=1e-3)."""
     grid = groups.grid

@@ -70,7 +70,7 @@ def test_cuda_events_clock_times_gpu_work():
 
 
 def test_meta_construction_materialises_on_the_gpu_with_the_dense_values():
-    from parlab.meta_init import materialize
+    from parlab.parallel.meta_init import materialize
     from parlab.models import GPT, GPTConfig
     cfg = GPTConfig(n_layer=2, n_embd=64, n_head=4)
     before = torch.cuda.memory_allocated()

@@ -96,7 +96,7 @@ class PipelineParallel(PipelineStages):
 
     and the GPU never holds more than this rank's stages (the host holds the full model for a moment). To skip
     the host's dense copy too, build the model on the meta device (no memory) and let `device` materialise only
-    the kept stages there, with the dense model's values (`parlab.meta_init.materialize`):
+    the kept stages there, with the dense model's values (`parlab.parallel.meta_init.materialize`):
 
         pipe = PipelineParallel(GPT(config, seed=0, device="meta"), schedule, copy=False, device=gpu)
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from parlab import comm
-from parlab.meta_init import materialize, meta_parameters
+from parlab.parallel.meta_init import materialize, meta_parameters
 from parlab.models import GPT, clone_model
 from parlab.parallel.pipeline.schedules import Schedule, split_layers
 
@@ -56,7 +56,7 @@ class PipelineStages:
 
     def to(self, device: torch.device | str) -> "PipelineStages":
         """Move the stages this rank holds (and its messages) to `device`; returns self. Parameters still on
-        the meta device are materialised there (`parlab.meta_init.materialize`), the dense model's values."""
+        the meta device are materialised there (`parlab.parallel.meta_init.materialize`), the dense model's values."""
         m = self.module
         tied = m.wte is not None and m.lm_head is not None and m.lm_head.weight is m.wte.weight
         if meta_parameters(m):                                # built on meta: draw only what this rank kept

@@ -88,7 +88,7 @@ def _shard(full: torch.Tensor, dim: int | None, group) -> nn.Parameter:
     part = full.detach() if dim is None else full.detach().chunk(comm.get_world_size(group), dim)[comm.get_rank(group)]
     p = nn.Parameter(part.clone(), requires_grad=full.requires_grad)
     p.tp_dim = dim
-    if full.is_meta:  # not materialised yet: say which chunk of the dense parameter (parlab.meta_init.materialize)
+    if full.is_meta:  # not materialised yet: say which chunk of the dense parameter (parlab.parallel.meta_init.materialize)
         p.dense_chunk = (dim, comm.get_world_size(group), comm.get_rank(group))
     return p
 

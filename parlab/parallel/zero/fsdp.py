@@ -172,7 +172,7 @@ class FullyShardedDataParallel(FSDPState, nn.Module):
                    on the meta device (``GPT(config, seed, device="meta")``, no memory): each rank then draws
                    only its shards' values on `device` (required then), and the host never holds it either.
     param_init     for a module on the meta device: ``param_init(name) -> tensor``, the dense initial value of the
-                   parameter `name`; default for a `parlab.models.GPT`: `parlab.meta_init.init_value` with its
+                   parameter `name`; default for a `parlab.models.GPT`: `parlab.parallel.meta_init.init_value` with its
                    config and seed, so the shards equal those of the dense model.
     Every rank must build the same module (same seed): each keeps its slice of its own copy.
     """
@@ -187,7 +187,7 @@ class FullyShardedDataParallel(FSDPState, nn.Module):
                 raise ValueError("the module is on the meta device: pass device= (where this rank's shards are "
                                  "drawn and kept)")
             if param_init is None:
-                from parlab.meta_init import init_value
+                from parlab.parallel.meta_init import init_value
                 from parlab.models import GPT
                 if not isinstance(module, GPT):
                     raise ValueError(f"the {type(module).__name__} is on the meta device: pass param_init=fn, "
