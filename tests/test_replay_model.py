@@ -505,3 +505,17 @@ def test_calibration_describes_overlap_and_the_step_fit_from_its_measurements():
     sizes = [x for x, _, _ in flat["overlap"]]
     assert busy.comm_overlap is False and busy.p2p_bw == pytest.approx(1e9, rel=1e-3)
     assert busy.p2p_latency == pytest.approx(5e-3 - statistics.median(x / 1e9 for x in sizes), rel=1e-3)
+
+
+@pytest.mark.parametrize("built", [False, True], ids=["traced", "built"])
+def test_compare_replays_an_overlapped_gradient_sync(built):
+    """dp_overlap=True replays (it once raised TypeError: a dict of per-rank end times took the name of the last
+    backward op), on a traced and on a built program, and hides part of the gradient sync: never slower."""
+    from parlab.cluster.costs import preset as model_preset
+    from parlab.cluster.scaleup import Layout, compare
+    from parlab.parallel import pipeline as sch
+    tr = sch.one_f_one_b(2, 4) if built else parlab.run(_pipeline_pattern, 2, 2, 4, trace=True, echo=False).trace
+    model, h100 = model_preset("llama-7b"), preset("dgx-h100")
+    plain = compare(tr, model, h100, Layout(tp=8, pp=2, dp=4), 16)
+    hidden = compare(tr, model, h100, Layout(tp=8, pp=2, dp=4, dp_overlap=True), 16)
+    assert hidden["replay_s"] < plain["replay_s"] and hidden["planner_s"] < plain["planner_s"]

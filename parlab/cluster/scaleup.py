@@ -82,7 +82,7 @@ def scaleup(program: Trace | Schedule, model: ModelSpec, hardware: Hardware, lay
                          f"{layout.virtual} = {layout.pp * layout.virtual}; give the layout the program's virtual "
                          f"stages per rank")
     costs = StepCosts(model, hardware, layout, S, memory_ops=memory_ops, dropout=dropout)
-    last = "backward_weight" if any(e.op == "backward_weight" for e in trace.events) else "backward"  # ZB-H1 ends on W
+    last_op = "backward_weight" if any(e.op == "backward_weight" for e in trace.events) else "backward"  # ZB-H1: W last
 
     def compute_time(e: Event) -> float:
         if e.label == _OPT_LABEL:                                 # the virtual Adam step
@@ -96,17 +96,17 @@ def scaleup(program: Trace | Schedule, model: ModelSpec, hardware: Hardware, lay
         if e.kind == "p2p":
             return costs.message(tied="tied" in e.label)
         if e.op == "all_reduce" and (e.label.startswith("dp grads") or len(e.group) <= 1):
-            return costs.exposed_grad_sync(held[e.rank], last)
+            return costs.exposed_grad_sync(held[e.rank], last_op)
         return 0.0                                                # other collectives of the tiny run: free
 
     events = list(trace.events)
-    last = _last_ends(events)
+    ends = _last_ends(events)                                     # rank -> when its last event ends
     if layout.dp * layout.cp > 1 and not any(e.op == "all_reduce" for e in events):
         for r in ranks:                                           # the replicas' gradient sync, once per step
-            events.append(Event(r, "collective", "all_reduce", last[r], last[r], group=(r,), label=_DP_LABEL))
+            events.append(Event(r, "collective", "all_reduce", ends[r], ends[r], group=(r,), label=_DP_LABEL))
     if optimizer:
         for r in ranks:                                           # each rank's Adam step, after everything else
-            t = last[r] + 1e-6
+            t = ends[r] + 1e-6
             events.append(Event(r, "compute", "optimizer", t, t, label=_OPT_LABEL))
     out = replay(Trace(events), hardware, grid=None, gpus_per_node=1, compute_time=compute_time, comm_time=comm_time)
     return dataclasses.replace(out, hardware=f"{hardware.name} as {model.name} ({layout.gpus} GPUs)")
