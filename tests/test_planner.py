@@ -229,6 +229,24 @@ def test_plan_on_a_hardware_times_with_the_replays_cost_model(capsys):
     assert "no hardware preset or file named 'no-such-gpu'" in capsys.readouterr().out
 
 
+def test_plan_times_fp8_products_and_refuses_a_format_it_cannot_time(capsys):
+    """`--precision fp8`: every layout faster than in bf16 (the header gives the fp8 peak); without --hardware
+    (the MFU path knows no number format), or on an A100 (no FP8 tensor cores), it says what to do instead."""
+    argv = ["--model", "llama-7b", "--nodes", "2", "--hardware", "dgx-h100", "--top", "1"]
+    assert main(argv) == 0
+    bf16 = capsys.readouterr().out
+    assert main(argv + ["--precision", "fp8"]) == 0
+    fp8 = capsys.readouterr().out
+    assert "1979 TFLOP/s, timed on DGX H100, fp8" in fp8
+    best = lambda out: float(out.split("Best:")[1].split(":")[1].split("s/step")[0])     # noqa: E731
+    assert best(fp8) < 0.9 * best(bf16)
+    with pytest.raises(SystemExit) as stop:
+        main(["--model", "llama-7b", "--precision", "fp8"])
+    assert stop.value.code == 2 and "give --hardware too" in capsys.readouterr().err
+    assert main(["--model", "llama-7b", "--hardware", "dgx-a100", "--precision", "fp8"]) == 2
+    assert "DGX A100 has no 'fp8' rate; its number formats: fp64, tf32, bf16, fp16" in capsys.readouterr().out
+
+
 def test_plan_tries_interleaving_chunks_where_the_schedule_allows_them(capsys):
     model, cluster = preset("gpt3-175b"), Cluster(nodes=8)
     every = enumerate_layouts(model, cluster, 128, virtual=(1, 2, 3), micro_batches=(1,), zero_stages=(0,),

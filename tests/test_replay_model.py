@@ -519,3 +519,23 @@ def test_compare_replays_an_overlapped_gradient_sync(built):
     plain = compare(tr, model, h100, Layout(tp=8, pp=2, dp=4), 16)
     hidden = compare(tr, model, h100, Layout(tp=8, pp=2, dp=4, dp_overlap=True), 16)
     assert hidden["replay_s"] < plain["replay_s"] and hidden["planner_s"] < plain["planner_s"]
+
+
+def test_the_planner_reads_the_precision_the_replay_reads():
+    """fp8 products on an H100 (its 1979 TFLOP/s): the replay and the planner both speed up, and still agree
+    within 1% (they differ only by the order of the fill and drain); without hardware, precision is refused."""
+    from parlab.cluster.costs import preset as model_preset
+    from parlab.cluster.planner import cluster_for, estimate
+    from parlab.cluster.scaleup import Layout, compare
+    from parlab.parallel import pipeline as sch
+    model, h100 = model_preset("llama-7b"), preset("dgx-h100")
+    got = {p: compare(sch.one_f_one_b(2, 8), model, h100, Layout(tp=4, pp=2, dp=2, precision=p), 16)
+           for p in ("bf16", "fp8")}
+    assert got["fp8"]["replay_s"] < 0.9 * got["bf16"]["replay_s"]
+    for r in got.values():
+        assert r["planner_s"] == pytest.approx(r["replay_s"], rel=0.01)
+    with pytest.raises(ValueError, match="give hardware"):
+        estimate(model, cluster_for(h100, 16), 16, tp=4, pp=2, precision="fp8")
+    with pytest.raises(ValueError, match="no 'fp8' rate"):
+        estimate(model, cluster_for(preset("dgx-a100"), 16), 16, tp=4, pp=2, precision="fp8",
+                 hardware=preset("dgx-a100"))

@@ -90,6 +90,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 
 from parlab.cluster.hardware_checks import check
 from parlab.trace.wire import RING
+from parlab.i18n import _
 
 __all__ = ["Hardware", "PRESETS", "preset", "load", "COLLECTIVE_FACTORS", "GEMM_TILE"]
 
@@ -171,8 +172,9 @@ class Hardware:
         it has (the A100 has no FP8)."""
         rates = self.precision_flops or {}
         if precision not in rates:
-            known = ", ".join(rates) or "none given (set precision_flops)"
-            raise ValueError(f"{self.name} has no {precision!r} rate; its number formats: {known}")
+            known = ", ".join(rates) or _("none given (set precision_flops)")
+            raise ValueError(_("{hardware} has no {precision!r} rate; its number formats: {known}").format(
+                hardware=self.name, precision=precision, known=known))
         return replace(self, name=f"{self.name} ({precision})", peak_flops=rates[precision],
                        bmm_flops=None if self.bmm_flops is None else self.bmm_flops * rates[precision] / self.peak_flops)
 

@@ -34,6 +34,9 @@ def main(argv=None) -> int:
                    help=_("time the layouts with the replay's cost model on this hardware (dgx-a100, dgx-h100, or a "
                           "JSON from parlab calibrate): GEMMs by shape, exposed TP communication, the slowest "
                           "pipeline rank; its GPUs per node, bandwidths and peak replace the flags above"))
+    p.add_argument("--precision", default="bf16", metavar="FORMAT",
+                   help=_("number format of the products: bf16 (default), or fp8 where the hardware lists its rate "
+                          "(dgx-h100); needs --hardware"))
     p.add_argument("--global-batch", type=int, default=None, help=_("sequences per step (default 2 x GPUs)"))
     p.add_argument("--recompute", nargs="+", choices=T.RECOMPUTE, default=list(T.RECOMPUTE),
                    help=_("activation recomputation settings to try (rc column: n, s, y)"))
@@ -49,6 +52,9 @@ def main(argv=None) -> int:
     if a.nodes * a.gpus_per_node > MAX_GPUS:   # every layout is enumerated: a huge cluster would take minutes
         p.error(_("at most {most} GPUs (--nodes x --gpus-per-node), got {gpus}").format(
             most=MAX_GPUS, gpus=a.nodes * a.gpus_per_node))
+    if a.precision != "bf16" and a.hardware is None:
+        p.error(_("--precision {precision} is timed by the replay's cost model: give --hardware too (e.g. "
+                  "--hardware dgx-h100)").format(precision=a.precision))
     try:
         custom = {k: getattr(a, k) for k in ("layers", "hidden", "heads", "vocab", "seq") if getattr(a, k) is not None}
         if a.model == "custom":
@@ -63,20 +69,23 @@ def main(argv=None) -> int:
         if a.hardware is not None:
             from parlab.cluster.hardware import load
             hw = load(a.hardware)
-            cluster = cluster_for(hw, a.nodes * hw.gpus_per_node, a.gpu_mem_gb)
+            # the header's peak is the rate of the products' number format (hw.at refuses one it lacks)
+            cluster = cluster_for(hw.at(a.precision) if a.precision != "bf16" else hw, a.nodes * hw.gpus_per_node,
+                                  a.gpu_mem_gb)
         else:
             cluster = Cluster(a.nodes, a.gpus_per_node, a.gpu_mem_gb, a.intra_gbps, a.inter_gbps, a.tflops, a.mfu)
         batch = a.global_batch or 2 * cluster.world
         if any(v < 1 for v in a.virtual):
             p.error(_("--virtual takes positive chunk counts, got {virtual}").format(virtual=a.virtual))
         options = dict(recompute=tuple(dict.fromkeys(a.recompute)), sequence_parallel=not a.no_sp, hardware=hw,
-                       virtual=tuple(dict.fromkeys(a.virtual)))
+                       virtual=tuple(dict.fromkeys(a.virtual)), precision=a.precision)
         every = enumerate_layouts(model, cluster, batch, **options)
         ranked = plan(model, cluster, batch, **options)
     except ValueError as err:
         print(_("error: {error}").format(error=err))
         return 2
-    timing = (_("timed on {hardware} by the replay's cost model").format(hardware=hw.name) if hw
+    name = hw.name if a.precision == "bf16" else f"{hw.name}, {a.precision}"
+    timing = (_("timed on {hardware} by the replay's cost model").format(hardware=name) if hw
               else f"MFU {cluster.mfu:g}")
     print(_("{model}: {params:.2f}B parameters, {layers} layers, h={hidden}, {heads} heads, seq {seq}; {nodes} x "
             "{gpus_per_node} GPUs ({gpu_mem:g} GB, {tflops:g} TFLOP/s, {timing}); global batch {batch}").format(

@@ -145,7 +145,8 @@ def compare(program: Trace | Schedule, model: ModelSpec, hardware: Hardware, lay
     est = estimate(model, cluster_for(hardware, layout.gpus), global_batch, tp=layout.tp, pp=layout.pp, cp=layout.cp,
                    micro_batch=layout.micro_batch, zero=layout.zero,
                    recompute=layout.recompute, sequence_parallel=layout.sequence_parallel, virtual=layout.virtual,
-                   hardware=hardware, tp_overlap=layout.tp_overlap, dp_overlap=layout.dp_overlap, schedule=schedule)
+                   hardware=hardware, tp_overlap=layout.tp_overlap, dp_overlap=layout.dp_overlap, schedule=schedule,
+                   precision=layout.precision)
     out = {"replay_s": rep, "planner_s": est.step_s}
     if published_s is not None:
         out.update(published_s=published_s, replay_error=rep / published_s - 1, planner_error=est.step_s / published_s - 1)
