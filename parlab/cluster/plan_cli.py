@@ -84,7 +84,7 @@ def main(argv=None) -> int:
     except ValueError as err:
         print(_("error: {error}").format(error=err))
         return 2
-    name = hw.name if a.precision == "bf16" else f"{hw.name}, {a.precision}"
+    name = hw and (hw.name if a.precision == "bf16" else f"{hw.name}, {a.precision}")
     timing = (_("timed on {hardware} by the replay's cost model").format(hardware=name) if hw
               else f"MFU {cluster.mfu:g}")
     print(_("{model}: {params:.2f}B parameters, {layers} layers, h={hidden}, {heads} heads, seq {seq}; {nodes} x "
