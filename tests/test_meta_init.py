@@ -8,7 +8,7 @@ import torch
 
 import parlab
 from parlab import comm
-from parlab import models as models_mod
+from parlab.models import gpt as models_mod
 from parlab.parallel.zero import FullyShardedDataParallel
 from parlab.parallel.groups import build_groups
 from parlab.parallel.hybrid import build_hybrid

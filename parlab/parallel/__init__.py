@@ -1,6 +1,6 @@
 """parlab.parallel: the techniques, one package per chapter of the course.
 
-    from parlab.parallel import data, zero, tensor, pipeline, context
+    from parlab.parallel import data, zero, tensor, pipeline, context, expert
     from parlab.parallel import pipeline as pp;  pp.one_f_one_b(4, 8)
 
 | package        | chapter                               | read first                    | lesson |
@@ -10,6 +10,7 @@
 | ``tensor/``    | Megatron TP, vocab-parallel loss, SP  | ``mappings.py``, ``layers.py``  | 04   |
 | ``pipeline/``  | GPipe, 1F1B, interleaved, ZB-H1       | ``schedules.py``              | 05     |
 | ``context/``   | Ulysses, ring attention               | ``ring_plan.py``, ``ring.py`` | 06     |
+| ``expert/``    | mixture of experts, expert parallel   | ``dispatch.py``, ``layers.py``  | 09   |
 
 Beside them, the grid every technique lives on:
 

@@ -5,7 +5,7 @@ A rank that keeps only part of the model (a pipeline stage, a tensor-parallel sh
 device), cuts it down, then calls ``materialize(model, device)``: each parameter still on meta gets its initial
 value on `device`, drawn by the model's per-(seed, name) rule (`parlab.models`), so the rank's part is
 bit-identical to the same part of the dense ``GPT(config, seed)``. Every value is drawn by
-``parlab.models._initial_value`` (looked up there at each call, as the GPT's own initialisation does). A
+``parlab.models.gpt._initial_value`` (looked up there at each call, as the GPT's own initialisation does). A
 tensor-parallel shard (tagged ``dense_chunk = (dim, n, i)``) draws its dense parameter on the CPU, one at a time,
 and keeps its slice; nothing outside the rank's part is ever drawn.
 
@@ -21,7 +21,7 @@ import functools
 import torch
 import torch.nn as nn
 
-from parlab import models
+from parlab.models import gpt as models
 from parlab.models import GPT, GPTConfig
 
 __all__ = ["init_value", "materialize", "meta_parameters"]

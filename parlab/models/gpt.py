@@ -35,6 +35,8 @@ Notes for the strategies that shard this model:
   ``GPT(config, seed, dtype=torch.float64)`` is exactly the float32 model cast.
 * To copy a model, use ``clone_model`` (``copy.deepcopy``, which keeps the
   tied ``lm_head.weight is wte.weight``).
+* ``GPTConfig(experts=E, top_k=k, ...)`` makes the MLP of every ``moe_every``-th layer a mixture of E
+  experts (``parlab.models.moe``): the one-process reference of expert parallelism.
 * Meta-device construction (``GPT(config, seed, device="meta")``, then
   ``parlab.parallel.meta_init.materialize``): see `parlab.parallel.meta_init`.
 
@@ -58,7 +60,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-__all__ = ["GPTConfig", "GPT", "Block", "CausalSelfAttention", "MLP", "causal_attention", "clone_model",
+from parlab.models.moe import MoE
+
+__all__ = ["GPTConfig", "GPT", "Block", "CausalSelfAttention", "MLP", "moe_mlp", "causal_attention", "clone_model",
            "count_targets", "weighted_mean_loss"]
 
 
@@ -78,6 +82,14 @@ class GPTConfig:
     tie_embeddings: bool = True  # lm_head.weight is wte.weight, as in GPT-2
     bias: bool = True  # biases in Linear layers and LayerNorms
     mlp_ratio: int = 4
+    # mixture of experts (parlab.models.moe): experts 0 keeps every MLP dense
+    experts: int = 0  # E >= 2: the MLP of every `moe_every`-th layer (0, n, 2n, ...) is a mixture of E experts
+    top_k: int = 1  # experts per token
+    moe_every: int = 1  # Megatron's moe_layer_freq: 1 every layer, 2 every other one
+    capacity_factor: float | None = None  # None: no token dropped; else capacity ceil(T k cf / E)
+    aux_loss_coeff: float = 1e-2  # alpha of the load-balancing loss (Switch: 1e-2)
+    z_loss_coeff: float = 0.0  # beta of the router z-loss (ST-MoE: 1e-3)
+    norm_topk: bool = False  # renormalise the k routing weights to sum to 1 (Mixtral)
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "seq_len", "n_layer", "n_head", "n_embd", "mlp_ratio"):
@@ -92,6 +104,17 @@ class GPTConfig:
             )
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"GPTConfig.dropout must be in [0, 1), got {self.dropout!r}")
+        if self.experts and (not isinstance(self.experts, int) or self.experts < 2):
+            raise ValueError(f"GPTConfig.experts is 0 (dense MLPs) or the number of experts, at least 2, got "
+                             f"{self.experts!r}")
+        if self.experts and not 1 <= self.top_k <= self.experts:
+            raise ValueError(f"GPTConfig.top_k={self.top_k} must be between 1 and experts={self.experts}")
+        if not isinstance(self.moe_every, int) or self.moe_every < 1:
+            raise ValueError(f"GPTConfig.moe_every must be a positive integer, got {self.moe_every!r}")
+
+    def is_moe_layer(self, i: int) -> bool:
+        """Whether layer i's MLP is a mixture of experts: layers 0, moe_every, 2 moe_every, ... when experts > 0."""
+        return bool(self.experts) and i % self.moe_every == 0
 
     @property
     def head_dim(self) -> int:
@@ -109,9 +132,10 @@ class GPTConfig:
         attn = 4 * (H * H + b * H)  # q, k, v, proj
         mlp = (H * F_ + b * F_) + (F_ * H + b * H)  # fc, proj
         block = 2 * layer_norm + attn + mlp
+        moe = self.experts * mlp + H * self.experts - mlp  # E expert MLPs and the router, instead of one MLP
         embeddings = V * H + S * H  # wte, wpe
         lm_head = 0 if self.tie_embeddings else V * H
-        return embeddings + L * block + layer_norm + lm_head
+        return embeddings + L * block + sum(moe for i in range(L) if self.is_moe_layer(i)) + layer_norm + lm_head
 
 
 # ----------------------------------------------------------------------------- attention
@@ -184,15 +208,23 @@ class MLP(nn.Module):
         return self.drop(self.proj(h))  # (B, S, H)
 
 
-class Block(nn.Module):
-    """One transformer layer, pre-norm: x + attn(ln_1(x)), then x + mlp(ln_2(x))."""
+def moe_mlp(config: GPTConfig) -> MoE:
+    """The mixture-of-experts MLP of `config` (its experts the size of the dense MLP)."""
+    return MoE(config.n_embd, config.mlp_ratio * config.n_embd, config.experts, config.top_k, bias=config.bias,
+               capacity_factor=config.capacity_factor, norm_topk=config.norm_topk,
+               aux_loss_coeff=config.aux_loss_coeff, z_loss_coeff=config.z_loss_coeff, dropout=config.dropout)
 
-    def __init__(self, config: GPTConfig) -> None:
+
+class Block(nn.Module):
+    """One transformer layer, pre-norm: x + attn(ln_1(x)), then x + mlp(ln_2(x)); `mlp` a mixture of experts
+    (`parlab.models.moe.MoE`) in the layers `GPTConfig.is_moe_layer` names."""
+
+    def __init__(self, config: GPTConfig, layer: int = 0) -> None:
         super().__init__()
         self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.attn = CausalSelfAttention(config)
         self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
-        self.mlp = MLP(config)
+        self.mlp = moe_mlp(config) if config.is_moe_layer(layer) else MLP(config)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x))  # (B, S, H)
@@ -218,7 +250,8 @@ def _initial_value(name: str, shape, layer_norm: bool, n_layer: int, seed: int) 
         return torch.zeros(shape, device="cpu")
     if layer_norm:
         return torch.ones(shape, device="cpu")
-    std = 0.02 / math.sqrt(2 * n_layer) if module_name.endswith(("attn.proj", "mlp.proj")) else 0.02
+    residual = ("attn.proj", "mlp.proj", "experts.proj")      # the projections onto the residual stream
+    std = 0.02 / math.sqrt(2 * n_layer) if module_name.endswith(residual) else 0.02
     g = torch.Generator().manual_seed(_param_seed(seed, name))
     # the CPU generator: the same values on any device; scaled in place (no second tensor of this size)
     return torch.randn(shape, generator=g, device="cpu").mul_(std)
@@ -248,7 +281,7 @@ class GPT(nn.Module):
             self.wte = nn.Embedding(config.vocab_size, config.n_embd)  # token embeddings (V, H)
             self.wpe = nn.Embedding(config.seq_len, config.n_embd)  # position embeddings (S, H)
             self.drop = nn.Dropout(config.dropout)
-            self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+            self.blocks = nn.ModuleList(Block(config, i) for i in range(config.n_layer))
             self.ln_f = nn.LayerNorm(config.n_embd, bias=config.bias)
             self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)  # (V, H)
         self.to(device=device, dtype=dtype)

@@ -1,0 +1,87 @@
+"""Expert-parallel layers: a mixture-of-experts MLP whose experts are spread over an expert-parallel group.
+
+`ExpertParallelMoE` is `parlab.models.moe.MoE` holding E/ep of the E experts (a slice of the stacked weights,
+``experts.fc.weight`` (E/ep, F, H)); the router stays whole on every rank (E x H: small). Its forward is the
+one-process layer's, with the experts' step replaced by dispatch, the local experts and combine
+(`parlab.parallel.expert.dispatch`):
+
+    x (B, S, H) -> tokens (T, H) --route--> sorted by expert (N, H)
+        --dispatch (all-to-all)--> this rank's experts' rows (M, H) --local experts--> (M, H)
+        --combine (all-to-all)--> (N, H) --unsort, weight, sum over k--> (B, S, H)
+
+`expert_parallel(model, group)` swaps every MoE layer of a model in place; the dense layers are untouched (run
+them data parallel: `parlab.parallel.expert.grads.average_gradients`). Each rank routes its own tokens: capacity
+and the load-balancing loss are per rank, as on the one-process model that routes the same tokens in one group
+per rank (``MoE.groups``; `routed_as_ranks`).
+
+References
+    [1] D. Lepikhin et al., "GShard", arXiv:2006.16668, section 3.2.
+    [2] Megatron-core, ``megatron/core/transformer/moe/moe_layer.py`` (router, dispatcher, experts).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from parlab import comm
+from parlab.models.moe import MoE, moe_layers
+from parlab.parallel.expert.dispatch import combine, dispatch
+
+__all__ = ["ExpertParallelMoE", "expert_parallel", "routed_as_ranks", "local_experts"]
+
+
+def local_experts(experts: int, group=None) -> range:
+    """The global ids of the experts this rank holds: a contiguous E/ep of them (expert e on rank e // (E/ep))."""
+    ep, r = comm.get_world_size(group), comm.get_rank(group)
+    if experts % ep:
+        raise ValueError(f"{experts} experts do not split over an expert-parallel group of {ep} ranks: choose ep "
+                         f"dividing the number of experts (e.g. ep={next(d for d in range(ep, 0, -1) if experts % d == 0)})")
+    n = experts // ep
+    return range(r * n, (r + 1) * n)
+
+
+class ExpertParallelMoE(MoE):
+    """`MoE` with E/ep experts on this rank of `group` (default: the world); built from the one-process layer
+    (`from_moe`), whose router and share of experts it copies."""
+
+    def __init__(self, moe: MoE, group=None) -> None:
+        mine = local_experts(moe.num_experts, group)
+        hidden, ffn = moe.router.in_features, moe.experts.fc.weight.shape[1]
+        super().__init__(hidden, ffn, moe.num_experts, moe.top_k, bias=moe.experts.fc.bias is not None,
+                         capacity_factor=moe.capacity_factor, norm_topk=moe.norm_topk,
+                         aux_loss_coeff=moe.aux_loss_coeff, z_loss_coeff=moe.z_loss_coeff, dropout=moe.drop.p,
+                         local_experts=len(mine))
+        self.group = group
+        self.expert_ids = mine
+        ref = moe.router.weight
+        self.to(device=ref.device, dtype=ref.dtype)
+        with torch.no_grad():
+            self.router.weight.copy_(moe.router.weight)                               # (E, H), replicated
+            for name, p in self.experts.named_parameters():                           # (E/ep, ...) of (E, ...)
+                p.copy_(moe.experts.get_parameter(name)[mine.start:mine.stop])
+
+    def experts_forward(self, x_sorted: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Dispatch this rank's sorted rows (N, H) to the experts' ranks, run the local experts on what arrives,
+        and combine: (N, H), in the order they left."""
+        rows, plan = dispatch(x_sorted, counts, self.group)                           # (M, H) by local expert
+        y = self.experts(rows, plan.local_counts)                                     # (M, H)
+        return combine(y, plan, self.group)                                           # (N, H)
+
+
+def expert_parallel(model: nn.Module, group=None) -> nn.Module:
+    """Every `MoE` layer of `model` replaced, in place, by an `ExpertParallelMoE` over `group` (default: the
+    world); returns `model`. The parameter names stay (``blocks.0.mlp.experts.fc.weight``), their first
+    dimension is this rank's E/ep experts."""
+    for name, module in list(model.named_modules()):
+        if isinstance(module, MoE) and not isinstance(module, ExpertParallelMoE):
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, child, ExpertParallelMoE(module, group))
+    return model
+
+
+def routed_as_ranks(model: nn.Module, ranks: int) -> nn.Module:
+    """The one-process `model` routing its tokens in `ranks` equal groups, as `ranks` data-parallel ranks each
+    route their own share of the batch (capacity and load-balancing loss per group); returns `model`."""
+    for m in moe_layers(model):
+        m.groups = ranks
+    return model

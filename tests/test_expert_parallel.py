@@ -1,0 +1,239 @@
+"""Mixture of experts (parlab.models.moe) and expert parallelism (parlab.parallel.expert) against one process.
+
+The router's arithmetic is checked against its definitions (Switch's load-balancing loss, ST-MoE's z-loss,
+GShard's capacity) and the layer against a token-by-token loop; then the tiny GPT with MoE layers run expert
+parallel on 2 and 4 ranks against the one process routing the same tokens in one group per rank: loss, input
+and parameter gradients, the global gradient norm, and parameters after AdamW steps; including a step where
+tokens are dropped and one where a rank receives no token at all.
+"""
+import math
+
+import pytest
+import torch
+
+import parlab
+from parlab import comm
+from parlab.models import GPT, GPTConfig, MoE, aux_losses, capacity, load_balancing_loss, moe_layers, route
+from parlab.parallel.expert import (average_gradients, expert_parallel, grad_norm, is_expert_param,
+                                    local_experts, routed_as_ranks)
+
+# float64: expert parallelism changes only the order of sums (the all-to-all moves rows, the reductions over
+# ranks add the same terms in another order), ~1e-16 relative, which 2 AdamW steps amplify far below this.
+TOL = 1e-10
+CFG = GPTConfig(vocab_size=16, seq_len=8, n_layer=2, n_head=2, n_embd=16, mlp_ratio=2, experts=4, top_k=2,
+                capacity_factor=1.0, aux_loss_coeff=0.1, z_loss_coeff=1e-3)
+B_RANK, STEPS, LR = 2, 2, 1e-2
+
+
+# ---------------------------------------------------------------------- the router, one process
+def test_load_balancing_loss_is_alpha_under_uniform_probabilities_and_grows_when_routing_concentrates():
+    T, E, k = 12, 4, 2
+    uniform = route(torch.zeros(T, E), k, aux_loss_coeff=0.01)
+    assert uniform.aux_loss.item() == pytest.approx(0.01, rel=1e-6)         # E * sum f_i / E = 1, times alpha
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(T, E, generator=g)
+    probs = logits.softmax(-1)
+    _, top = probs.topk(k)
+    f = torch.tensor([(top == i).sum().item() / (T * k) for i in range(E)])
+    by_hand = E * sum(f[i] * probs[:, i].mean() for i in range(E))          # Switch eq. 4, term by term
+    assert load_balancing_loss(probs, top, E).item() == pytest.approx(by_hand.item(), rel=1e-6)
+    skewed = logits.clone()
+    skewed[:, 0] += 5.0                                                      # everyone prefers expert 0
+    assert route(skewed, k, aux_loss_coeff=1.0).aux_loss > route(logits, k, aux_loss_coeff=1.0).aux_loss
+
+
+def test_z_loss_and_capacity_follow_their_definitions():
+    logits = torch.tensor([[0.0, math.log(3.0)], [1.0, 1.0]])
+    want = (math.log(4.0) ** 2 + (1 + math.log(2.0)) ** 2) / 2              # mean of logsumexp^2
+    assert route(logits, 1, z_loss_coeff=2.0).z_loss.item() == pytest.approx(2 * want, rel=1e-6)
+    assert capacity(10, 4, 2, 1.0) == 5 and capacity(10, 4, 2, 1.25) == 7 and capacity(3, 8, 1, 1.0) == 1
+
+
+def test_over_capacity_the_lowest_probabilities_are_dropped():
+    T, E = 8, 4
+    logits = torch.zeros(T, E)
+    logits[:, 0] = torch.arange(1, T + 1, dtype=torch.float32)              # all want expert 0, later ones more
+    r = route(logits, 1, capacity_factor=1.0)                               # capacity ceil(8 / 4) = 2
+    assert r.expert[:, 0].tolist() == [0] * T
+    assert r.keep[:, 0].tolist() == [False] * 6 + [True] * 2 and r.counts.tolist() == [2, 0, 0, 0]
+    with pytest.raises(ValueError, match="7 tokens do not split into 2 equal routing groups"):
+        route(torch.zeros(7, E), 1, groups=2)
+
+
+def test_the_layer_is_the_weighted_sum_of_its_experts_token_by_token():
+    torch.manual_seed(0)
+    moe = MoE(8, 12, experts=4, top_k=2, capacity_factor=0.75, norm_topk=True).double()
+    for p in moe.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    x = torch.randn(3, 5, 8, dtype=torch.float64)
+    y = moe(x)
+    r = moe.routing
+    assert not r.keep.all()                                                 # the capacity dropped some
+    ex = moe.experts
+    for t, xt in enumerate(x.reshape(-1, 8)):
+        want = torch.zeros(8, dtype=torch.float64)
+        for j in range(2):
+            if r.keep[t, j]:
+                e = int(r.expert[t, j])
+                h = torch.nn.functional.gelu(xt @ ex.fc.weight[e].T + ex.fc.bias[e])
+                want += r.weight[t, j] * (h @ ex.proj.weight[e].T + ex.proj.bias[e])
+        torch.testing.assert_close(y.reshape(-1, 8)[t], want, rtol=0, atol=1e-12)
+    assert torch.equal(moe(x), y)                                           # deterministic, bit for bit
+
+
+def test_the_aux_losses_reach_the_router_without_changing_the_loss():
+    cfg = GPTConfig(vocab_size=16, seq_len=8, n_layer=2, n_head=2, n_embd=16, experts=4, aux_loss_coeff=0.5)
+    x = torch.randint(16, (2, 8), generator=torch.Generator().manual_seed(1))
+    with_aux, without = GPT(cfg, seed=0), GPT(GPTConfig(**{**cfg.__dict__, "aux_loss_coeff": 0.0}), seed=0)
+    (l1 := with_aux(x, x)[1]).backward()
+    (l0 := without(x, x)[1]).backward()
+    assert l1.item() == l0.item() and aux_losses(with_aux) > 0
+    r1, r0 = with_aux.blocks[0].mlp.router.weight.grad, without.blocks[0].mlp.router.weight.grad
+    assert not torch.equal(r1, r0)                                          # the balancing gradient arrived
+    # downstream of the last router, where the aux losses do not reach: the same gradients
+    assert torch.equal(with_aux.ln_f.weight.grad, without.ln_f.weight.grad)
+    last = with_aux.blocks[-1].mlp.experts, without.blocks[-1].mlp.experts
+    assert torch.equal(last[0].proj.weight.grad, last[1].proj.weight.grad)
+    assert sum(p.numel() for p in with_aux.parameters()) == cfg.param_count()
+
+
+@pytest.mark.parametrize("change, words", [
+    (dict(experts=1), "experts is 0 .dense MLPs. or the number of experts, at least 2"),
+    (dict(experts=4, top_k=5), "top_k=5 must be between 1 and experts=4"),
+    (dict(moe_every=0), "moe_every must be a positive integer"),
+])
+def test_bad_moe_settings_are_refused(change, words):
+    with pytest.raises(ValueError, match=words):
+        GPTConfig(**change)
+
+
+# ---------------------------------------------------------------------- expert parallel vs one process
+def _batch(step: int, world: int):
+    g = torch.Generator().manual_seed(100 + step)
+    x = torch.randint(0, CFG.vocab_size, (world * B_RANK, CFG.seq_len), generator=g)   # (W b, S)
+    return x, torch.roll(x, -1, dims=1)
+
+
+def _starve_last_rank(model, world):
+    """Every token routed to the experts of the first EP rank, the others get no row: channel 0 of the router's
+    input made positive for every token (the LayerNorm's bias 10 against normalised values within +-4), and
+    the router scoring channel 0 up for the first rank's experts, down for the rest."""
+    first = CFG.experts // world
+    with torch.no_grad():
+        for block in model.blocks:
+            block.ln_2.bias[0] = 10.0
+            w = block.mlp.router.weight                                        # (E, H)
+            w.zero_()
+            w[:first, 0] = torch.linspace(1.0, 0.5, first, dtype=w.dtype)
+            w[first:, 0] = -1.0
+
+
+def _reference(world: int, starve: bool):
+    model = routed_as_ranks(GPT(CFG, seed=0, dtype=torch.float64), world)
+    if starve:
+        _starve_last_rank(model, world)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    out = []
+    for s in range(STEPS):
+        _, loss = model(*_batch(s, world))
+        loss.backward()
+        norm = math.sqrt(sum(float(p.grad.double().square().sum()) for p in model.parameters()))
+        grads = {k: p.grad.clone() for k, p in model.named_parameters()}
+        dropped = [int((~m.routing.keep).sum()) for m in moe_layers(model)]
+        opt.step()
+        opt.zero_grad()
+        out.append((loss.item(), norm, grads, dropped))
+    return out, {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def _expert_parallel_rank(world: int, starve: bool):
+    model = GPT(CFG, seed=0, dtype=torch.float64)
+    if starve:
+        _starve_last_rank(model, world)
+    expert_parallel(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    r = comm.get_rank()
+    out = []
+    for s in range(STEPS):
+        x, y = _batch(s, world)
+        _, loss = model(x[r * B_RANK:(r + 1) * B_RANK], y[r * B_RANK:(r + 1) * B_RANK])   # this rank's rows
+        loss.backward()
+        average_gradients(model)                                  # dense over the world, experts / ep
+        norm = float(grad_norm(model))
+        mean = loss.detach().clone()
+        comm.all_reduce(mean, op=comm.ReduceOp.AVG)
+        grads = {k: p.grad.clone() for k, p in model.named_parameters()}
+        received = sum(m.experts.fc.weight.grad.abs().sum().item() > 0 for m in moe_layers(model))
+        opt.step()
+        opt.zero_grad()
+        out.append((mean.item(), norm, grads, received))
+    return out, {k: v.clone() for k, v in model.state_dict().items()}, list(local_experts(CFG.experts))
+
+
+@pytest.mark.parametrize("world, starve", [(2, False), (4, False), (2, True)],
+                         ids=["ep2", "ep4", "ep2-one-rank-gets-no-token"])
+def test_expert_parallel_gpt_matches_one_process(world, starve):
+    ref_steps, ref_state = _reference(world, starve)
+    assert any(d for *_, dropped in ref_steps for d in dropped)               # capacity 1.0 dropped tokens
+    ranks = parlab.run(_expert_parallel_rank, world, world, starve, echo=False)
+    for r, (steps, state, mine) in enumerate(ranks):
+        for (loss, norm, grads, received), (ref_loss, ref_norm, ref_grads, _) in zip(steps, ref_steps):
+            assert loss == pytest.approx(ref_loss, rel=TOL)
+            assert norm == pytest.approx(ref_norm, rel=TOL)
+            for k, g in grads.items():
+                want = ref_grads[k][mine[0]:mine[-1] + 1] if is_expert_param(k) else ref_grads[k]
+                torch.testing.assert_close(g, want, rtol=TOL, atol=TOL, msg=f"rank {r} grad {k}")
+            if starve and r == world - 1:
+                assert received == 0                                      # no token came: zero gradients
+        for k, v in state.items():
+            want = ref_state[k][mine[0]:mine[-1] + 1] if is_expert_param(k) else ref_state[k]
+            torch.testing.assert_close(v, want, rtol=TOL, atol=TOL, msg=f"rank {r} parameter {k}")
+
+
+def _layer_rank(world):
+    torch.manual_seed(0)
+    moe = MoE(8, 12, experts=4, top_k=2, aux_loss_coeff=0.0).double()
+    for p in moe.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    x = torch.randn(world * 6, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(3))  # (W T, H)
+    model = expert_parallel(torch.nn.Sequential(moe))
+    r = comm.get_rank()
+    mine = x[r * 6:(r + 1) * 6].clone().requires_grad_()
+    model(mine).square().sum().backward()
+    return mine.grad
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_input_gradients_come_back_through_the_all_to_all(world):
+    torch.manual_seed(0)
+    moe = MoE(8, 12, experts=4, top_k=2, aux_loss_coeff=0.0).double()
+    for p in moe.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    x = torch.randn(world * 6, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(3)).requires_grad_()
+    moe.groups = world
+    moe(x).square().sum().backward()
+    got = torch.cat(list(parlab.run(_layer_rank, world, world, echo=False)))
+    torch.testing.assert_close(got, x.grad, rtol=TOL, atol=TOL)
+
+
+def _traced_layer(world):
+    torch.manual_seed(0)
+    moe = MoE(8, 12, experts=4, top_k=1, aux_loss_coeff=0.0)
+    model = expert_parallel(torch.nn.Sequential(moe))
+    x = torch.randn(4, 8, requires_grad=True)
+    model(x).sum().backward()
+
+
+def test_the_trace_shows_counts_dispatch_and_combine_each_way():
+    ops = parlab.run(_traced_layer, 2, 2, trace=True, echo=False).trace
+    labels = [e.label for e in ops.events if e.op == "all_to_all" and e.rank == 0]
+    assert labels == ["ep counts", "ep dispatch", "ep combine", "ep combine backward", "ep dispatch backward"]
+
+
+def _uneven(world):
+    expert_parallel(torch.nn.Sequential(MoE(8, 12, experts=3)))
+
+
+def test_experts_that_do_not_split_over_the_group_are_refused():
+    with pytest.raises(Exception, match="3 experts do not split over an expert-parallel group of 2 ranks"):
+        parlab.run(_uneven, 2, 2, echo=False)
