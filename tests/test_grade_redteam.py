@@ -133,7 +133,6 @@ SUBMISSIONS = {
     "grace": (E0, lambda: add_after_imports(answered(E0), "import os\nos._exit(3)"), "crashed", 0, "kernel died"),
     "heidi": (E0, lambda: set_answer(answered(E0), RS, HOG), "crashed", 1, "memory limit"),
     "Zoë Müller": (E1, lambda: answered(E1), "ok", 4, "PASS"),
-    "bob ": (E1, lambda: blank(E1), "ok", 0, "not written yet"),
     "carol ": (E1, lambda: set_answer(set_answer(set_answer(set_answer(
         blank(E1), "tp_groups", GRID.format(name="tp_groups", dim="tp")), "pp_groups",
         GRID.format(name="pp_groups", dim="pp")), "dp_groups", GRID.format(name="dp_groups", dim="dp")),

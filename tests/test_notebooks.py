@@ -24,6 +24,11 @@ from parlab import course
 ROOT = Path(__file__).resolve().parents[1]
 SOLUTIONS = sorted((ROOT / "exercises" / "solutions").glob("*.ipynb"))
 EXERCISES = sorted((ROOT / "exercises").glob("*.ipynb"))
+# The Chinese blanks graded: three kinds of exercise (ranks and collectives, pure schedules, FSDP's units). Their
+# code cells are the English ones byte for byte (tests/test_i18n.py), so what differs is only the language of the
+# feedback, which every message's translation decides (tests/test_i18n.py checks each one's fields); all ten
+# would cost seven more kernels for no other check.
+ZH_BLANKS = [p for p in EXERCISES if p.stem.startswith(("00_", "05_", "09_"))]
 
 
 def nbval(paths, junit: Path, cell_timeout: int = 300, cwd: Path = ROOT, lang: str = "en") -> subprocess.Popen:
@@ -46,7 +51,7 @@ def graded(tmp_path_factory):
     procs = {"students": nbval([p.relative_to(ROOT) for p in EXERCISES], tmp / "students.xml")}
     procs.update({k: nbval([Path(folder) / p.name for p in paths], tmp / f"{k}.xml", cwd=zh, lang="zh_CN")
                   for k, folder, paths in (("solutions", "exercises/solutions", SOLUTIONS),
-                                           ("students_zh", "exercises", EXERCISES))})
+                                           ("students_zh", "exercises", ZH_BLANKS))})
     try:
         out = {k: (p.wait(timeout=900), (tmp / f"{k}.txt").read_text(), tmp / f"{k}.xml") for k, p in procs.items()}
         out["zh_root"] = zh
@@ -82,8 +87,10 @@ def test_student_notebooks_fail_every_graded_cell(graded):
 def test_chinese_blanks_fail_every_graded_cell_in_chinese(graded):
     """The same blanks in Chinese: the same checks fail, with Chinese feedback."""
     zh = graded["zh_root"]
+    assert len(ZH_BLANKS) == 3
     blanks = course.scorecard(graded["students_zh"][2], root=zh)
-    english = course.scorecard(graded["students"][2], root=ROOT)
+    english = [r for r in course.scorecard(graded["students"][2], root=ROOT)
+               if any(r["file"].endswith(p.name) for p in ZH_BLANKS)]
     assert sorted((r["file"], r["cell"]) for r in blanks) == sorted((r["file"], r["cell"]) for r in english)
     for r in blanks:
         assert not r["passed"] and "AssertionError" in r["message"], r
