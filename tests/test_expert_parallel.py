@@ -237,3 +237,19 @@ def _uneven(world):
 def test_experts_that_do_not_split_over_the_group_are_refused():
     with pytest.raises(Exception, match="3 experts do not split over an expert-parallel group of 2 ranks"):
         parlab.run(_uneven, 2, 2, echo=False)
+
+
+def test_the_trace_records_who_sent_how_many_bytes_to_whom():
+    """Event.splits of the dispatch: the bytes for each EP rank (a float32 row of H = 8 is 32 bytes); wire bytes
+    leave out the block a rank keeps; the counts exchange is even (E/ep int64 counts to each rank)."""
+    tr = parlab.run(_traced_layer, 2, 2, trace=True, echo=False).trace
+    for r in (0, 1):
+        ev = {e.label: e for e in tr.events if e.op == "all_to_all" and e.rank == r}
+        counts, sent = ev["ep counts"], ev["ep dispatch"]
+        assert counts.splits == (16, 16)                                      # 2 experts x 8 bytes, each rank
+        assert sum(sent.splits) == sent.nbytes and all(b % 32 == 0 for b in sent.splits)
+        assert sent.wire_bytes == sent.nbytes - sent.splits[r]
+    dispatch = {e.rank: e.splits for e in tr.events if e.label == "ep dispatch"}
+    combine = {e.rank: e.splits for e in tr.events if e.label == "ep combine"}
+    for r in (0, 1):                                  # combine returns to rank j what rank j dispatched here
+        assert combine[r] == tuple(dispatch[j][r] for j in (0, 1))

@@ -129,27 +129,27 @@ def _finish(event: Event, device_span=None, _future=None) -> None:
 
 
 def _record(op: str, kind: str, tensor: torch.Tensor | None, nbytes: int, group, peer, label: str,
-            start: float, work=None, device_start=None):
+            start: float, work=None, device_start=None, splits: tuple = ()):
     """Add one event to the active recorder; wrap `work` so its completion is timed."""
     rec = current_recorder()
     ev = Event(rank=rec.rank, kind=kind, op=op, start=start, end=now() if work is None else start,
                group=tuple(group_ranks(group)), peer=peer,
                numel=(nbytes // tensor.element_size()) if tensor is not None and tensor.element_size() else 0,
                nbytes=nbytes, dtype=str(tensor.dtype).replace("torch.", "") if tensor is not None else "",
-               label=label, asynchronous=work is not None)
+               label=label, asynchronous=work is not None, splits=splits)
     rec.add(ev)
     span = rec.device_span(ev, device_start, end=work is None)   # None on the wall clock
     return TracedWork(work, ev, span) if work is not None else None
 
 
-def _run(op: str, kind: str, call, tensor, nbytes, group, peer, label, async_op):
+def _run(op: str, kind: str, call, tensor, nbytes, group, peer, label, async_op, splits: tuple = ()):
     """Run one torch.distributed call, tracing it when a recorder is active."""
     if current_recorder() is None:
         return call()
     start, device_start = now(), current_recorder().device_mark()   # device_start: None on the wall clock
     work = call()
     traced = _record(op, kind, tensor, nbytes, group, peer, label, start, work if async_op else None,
-                     device_start)
+                     device_start, splits)
     return traced if async_op else work
 
 
@@ -198,12 +198,17 @@ def reduce_scatter(output: torch.Tensor, tensor: torch.Tensor, op=ReduceOp.SUM, 
 
 def all_to_all(output: torch.Tensor, tensor: torch.Tensor, output_split_sizes: Sequence[int] | None = None,
                input_split_sizes: Sequence[int] | None = None, group=None, async_op: bool = False, label: str = ""):
-    """Chunk j of this rank's `tensor` (dim 0) goes to rank j; `output` holds the chunks received, in rank order."""
+    """Chunk j of this rank's `tensor` (dim 0) goes to rank j; `output` holds the chunks received, in rank order.
+    Uneven chunks: `input_split_sizes[j]` rows to rank j, `output_split_sizes[j]` rows from it (both lists or
+    neither). Traced with the bytes sent to each rank (`Event.splits`)."""
     _strict("all_to_all", group, output, tensor)
+    n = get_world_size(group)
+    row = _nbytes(tensor) // tensor.shape[0] if tensor.dim() and tensor.shape[0] else 0     # bytes per dim-0 row
+    rows = list(input_split_sizes) if input_split_sizes is not None else [tensor.shape[0] // n if tensor.dim() else 0] * n
     return _run("all_to_all", "collective",
                 lambda: dist.all_to_all_single(output, tensor, output_split_sizes, input_split_sizes, group=group,
                                                async_op=async_op),
-                tensor, _nbytes(tensor), group, None, label, async_op)
+                tensor, _nbytes(tensor), group, None, label, async_op, tuple(r * row for r in rows))
 
 
 def gather(tensor: torch.Tensor, gather_list: list[torch.Tensor] | None = None, dst: int = 0, group=None,

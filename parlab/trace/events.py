@@ -82,6 +82,7 @@ class Event:
     meter_at: tuple = ()
     plain_kernels: int = 0      # of the kernels, those run outside autograd (optimizer, no_grad), metered runs only
     meter_waited: tuple = ()    # an asynchronous call: the meter's running totals when it was first waited for
+    splits: tuple = ()          # all_to_all: bytes this rank sent to each rank of the group, in group order
 
     @property
     def duration(self) -> float:
@@ -93,7 +94,10 @@ class Event:
 
     @property
     def wire_bytes(self) -> float:
-        """Bytes this rank sends under the standard algorithm (see module docstring)."""
+        """Bytes this rank sends under the standard algorithm (see module docstring); an all-to-all with its
+        per-rank bytes recorded (uneven splits): all but the block for itself."""
+        if self.op == "all_to_all" and self.splits and self.rank in self.group:
+            return float(sum(self.splits) - self.splits[self.group.index(self.rank)])
         return wire_bytes(self.op, self.nbytes, len(self.group), is_root=self.peer == self.rank,
                           position=_chain_position(self))
 
