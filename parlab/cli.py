@@ -226,7 +226,7 @@ MAX_GRID_RANKS = 65536   # `parlab grid` prints every group: 65536 ranks is ~450
 
 def _grid(args) -> int:
     from parlab.parallel.topology import ParallelGrid
-    for k in ("world", "tp", "pp", "cp", "dp", "gpus_per_node"):
+    for k in ("world", "tp", "pp", "cp", "dp", "gpus_per_node", "ep", "etp"):
         if getattr(args, k) is not None and getattr(args, k) < 1:
             print(_("parlab grid: --{option} must be a positive integer, got {value}").format(
                 option=k.replace("_", "-"), value=getattr(args, k)), file=sys.stderr)
@@ -237,11 +237,15 @@ def _grid(args) -> int:
         return 2
     try:
         grid = ParallelGrid(args.world, tp=args.tp, pp=args.pp, cp=args.cp, dp=args.dp, order=args.order,
-                            gpus_per_node=args.gpus_per_node)
+                            gpus_per_node=args.gpus_per_node, ep=args.ep, etp=args.etp)
     except ValueError as e:
         print(f"parlab grid: {e}", file=sys.stderr)
         return 2
     print(grid.describe())
+    if args.ep > 1 or args.etp is not None:     # the expert layers' grid on the same ranks
+        print()
+        print(_("expert layers (mixture of experts), on the same ranks:"))
+        print(grid.expert.describe())
     return 0
 
 
@@ -253,6 +257,9 @@ def add_grid(sub) -> None:
     p.add_argument("--dp", type=int, default=None, help=_("dp size (default: world / (tp*pp*cp))"))
     p.add_argument("--order", default="tp-cp-dp-pp", help=_("dims from fastest- to slowest-varying"))
     p.add_argument("--gpus-per-node", type=int, default=None, help=_("GPUs per node (default: all on one node)"))
+    p.add_argument("--ep", type=int, default=1, help=_("expert-parallel size of the MoE layers (default 1); prints "
+                                                         "their etp/ep/edp groups too"))
+    p.add_argument("--etp", type=int, default=None, help=_("the experts' tensor-parallel size (default: --tp)"))
     p.set_defaults(func=_grid)
 
 

@@ -164,6 +164,14 @@ def test_grid_command_prints_the_seed_000_groups(capsys):
     assert "[0, 2] [1, 3]" in out and "[0, 4, 8, 12]*" in out
     assert cli.main(["grid", "--world", "6", "--tp", "4"]) == 2
     assert "not divisible" in capsys.readouterr().err
+    assert "expert layers" not in out                                   # no --ep: the dense grid only
+    assert cli.main(["grid", "--world", "16", "--tp", "2", "--pp", "2", "--ep", "4", "--gpus-per-node", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "ExpertGrid(world=16: etp=2 ep=4 edp=1 pp=2" in out and "ep: 4 group(s) of 4" in out
+    assert cli.main(["grid", "--world", "16", "--tp", "2", "--pp", "2", "--ep", "6"]) == 2
+    assert "not divisible by etp*ep*pp = 24" in capsys.readouterr().err
+    assert cli.main(["grid", "--world", "16", "--ep", "0"]) == 2
+    assert "--ep must be a positive integer" in capsys.readouterr().err
 
 
 def test_scorecard_reads_a_junit_file(tmp_path):

@@ -254,3 +254,68 @@ def test_build_groups_needs_init():
 
     with pytest.raises(RuntimeError, match="not initialized"):
         build_groups(ParallelGrid(8, tp=2))
+
+
+# ---------------------------------------------------------------- the expert grid (MoE parallel folding)
+def _megatron_groups(world, sizes, order, token):
+    """Megatron-core's RankGenerator.get_ranks (parallel_state.py), transcribed as an independent oracle: the
+    order completed with the size-1 dims it lacks, then generate_masked_orthogonal_rank_groups."""
+    for name, size in sizes.items():
+        if name not in order.split("-"):
+            assert size == 1
+            order += "-" + name
+    names = order.split("-")
+    shape = [sizes[n] for n in names]
+    mask = [n in token.split("-") for n in names]
+
+    def prefix(a):
+        out = [1]
+        for v in a:
+            out.append(out[-1] * v)
+        return out
+
+    def decompose(i, shp):
+        return [(i // d) % s for s, d in zip(shp, prefix(shp))]
+
+    stride = prefix(shape)
+    m_shape = [s for s, k in zip(shape, mask) if k]
+    u_shape = [s for s, k in zip(shape, mask) if not k]
+    m_stride = [d for d, k in zip(stride, mask) if k]
+    u_stride = [d for d, k in zip(stride, mask) if not k]
+    size = prefix(m_shape)[-1]
+    return [[sum(a * b for a, b in zip(decompose(j, m_shape), m_stride))
+             + sum(a * b for a, b in zip(decompose(g, u_shape), u_stride)) for j in range(size)]
+            for g in range(world // size)]
+
+
+EXPERT_LAYOUTS = [(8, 1, 1, 1, 8, None), (8, 2, 1, 1, 4, None), (8, 2, 2, 1, 2, 1), (16, 2, 2, 2, 4, None),
+                  (16, 4, 1, 2, 2, 2), (16, 1, 4, 2, 2, None), (32, 2, 2, 2, 4, 1), (32, 4, 2, 1, 8, 2),
+                  (64, 8, 2, 2, 8, 1), (64, 2, 4, 2, 4, 4)]
+
+
+@pytest.mark.parametrize("world, tp, pp, cp, ep, etp", EXPERT_LAYOUTS)
+def test_dense_and_expert_groups_equal_megatrons_rank_generators(world, tp, pp, cp, ep, etp):
+    g = ParallelGrid(world, tp=tp, pp=pp, cp=cp, ep=ep, etp=etp)
+    dense = {"tp": tp, "pp": pp, "dp": g.dp, "ep": 1, "cp": cp}
+    for token in ("tp", "cp", "dp", "pp", "tp-pp", "dp-cp", "tp-cp-dp-pp"):
+        assert g.groups(token) == _megatron_groups(world, dense, "tp-cp-ep-dp-pp", token), token
+    e = g.expert
+    assert (e.etp, e.ep, e.edp, e.pp) == (etp or tp, ep, world // ((etp or tp) * ep * pp), pp)
+    experts = {"tp": e.etp, "pp": pp, "dp": e.edp, "ep": ep, "cp": 1}
+    for ours, theirs in (("etp", "tp"), ("ep", "ep"), ("edp", "dp"), ("etp-ep", "tp-ep"), ("etp-ep-pp", "tp-ep-pp")):
+        assert e.groups(ours) == _megatron_groups(world, experts, "tp-cp-ep-dp-pp", theirs), ours
+    for r in range(world):                     # every rank: one EP group and one EDP group, disjoint but one
+        assert set(e.group_of(r, "ep")) & set(e.group_of(r, "edp")) == {r}
+        assert g.expert.coords(r)["pp"] == g.coords(r)["pp"]          # the same stage in both grids
+
+
+def test_expert_grid_errors_say_what_to_change():
+    with pytest.raises(ValueError, match=r"world_size 16 is not divisible by etp\*ep\*pp = 24"):
+        ParallelGrid(16, tp=2, pp=2, ep=6)
+    with pytest.raises(ValueError, match="ep must be a positive int"):
+        ParallelGrid(8, ep=0)
+    with pytest.raises(ValueError, match=r"the expert layers' groups are grid.expert.groups"):
+        ParallelGrid(8, ep=2).groups("ep")
+    with pytest.raises(ValueError, match=r"unknown dimension name\(s\) \['dp'\]"):
+        ParallelGrid(8, ep=2).expert.groups("dp")
+    assert repr(ParallelGrid(8, tp=2, ep=4)) == "ParallelGrid(world=8: tp=2 cp=1 dp=4 pp=1 ep=4, order=tp-cp-dp-pp)"

@@ -29,9 +29,10 @@ Large-Scale Language Model Training on GPU Clusters Using Megatron-LM"
 
 This module is a small pure-Python re-derivation of Megatron-LM's
 ``RankGenerator`` and ``generate_masked_orthogonal_rank_groups``
-(``megatron/core/parallel_state.py``); Megatron also has an expert-parallel
-dimension, left out here. It does not import torch: ``parlab.parallel.groups`` turns
-the lists computed here into ``torch.distributed`` process groups.
+(``megatron/core/parallel_state.py``), expert parallelism included: the
+mixture-of-experts layers get a second grid on the same ranks (`ExpertGrid`,
+below). It does not import torch: ``parlab.parallel.groups`` turns the lists
+computed here into ``torch.distributed`` process groups.
 
 Worked example (the one in Megatron's ``initialize_model_parallel``
 docstring): 16 GPUs on 2 nodes of 8, tp=2, pp=4, hence dp=2.
@@ -53,6 +54,23 @@ ParallelGrid(world=16: tp=2 cp=1 dp=2 pp=4, order=tp-cp-dp-pp)
 [True, True, True, True]
 
 TP and DP groups stay inside a node; every PP group spans both nodes.
+
+The fifth dimension, expert parallelism (ep), "folds" into the same ranks
+(Megatron-core's MoE parallel folding, ``RankGenerator`` built twice): the
+dense layers keep ``tp x cp x dp x pp``, the expert layers use
+``etp x ep x edp x pp`` with the same pp, where etp is the experts' own tensor
+parallelism (default tp) and the expert-data-parallel size is
+``edp = world / (etp * ep * pp)``. Megatron's default order ``tp-cp-ep-dp-pp``
+with cp = 1 in the expert grid gives the expert order ``etp-ep-edp-pp``:
+
+>>> e = ParallelGrid(16, tp=2, pp=2, cp=2, ep=4, gpus_per_node=8).expert
+>>> e
+ExpertGrid(world=16: etp=2 ep=4 edp=1 pp=2, order=etp-ep-edp-pp)
+>>> e.groups("ep")
+[[0, 2, 4, 6], [1, 3, 5, 7], [8, 10, 12, 14], [9, 11, 13, 15]]
+
+An EP group may take ranks the dense grid uses for cp or dp: the expert layers
+see only tokens, whatever dimension split them.
 """
 
 from __future__ import annotations
@@ -63,8 +81,11 @@ from dataclasses import dataclass, field
 #: The dimension names, in the canonical order used for coords() and repr().
 DIMS: tuple[str, ...] = ("tp", "cp", "dp", "pp")
 
-#: Megatron's default layout (without its expert-parallel dimension).
+#: Megatron's default layout of the dense layers (its ``tp-cp-ep-dp-pp`` with ep = 1).
 DEFAULT_ORDER = "tp-cp-dp-pp"
+
+#: The expert layers' dimensions (`ExpertGrid`): expert TP, EP, expert DP, and the shared PP.
+EXPERT_DIMS: tuple[str, ...] = ("etp", "ep", "edp", "pp")
 
 
 def _check_size(name: str, value: object) -> int:
@@ -76,11 +97,12 @@ def _check_size(name: str, value: object) -> int:
     return value
 
 
-def parse_dims(dims: str | Iterable[str]) -> tuple[str, ...]:
-    """Parse ``"tp"``, ``"tp-pp"`` or ``("tp", "pp")`` into a tuple of dim names.
+def parse_dims(dims: str | Iterable[str], known: tuple[str, ...] = DIMS) -> tuple[str, ...]:
+    """Parse ``"tp"``, ``"tp-pp"`` or ``("tp", "pp")`` into a tuple of dim names (from `known`).
 
     The names keep the caller's order; unknown or repeated names raise.
     """
+    DIMS = known  # noqa: N806 (the messages below name the caller's dimensions)
     if isinstance(dims, str):
         names = tuple(dims.split("-")) if dims else ()
     else:
@@ -89,13 +111,27 @@ def parse_dims(dims: str | Iterable[str]) -> tuple[str, ...]:
         raise ValueError(f"dims must be names from {DIMS} joined by '-', e.g. 'tp' or 'tp-pp'; got {dims!r}")
     unknown = [n for n in names if n not in DIMS]
     if unknown:
+        hint = "; the expert layers' groups are grid.expert.groups(...)" if set(unknown) & set(EXPERT_DIMS) else ""
         raise ValueError(
             f"unknown dimension name(s) {unknown} in {dims!r}; valid names are {', '.join(DIMS)}, "
-            "joined by '-' for a combination such as 'tp-pp'"
+            f"joined by '-' for a combination such as 'tp-pp'{hint}"
         )
     if len(set(names)) != len(names):
         raise ValueError(f"dimension repeated in {dims!r}; name each dimension at most once")
     return names
+
+
+def _orthogonal_groups(world: int, strides: dict[str, int], sizes: dict[str, int],
+                       dims: tuple[str, ...]) -> list[list[int]]:
+    """The groups along `dims` of a mixed-radix grid (Megatron's ``generate_masked_orthogonal_rank_groups``):
+    each rank keyed by its "base", the rank with its coordinates along `dims` set to zero (its group's first
+    member). Groups ascending, sorted by first rank."""
+    masked = [(strides[d], sizes[d]) for d in dims]
+    by_base: dict[int, list[int]] = {}
+    for r in range(world):  # ascending, so groups come out sorted
+        base = r - sum(r // stride % size * stride for stride, size in masked)
+        by_base.setdefault(base, []).append(r)
+    return list(by_base.values())
 
 
 @dataclass(frozen=True, repr=False)
@@ -104,7 +140,8 @@ class ParallelGrid:
 
     ``dp`` defaults to ``world_size // (tp * pp * cp)``. ``gpus_per_node``
     (default: the whole world on one node) places rank r on node
-    ``r // gpus_per_node``, as launchers such as torchrun do.
+    ``r // gpus_per_node``, as launchers such as torchrun do. ``ep`` and
+    ``etp`` (default tp) lay out the expert layers on the same ranks: `expert`.
     """
 
     world_size: int
@@ -114,6 +151,8 @@ class ParallelGrid:
     dp: int | None = None
     order: str = DEFAULT_ORDER
     gpus_per_node: int | None = None
+    ep: int = 1
+    etp: int | None = None
     # Derived: stride of each dim, i.e. how far apart in rank id two ranks are
     # whose coordinate along that dim differs by one.
     _strides: dict[str, int] = field(init=False, compare=False, hash=False, default_factory=dict)
@@ -163,6 +202,21 @@ class ParallelGrid:
         for name in names:  # fastest first: each stride is the product of the sizes before it
             self._strides[name] = stride
             stride *= self.sizes[name]
+        _check_size("ep", self.ep)
+        set_("etp", self.tp if self.etp is None else _check_size("etp", self.etp))
+        expert = self.etp * self.ep * self.pp
+        if world % expert:
+            raise ValueError(
+                f"world_size {world} is not divisible by etp*ep*pp = {expert} (the expert layers' grid: expert "
+                f"tensor parallel {self.etp}, expert parallel {self.ep}, pipeline {self.pp}); choose ep and etp "
+                "whose product with pp divides the number of GPUs"
+            )
+
+    @property
+    def expert(self) -> "ExpertGrid":
+        """The expert layers' grid on the same ranks (module docstring): etp x ep x edp x pp."""
+        order = "-".join({"tp": "etp", "dp": "ep-edp"}.get(d, d) for d in self.order_dims if d != "cp")
+        return ExpertGrid(self.world_size, self.etp, self.ep, self.pp, order, self.gpus_per_node)
 
     # ----------------------------------------------------------------- sizes
     @property
@@ -210,14 +264,7 @@ class ParallelGrid:
         also the order Megatron generates them in: every rank can iterate it
         identically, as ``torch.distributed.new_group`` requires.
         """
-        masked = [(self._strides[d], self.sizes[d]) for d in parse_dims(dims)]
-        # Key each rank by its "base": the rank with its masked coordinates set
-        # to zero, i.e. the first member of its group.
-        by_base: dict[int, list[int]] = {}
-        for r in range(self.world_size):  # ascending, so groups come out sorted
-            base = r - sum(r // stride % size * stride for stride, size in masked)
-            by_base.setdefault(base, []).append(r)
-        return list(by_base.values())
+        return _orthogonal_groups(self.world_size, self._strides, self.sizes, parse_dims(dims))
 
     def group_of(self, rank: int, dims: str | Iterable[str]) -> list[int]:
         """The group along ``dims`` that contains ``rank`` (ascending)."""
@@ -249,7 +296,9 @@ class ParallelGrid:
     # -------------------------------------------------------------- display
     def __repr__(self) -> str:
         sizes = " ".join(f"{d}={s}" for d, s in self.sizes.items())
-        return f"ParallelGrid(world={self.world_size}: {sizes}, order={self.order})"
+        experts = f" ep={self.ep}" if self.ep > 1 else ""
+        experts += f" etp={self.etp}" if self.etp != self.tp else ""
+        return f"ParallelGrid(world={self.world_size}: {sizes}{experts}, order={self.order})"
 
     def formula(self) -> str:
         """The rank formula, e.g. ``rank = tp + 2*(cp + 1*(dp + 2*pp))``."""
@@ -285,4 +334,66 @@ class ParallelGrid:
             lines.append("  " + " ".join(shown))
         if self.num_nodes > 1:
             lines.append("(* = group spans more than one node)")
+        return "\n".join(lines)
+
+
+@dataclass(frozen=True, repr=False)
+class ExpertGrid:
+    """The expert layers' ``etp x ep x edp x pp`` grid of a `ParallelGrid` (its ``expert``; module docstring).
+
+    etp: the experts' tensor parallelism; ep: expert parallelism, the experts split over its ranks; edp: the
+    expert-data-parallel replicas of each expert, ``world / (etp * ep * pp)``, over which their gradients are
+    averaged; pp: the same stages as the dense layers. ``order`` names the four, fastest first."""
+
+    world_size: int
+    etp: int
+    ep: int
+    pp: int
+    order: str = "etp-ep-edp-pp"
+    gpus_per_node: int | None = None
+    _strides: dict[str, int] = field(init=False, compare=False, hash=False, default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if sorted(self.order.split("-")) != sorted(EXPERT_DIMS):
+            raise ValueError(f"expert order {self.order!r} must name each of {', '.join(EXPERT_DIMS)} once")
+        stride = 1
+        for name in self.order.split("-"):
+            self._strides[name] = stride
+            stride *= self.sizes[name]
+
+    edp = property(lambda self: self.world_size // (self.etp * self.ep * self.pp))   # expert-data-parallel size
+
+    @property
+    def sizes(self) -> dict[str, int]:
+        return {"etp": self.etp, "ep": self.ep, "edp": self.edp, "pp": self.pp}
+
+    def coords(self, rank: int) -> dict[str, int]:
+        """The coordinate of ``rank`` along each expert dim."""
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank!r} out of range: valid ranks are 0..{self.world_size - 1}")
+        return {d: rank // self._strides[d] % self.sizes[d] for d in EXPERT_DIMS}
+
+    def groups(self, dims: str | Iterable[str]) -> list[list[int]]:
+        """All groups along ``dims`` of the expert grid (``"ep"``, ``"edp"``, ``"etp-ep"``, ...), as
+        `ParallelGrid.groups`."""
+        return _orthogonal_groups(self.world_size, self._strides, self.sizes, parse_dims(dims, EXPERT_DIMS))
+
+    def group_of(self, rank: int, dims: str | Iterable[str]) -> list[int]:
+        """The group along ``dims`` that contains ``rank``."""
+        return next(g for g in self.groups(dims) if self.coords(rank) and rank in g)
+
+    def __repr__(self) -> str:
+        sizes = " ".join(f"{d}={s}" for d, s in self.sizes.items())
+        return f"ExpertGrid(world={self.world_size}: {sizes}, order={self.order})"
+
+    def describe(self, max_groups: int = 16) -> str:
+        """Multi-line summary of the expert groups (``*``: the group spans nodes)."""
+        gpn = self.gpus_per_node or self.world_size
+        lines = [repr(self)]
+        for d in ("etp", "ep", "edp"):
+            gs = self.groups(d)
+            cross = [len({r // gpn for r in g}) > 1 for g in gs]
+            lines.append(f"{d}: {len(gs)} group(s) of {len(gs[0])}, {sum(cross)} cross nodes")
+            more = [f"... ({len(gs) - max_groups} more)"] if len(gs) > max_groups else []
+            lines.append("  " + " ".join([f"{g}{'*' if c else ''}" for g, c in zip(gs[:max_groups], cross)] + more))
         return "\n".join(lines)
