@@ -78,6 +78,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from parlab.i18n import _
+
 #: The dimension names, in the canonical order used for coords() and repr().
 DIMS: tuple[str, ...] = ("tp", "cp", "dp", "pp")
 
@@ -314,27 +316,24 @@ class ParallelGrid:
         Groups that cross nodes are marked with ``*``. At most ``max_groups``
         groups are printed per dim.
         """
-        gpn = self.gpus_per_node
-        lines = [
-            repr(self),
-            f"{self.num_nodes} node(s) x {gpn} GPUs; {self.formula()}",
-        ]
+        lines = [repr(self), _("{nodes} node(s) x {gpus} GPUs; {formula}").format(
+            nodes=self.num_nodes, gpus=self.gpus_per_node, formula=self.formula())]
         for dims_ in dims:
-            name = "-".join(parse_dims(dims_))
-            gs = self.groups(name)
-            size = len(gs[0])
-            if size == 1:
-                lines.append(f"{name}: size 1 (every rank is its own group)")
-                continue
-            crossing = sum(self.crosses_nodes(g) for g in gs)
-            lines.append(f"{name}: {len(gs)} group(s) of {size}, {crossing} cross nodes")
-            shown = [f"{g}{'*' if self.crosses_nodes(g) else ''}" for g in gs[:max_groups]]
-            if len(gs) > max_groups:
-                shown.append(f"... ({len(gs) - max_groups} more)")
-            lines.append("  " + " ".join(shown))
+            gs = self.groups(dims_)
+            lines += _group_lines("-".join(parse_dims(dims_)), gs, [self.crosses_nodes(g) for g in gs], max_groups)
         if self.num_nodes > 1:
-            lines.append("(* = group spans more than one node)")
+            lines.append(_("(* = group spans more than one node)"))
         return "\n".join(lines)
+
+
+def _group_lines(name: str, gs: list[list[int]], crosses: list[bool], max_groups: int) -> list[str]:
+    """One dimension's groups for `describe`: how many, their size, how many cross nodes; then the groups."""
+    if len(gs[0]) == 1:
+        return [_("{name}: size 1 (every rank is its own group)").format(name=name)]
+    more = [_("... ({count} more)").format(count=len(gs) - max_groups)] if len(gs) > max_groups else []
+    return [_("{name}: {count} group(s) of {size}, {crossing} cross nodes").format(
+        name=name, count=len(gs), size=len(gs[0]), crossing=sum(crosses)),
+        "  " + " ".join([f"{g}{'*' if c else ''}" for g, c in zip(gs[:max_groups], crosses)] + more)]
 
 
 @dataclass(frozen=True, repr=False)
@@ -392,8 +391,5 @@ class ExpertGrid:
         lines = [repr(self)]
         for d in ("etp", "ep", "edp"):
             gs = self.groups(d)
-            cross = [len({r // gpn for r in g}) > 1 for g in gs]
-            lines.append(f"{d}: {len(gs)} group(s) of {len(gs[0])}, {sum(cross)} cross nodes")
-            more = [f"... ({len(gs) - max_groups} more)"] if len(gs) > max_groups else []
-            lines.append("  " + " ".join([f"{g}{'*' if c else ''}" for g, c in zip(gs[:max_groups], cross)] + more))
+            lines += _group_lines(d, gs, [len({r // gpn for r in g}) > 1 for g in gs], max_groups)
         return "\n".join(lines)

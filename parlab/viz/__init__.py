@@ -26,7 +26,7 @@ Examples::
 
 Figures for one technique live in their own module, used by its lesson:
 `viz.data_parallel`, `viz.memory` (ZeRO/FSDP), `viz.tensor_parallel`, `viz.pipeline` (schedule timelines),
-`viz.context_parallel` (ring and Ulysses), `viz.planner` (layout search), `viz.explorer` (one layout's memory
+`viz.context_parallel` (ring and Ulysses), `viz.expert` (tokens per expert, the all-to-all matrix), `viz.planner` (layout search), `viz.explorer` (one layout's memory
 and step time beside a published run: lesson 07's layout explorer); `grid_figure` draws a rank grid.
 
 `python -m parlab.course.figcheck` draws every lesson figure in headless Chromium and checks it from the page
