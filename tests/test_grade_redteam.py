@@ -4,8 +4,8 @@ tests/test_notebooks.py).
 
 The submissions are made here from the released exercises and their solutions (so they follow the course as it
 is): a lecturer's folder of notebooks for exercises 00, 01 and 05, graded by ``parlab grade --jobs 2`` exactly as
-exercises/README.md says. Calling parlab's own answer is also tried against every exercise's checks (00-09)
-in process (`test_calling_the_reference_fails_in_every_exercise`); the cheats specific to exercises 02-09 (another
+exercises/README.md says. Calling parlab's own answer is also tried against every exercise's checks (00-10)
+in process (`test_calling_the_reference_fails_in_every_exercise`); the cheats specific to exercises 02-10 (another
 route to parlab's answer, untraced torch.distributed, one-rank computation from public inputs, hard-coded answers,
 rebound tolerances) are a table in tests/test_grade_redteam_checks.py, also in process (a notebook each would cost
 ~30 s).
@@ -204,8 +204,9 @@ def _cheats():
     from parlab.parallel import pipeline as schedules
     from parlab.parallel.data import assign_buckets
     from parlab.parallel.zero import FullyShardedDataParallel
-    from parlab.course.grading import (context_parallel, data_parallel, fsdp, hybrid, pipeline, sequence_parallel,
-                                tensor_parallel, zero)
+    from parlab.course.grading import (context_parallel, data_parallel, expert, fsdp, hybrid, pipeline,
+                                sequence_parallel, tensor_parallel, zero)
+    from parlab.models import load_balancing_loss
     from parlab.parallel.context import seq_to_head
     from parlab.parallel.tensor import vocab_parallel_cross_entropy
     from parlab.parallel.topology import ParallelGrid
@@ -235,10 +236,11 @@ def _cheats():
         ("08", lambda: sequence_parallel.check_seq_to_head(seq_to_head), "seq_to_head"),
         ("09", lambda: fsdp.check_gather_full(lambda shard: FullyShardedDataParallel(torch.nn.Linear(2, 2))),
          "FullyShardedDataParallel"),
+        ("10", lambda: expert.check_load_balancing_loss(load_balancing_loss), "load_balancing_loss"),
     ]
 
 
-@pytest.mark.parametrize("k", range(10), ids=[f"exercise 0{k}" for k in range(10)])
+@pytest.mark.parametrize("k", range(11), ids=[f"exercise {k:02d}" for k in range(11)])
 def test_calling_the_reference_fails_in_every_exercise(k):
     ex, run_check, name = _cheats()[k]
     with pytest.raises(AssertionError, match=f"you called parlab's {name}; write your own"):

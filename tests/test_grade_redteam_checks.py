@@ -1,4 +1,4 @@
-"""Red team, in process: for each of exercises 02-09, the cheats a student who wants the points without the work
+"""Red team, in process: for each of exercises 02-10, the cheats a student who wants the points without the work
 would try, run against that exercise's checks; each must fail, with a message that says why.
 
 The cheats are written here as a student would write them in a notebook (this file is outside the parlab
@@ -29,8 +29,8 @@ from parlab.parallel import topology
 from parlab.parallel.context import ring as ra
 from parlab.parallel.context import ulysses as sp
 from parlab.parallel.data import assign_buckets
-from parlab.course.grading import (context_parallel as g06, data_parallel as g02, fsdp as g09, hybrid as g07,
-                            pipeline as g05, sequence_parallel as g08, tensor_parallel as g04, zero as g03)
+from parlab.course.grading import (context_parallel as g06, data_parallel as g02, expert as g10, fsdp as g09,
+                            hybrid as g07, pipeline as g05, sequence_parallel as g08, tensor_parallel as g04, zero as g03)
 from parlab.course import grading as g00
 from parlab.course.grading import guard
 
@@ -797,6 +797,78 @@ CHEATS = [
      lambda: (_patch_tensor_sub(), g06.check_merge_partials(merge_copy_of_parlab)), TAMPERED.format("Tensor.__sub__")),
     ("any", "math.isclose rebound from inside the student's function, during the check",
      lambda: g02.check_make_buckets(buckets_patch_during_the_check), TAMPERED.format("math.isclose")),
+]
+
+
+# ---------------------------------------------------------------------- 10 mixture of experts
+def balance_through_route(probs, expert, E):
+    """parlab's route() on the log-probabilities: its aux loss is the balance loss (alpha 1)."""
+    from parlab.models import route
+    return route(probs.log(), expert.shape[1], aux_loss_coeff=1.0).aux_loss
+
+
+def balance_detached(probs, expert, E):
+    """The right number, computed outside autograd: no gradient reaches the router."""
+    T, k = expert.shape
+    f = torch.bincount(expert.reshape(-1), minlength=E).double() / (T * k)
+    return torch.tensor(float(E * (f * probs.detach().mean(0)).sum()), dtype=torch.float64)
+
+
+def capacity_first_come(expert, weight, E, cap):
+    """Keeps the first tokens that chose an expert (arrival order), not the highest weights."""
+    keep, seen = torch.zeros_like(expert, dtype=torch.bool), [0] * E
+    for i, e in enumerate(expert.reshape(-1).tolist()):
+        keep.view(-1)[i] = seen[e] < cap
+        seen[e] += 1
+    return keep
+
+
+def dispatch_untraced(x_sorted, counts):
+    import torch.distributed as dist
+    P = dist.get_world_size()
+    recv_counts = torch.empty_like(counts)
+    dist.all_to_all_single(recv_counts, counts)
+    send, recv = counts.view(P, -1).sum(1).tolist(), recv_counts.view(P, -1).sum(1).tolist()
+    out = x_sorted.new_empty((sum(recv), x_sorted.shape[1]))
+    dist.all_to_all_single(out, x_sorted, recv, send)
+    return out
+
+
+def dispatch_even_padded(x_sorted, counts):
+    """Every rank pads its blocks to the largest and sends even splits (right rows, not the traffic asked for)."""
+    P = comm.get_world_size()
+    recv_counts = torch.empty_like(counts)
+    comm.all_to_all(recv_counts, counts)
+    send, recv = counts.view(P, -1).sum(1).tolist(), recv_counts.view(P, -1).sum(1).tolist()
+    most = torch.tensor([max(send + recv)])
+    comm.all_reduce(most, op=comm.ReduceOp.MAX)
+    blocks = torch.split(x_sorted, send)
+    padded = torch.cat([torch.cat([b, b.new_zeros(int(most) - len(b), b.shape[1])]) for b in blocks])
+    out = torch.empty_like(padded)
+    comm.all_to_all(out, padded)
+    return torch.cat([blk[:n] for blk, n in zip(out.chunk(P), recv)])
+
+
+def dispatch_private_rows(x_sorted, counts):
+    from parlab.parallel.expert import comm as d
+    P = comm.get_world_size()
+    recv_counts = d.exchange_counts(counts).reshape(-1)
+    return d.all_to_all_rows(x_sorted, counts.view(P, -1).sum(1).tolist(), recv_counts.view(P, -1).sum(1).tolist())
+
+
+CHEATS += [
+    ("10", "balance: parlab's route() and its aux loss",
+     lambda: g10.check_load_balancing_loss(balance_through_route), CALLED.format("(route|load_balancing_loss)")),
+    ("10", "balance: the right number outside autograd",
+     lambda: g10.check_load_balancing_loss(balance_detached), r"does not depend on probs through autograd"),
+    ("10", "capacity: the first tokens in arrival order",
+     lambda: g10.check_capacity(capacity_first_come), r"keeps the first tokens in order"),
+    ("10", "dispatch: torch.distributed.all_to_all_single (untraced)",
+     lambda: g10.check_dispatch(dispatch_untraced, world_sizes=(2,)), UNTRACED.format("all_to_all_single")),
+    ("10", "dispatch: blocks padded to even splits, plus an all-reduce",
+     lambda: g10.check_dispatch_traffic(dispatch_even_padded), r"called \['all_to_all', 'all_reduce', 'all_to_all'\]"),
+    ("10", "dispatch: parlab's exchange_counts and all_to_all_rows",
+     lambda: g10.check_dispatch(dispatch_private_rows, world_sizes=(2,)), CALLED.format("(exchange_counts|all_to_all_rows)")),
 ]
 
 

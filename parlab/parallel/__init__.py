@@ -10,7 +10,7 @@
 | ``tensor/``    | Megatron TP, vocab-parallel loss, SP  | ``mappings.py``, ``layers.py``  | 04   |
 | ``pipeline/``  | GPipe, 1F1B, interleaved, ZB-H1       | ``schedules.py``              | 05     |
 | ``context/``   | Ulysses, ring attention               | ``ring_plan.py``, ``ring.py`` | 06     |
-| ``expert/``    | mixture of experts, expert parallel   | ``dispatch.py``, ``layers.py``  | 09   |
+| ``expert/``    | mixture of experts, expert parallel   | ``comm.py``, ``layers.py``      | 09   |
 
 Beside them, the grid every technique lives on:
 

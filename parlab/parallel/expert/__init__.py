@@ -5,7 +5,7 @@ Read in this order:
 
 * ``parlab/models/moe.py``  (the one-process layer it shards) the top-k router, load-balancing and z-losses,
                             capacity and dropping, tokens sorted by expert, the stacked expert MLPs.
-* ``dispatch.py``  the communication: per-expert counts exchanged first, then the tokens by an all-to-all with
+* ``comm.py``      the communication: per-expert counts exchanged first, then the tokens by an all-to-all with
                    uneven split sizes, re-sorted by local expert; combine sends them back (the reverse all-to-all).
 * ``layers.py``    `ExpertParallelMoE` (the layer with E/ep experts, its experts' step replaced by dispatch, the
                    local experts and combine), `expert_parallel(model)` to swap a model's MoE layers.
@@ -14,7 +14,7 @@ Read in this order:
 
 Lesson 09 and exercise 10.
 """
-from parlab.parallel.expert.dispatch import DispatchPlan, all_to_all_rows, combine, dispatch, exchange_counts
+from parlab.parallel.expert.comm import DispatchPlan, all_to_all_rows, combine, dispatch, exchange_counts
 from parlab.parallel.expert.grads import average_gradients, clip_grad_norm, grad_norm, is_expert_param
 from parlab.parallel.expert.layers import ExpertParallelMoE, expert_parallel, local_experts, routed_as_ranks
 

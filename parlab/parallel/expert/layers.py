@@ -3,7 +3,7 @@
 `ExpertParallelMoE` is `parlab.models.moe.MoE` holding E/ep of the E experts (a slice of the stacked weights,
 ``experts.fc.weight`` (E/ep, F, H)); the router stays whole on every rank (E x H: small). Its forward is the
 one-process layer's, with the experts' step replaced by dispatch, the local experts and combine
-(`parlab.parallel.expert.dispatch`):
+(`parlab.parallel.expert.comm`):
 
     x (B, S, H) -> tokens (T, H) --route--> sorted by expert (N, H)
         --dispatch (all-to-all)--> this rank's experts' rows (M, H) --local experts--> (M, H)
@@ -25,7 +25,7 @@ import torch.nn as nn
 
 from parlab import comm
 from parlab.models.moe import MoE, moe_layers
-from parlab.parallel.expert.dispatch import combine, dispatch
+from parlab.parallel.expert.comm import combine, dispatch
 
 __all__ = ["ExpertParallelMoE", "expert_parallel", "routed_as_ranks", "local_experts"]
 
