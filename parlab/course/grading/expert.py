@@ -25,7 +25,7 @@ import torch
 from parlab import comm
 from parlab.i18n import _
 from parlab.models.moe import _keep_within_capacity, load_balancing_loss
-from parlab.course.grading import TIMEOUT, run_student
+from parlab.course.grading import TIMEOUT, call_student, run_student
 from parlab.course.grading.guard import fresh_seed, graded, protect
 
 __all__ = ["check_load_balancing_loss", "check_capacity", "check_dispatch", "check_dispatch_traffic", "rank_rows"]
@@ -61,7 +61,8 @@ def check_load_balancing_loss(fn) -> None:
              "each expert got (counted: no gradient); P = probs.mean(0): each expert's mean probability; return "
              "E * (f * P).sum().")
     uniform = torch.full((8, 4), 0.25, dtype=torch.float64)
-    got = fn(uniform, torch.tensor([[0, 1], [2, 3], [0, 2], [1, 3], [0, 1], [2, 3], [0, 3], [1, 2]]), 4)
+    assigned = torch.tensor([[0, 1], [2, 3], [0, 2], [1, 3], [0, 1], [2, 3], [0, 3], [1, 2]])      # (T, k)
+    got = call_student(fn, uniform, assigned, 4, what="load_balancing_loss")
     if not isinstance(got, torch.Tensor) or got.numel() != 1 or abs(float(got) - 1.0) > TOL:
         raise AssertionError(_("load_balancing_loss of uniform probabilities returned {got}; expected exactly 1 "
                                "(f_i = P_i = 1/E, so E sum_i f_i P_i = E x E x 1/E^2).\nHint: {hint}").format(
@@ -71,7 +72,7 @@ def check_load_balancing_loss(fn) -> None:
         E, (T, k) = probs.shape[1], expert.shape
         want = load_balancing_loss(probs, expert, E)
         p = probs.clone().requires_grad_(True)
-        got = fn(p, expert.clone(), E)
+        got = call_student(fn, p, expert.clone(), E, what="load_balancing_loss")
         if not isinstance(got, torch.Tensor) or got.numel() != 1:
             raise AssertionError(_("load_balancing_loss returned {got}; expected a tensor of one element.").format(
                 got=type(got).__name__ if not isinstance(got, torch.Tensor) else tuple(got.shape)))
@@ -107,7 +108,7 @@ def check_capacity(fn) -> None:
         probs, expert = _routing(fresh_seed(), T, E, k, skew=2.0)
         weight = probs.gather(1, expert)                                   # (T, k) distinct, as probabilities are
         want = _keep_within_capacity(expert, weight, E, cap)
-        got = fn(expert.clone(), weight.clone(), E, cap)
+        got = call_student(fn, expert.clone(), weight.clone(), E, cap, what="keep_within_capacity")
         if not isinstance(got, torch.Tensor) or got.shape != want.shape or got.dtype != torch.bool:
             raise AssertionError(_("keep_within_capacity returned {got}; expected a bool tensor of shape {shape}, "
                                    "True for each kept assignment.").format(
