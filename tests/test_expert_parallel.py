@@ -253,3 +253,41 @@ def test_the_trace_records_who_sent_how_many_bytes_to_whom():
     combine = {e.rank: e.splits for e in tr.events if e.label == "ep combine"}
     for r in (0, 1):                                  # combine returns to rank j what rank j dispatched here
         assert combine[r] == tuple(dispatch[j][r] for j in (0, 1))
+
+
+def _ep_with_replicas_rank():
+    """World 4: the dense layers data parallel over all 4 ranks, the experts over EP groups of 2, each expert
+    replicated on the 2 ranks of its EDP group (ParallelGrid(4, ep=2): ep [0, 1] [2, 3], edp [0, 2] [1, 3])."""
+    from parlab.parallel.groups import build_groups
+    from parlab.parallel.topology import ParallelGrid
+    pg = build_groups(ParallelGrid(4, ep=2), dims=("ep", "edp"))
+    model = expert_parallel(GPT(CFG, seed=0, dtype=torch.float64), group=pg.ep)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    r, out = comm.get_rank(), []
+    for s in range(STEPS):
+        x, y = _batch(s, 4)
+        _, loss = model(x[r * B_RANK:(r + 1) * B_RANK], y[r * B_RANK:(r + 1) * B_RANK])
+        loss.backward()
+        average_gradients(model, ep_group=pg.ep, edp_group=pg.edp)
+        norm = float(grad_norm(model, ep_group=pg.ep))
+        mean = loss.detach().clone()
+        comm.all_reduce(mean, op=comm.ReduceOp.AVG)
+        out.append((mean.item(), norm))
+        opt.step()
+        opt.zero_grad()
+    return out, {k: v.clone() for k, v in model.state_dict().items()}, list(local_experts(CFG.experts, pg.ep))
+
+
+def test_expert_replicas_average_over_their_edp_group_and_divide_by_ep():
+    """Expert data parallel 2: an expert's gradient is averaged over its 2 replicas and divided by ep = 2, and the
+    global norm sums the experts over the EP group only (the replicas hold the same values): one process's loss,
+    norm and parameters after two AdamW steps."""
+    ref_steps, ref_state = _reference(4, False)
+    ranks = parlab.run(_ep_with_replicas_rank, 4, echo=False)
+    for r, (steps, state, mine) in enumerate(ranks):
+        assert mine == ([0, 1] if r in (0, 2) else [2, 3])                  # replicas: ranks 0, 2 and 1, 3
+        for (loss, norm), (ref_loss, ref_norm, *_rest) in zip(steps, ref_steps):
+            assert loss == pytest.approx(ref_loss, rel=TOL) and norm == pytest.approx(ref_norm, rel=TOL)
+        for k, v in state.items():
+            want = ref_state[k][mine[0]:mine[-1] + 1] if is_expert_param(k) else ref_state[k]
+            torch.testing.assert_close(v, want, rtol=TOL, atol=TOL, msg=f"rank {r} parameter {k}")

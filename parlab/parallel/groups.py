@@ -26,7 +26,8 @@ from collections.abc import Iterable
 
 import torch.distributed as dist
 
-from parlab.parallel.topology import ParallelGrid, parse_dims
+from parlab.parallel.topology import DIMS as DIMS_DENSE
+from parlab.parallel.topology import EXPERT_DIMS, ParallelGrid, parse_dims
 
 DEFAULT_DIMS: tuple[str, ...] = ("tp", "cp", "dp", "pp", "tp-pp", "dp-cp")
 
@@ -36,11 +37,22 @@ ALIASES: dict[str, str] = {"mp": "tp-pp"}
 _Key = frozenset[str]
 
 
+#: the expert layers' own dimensions (their groups come from ``grid.expert``; pp is shared)
+_EXPERT_ONLY = frozenset(EXPERT_DIMS) - {"pp"}
+
+
 def _key(dims: str | Iterable[str]) -> _Key:
-    """'dp-cp', 'cp-dp', 'dp_cp' and ('cp', 'dp') all name the same group."""
+    """'dp-cp', 'cp-dp', 'dp_cp' and ('cp', 'dp') all name the same group; 'ep', 'edp', 'etp-ep' name groups of
+    the expert layers' grid."""
     if isinstance(dims, str):
         dims = ALIASES.get(dims, dims).replace("_", "-")
-    return frozenset(parse_dims(dims))
+    names = tuple(dims.split("-")) if isinstance(dims, str) else tuple(dims)
+    return frozenset(parse_dims(names, EXPERT_DIMS if _EXPERT_ONLY & set(names) else DIMS_DENSE))
+
+
+def _source(grid: ParallelGrid, key: _Key):
+    """The grid a group lives on: the expert grid for ep, edp, etp (and their combinations), else the dense one."""
+    return grid.expert if key & _EXPERT_ONLY else grid
 
 
 class ProcessGroups:
@@ -78,7 +90,8 @@ class ProcessGroups:
     # whether or not a ProcessGroup was built for them.
     def ranks(self, dims: str | Iterable[str]) -> list[int]:
         """Global ranks of this rank's group along ``dims``, ascending."""
-        return self.grid.group_of(self.rank, tuple(_key(dims)))
+        key = _key(dims)
+        return _source(self.grid, key).group_of(self.rank, tuple(key))
 
     def size(self, dims: str | Iterable[str]) -> int:
         return len(self.ranks(dims))
@@ -118,6 +131,7 @@ def build_groups(
 ) -> ProcessGroups:
     """Create the process groups for ``dims`` on every rank; return this rank's.
 
+    ``dims`` may name the expert layers' groups too ("ep", "edp", "etp", "etp-ep": `ParallelGrid.expert`).
     Must be called by *all* ranks with the same ``grid`` and ``dims`` after
     ``dist.init_process_group``. ``backend`` is passed to ``new_group``
     (None: the default group's backend).
@@ -143,7 +157,7 @@ def build_groups(
         if key in handles:  # "tp-pp" and "mp" twice: create once, on every rank alike
             continue
         names.append(name)
-        for members in grid.groups(tuple(key)):
+        for members in _source(grid, key).groups(tuple(key)):
             if len(members) == world and backend is None:
                 pg = dist.group.WORLD  # the same on every rank, so no collective needed
             else:
