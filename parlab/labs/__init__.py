@@ -65,7 +65,7 @@ from parlab.trace import Trace, recording
 
 __all__ = ["Lab", "start", "parser", "peak_memory", "LABS", "Watch", "positive_int", "positive_float"]
 
-LABS = ("data_parallel", "zero", "tensor_parallel", "pipeline", "context_parallel", "hybrid")
+LABS = ("data_parallel", "zero", "tensor_parallel", "pipeline", "context_parallel", "expert_parallel", "hybrid")
 
 
 @dataclass
@@ -125,11 +125,12 @@ class Lab:
         return x.to(self.device), y.to(self.device)
 
     def train(self, step_fn: Callable[[int], torch.Tensor | None], params: Callable[[], Iterable[torch.Tensor]],
-              optimizer: torch.optim.Optimizer | None = None, extra: str = "",
+              optimizer: torch.optim.Optimizer | None = None, extra: str | Callable[[], str] = "",
               trace_report: Callable[[Trace], None] | None = None) -> dict:
         """Run ``step_fn(step)`` (one optimizer step; returns the loss, valid at least on rank 0) for --steps
         steps, then report. `params()` gives the tensors this rank keeps, for CPU memory accounting;
-        `trace_report(trace)` runs on rank 0 before the summary line, with the merged trace."""
+        `trace_report(trace)` runs on rank 0 before the summary line, with the merged trace; `extra` ends the
+        summary line (a function: called then, for what the training measured)."""
         a, cuda = self.args, self.device.type == "cuda"
         tokens_per_step = a.batch * a.seq_len
         bar = None
@@ -189,6 +190,7 @@ class Lab:
                     messages=len(trace.comm()), events=len(trace), ranks=len(trace.ranks)))
                 if trace_report is not None:
                     trace_report(trace)
+            extra = extra() if callable(extra) else extra
             self.log(f"summary: lab={self.name} world={self.world_size} backend={self.ctx.backend} steps={a.steps} "
                      f"loss={loss_value:.4f} tokens/s={tps:.0f} max_mem/rank={_mb(summary['max_mem_per_rank'])}"
                      + (f" {extra}" if extra else "") + (f" trace={a.trace}" if not a.no_trace else ""))

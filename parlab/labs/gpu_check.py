@@ -108,6 +108,7 @@ def plan(gpus: int, size: str = "small", steps: int = 20, only: list[str] | None
         LabRun("pipeline", ["--schedule", "zb-h1", "--microbatches", m, "--dtype", "bfloat16"]),
         LabRun("context_parallel", ["--attention", "ring"]),
         LabRun("context_parallel", ["--attention", "ulysses"]),
+        LabRun("expert_parallel", ["--experts", str(2 * n), "--capacity-factor", "1.25", "--dtype", "bfloat16"]),
         LabRun("hybrid", hybrid),
     ]
     if n >= 4:

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from parlab import comm
+from parlab.i18n import _
 
 __all__ = ["DispatchPlan", "exchange_counts", "all_to_all_rows", "dispatch", "combine"]
 
@@ -68,8 +69,8 @@ def exchange_counts(counts: torch.Tensor, group=None) -> torch.Tensor:
     expert e. One all-to-all of E integers (what a rank sends to rank j is its counts for j's experts)."""
     ep = comm.get_world_size(group)
     if counts.numel() % ep:
-        raise ValueError(f"{counts.numel()} experts do not split over an expert-parallel group of {ep} ranks: "
-                         f"choose ep dividing the number of experts")
+        raise ValueError(_("{experts} experts do not split over an expert-parallel group of {ep} ranks: choose ep "
+                           "dividing the number of experts").format(experts=counts.numel(), ep=ep))
     out = torch.empty_like(counts)
     comm.all_to_all(out, counts.contiguous(), group=group, label="ep counts")
     return out.view(ep, -1)                                                          # (ep, E/ep)

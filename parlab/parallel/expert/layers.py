@@ -24,6 +24,7 @@ import torch
 import torch.nn as nn
 
 from parlab import comm
+from parlab.i18n import _
 from parlab.models.moe import MoE, moe_layers
 from parlab.parallel.expert.comm import combine, dispatch
 
@@ -34,8 +35,9 @@ def local_experts(experts: int, group=None) -> range:
     """The global ids of the experts this rank holds: a contiguous E/ep of them (expert e on rank e // (E/ep))."""
     ep, r = comm.get_world_size(group), comm.get_rank(group)
     if experts % ep:
-        raise ValueError(f"{experts} experts do not split over an expert-parallel group of {ep} ranks: choose ep "
-                         f"dividing the number of experts (e.g. ep={next(d for d in range(ep, 0, -1) if experts % d == 0)})")
+        raise ValueError(_("{experts} experts do not split over an expert-parallel group of {ep} ranks: choose ep "
+                           "dividing the number of experts (e.g. ep={fits})").format(
+            experts=experts, ep=ep, fits=next(d for d in range(ep, 0, -1) if experts % d == 0)))
     n = experts // ep
     return range(r * n, (r + 1) * n)
 
