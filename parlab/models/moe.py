@@ -175,10 +175,11 @@ class ExpertMLPs(nn.Module):
 class _Stacked(nn.Module):
     """E Linear layers in one weight (E, out, in) and bias (E, out); ``forward(x, e)`` is expert e's."""
 
-    def __init__(self, experts: int, out_features: int, in_features: int, bias: bool) -> None:
+    def __init__(self, experts: int, out_features: int, in_features: int, bias: bool, device=None) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(experts, out_features, in_features))
-        self.bias = nn.Parameter(torch.zeros(experts, out_features)) if bias else None
+        # device None: the default device, as nn.Linear (the meta device while GPT builds on it)
+        self.weight = nn.Parameter(torch.empty(experts, out_features, in_features, device=device))
+        self.bias = nn.Parameter(torch.zeros(experts, out_features, device=device)) if bias else None
 
     def forward(self, x: torch.Tensor, e: int) -> torch.Tensor:
         return F.linear(x, self.weight[e], None if self.bias is None else self.bias[e])
@@ -258,4 +259,4 @@ def aux_losses(model: nn.Module) -> torch.Tensor:
     """The sum of the auxiliary losses of `model`'s MoE layers at their last forward (for reporting: their
     gradient was already attached)."""
     vals = [m.aux_loss for m in moe_layers(model) if m.aux_loss is not None]
-    return torch.stack(vals).sum() if vals else torch.zeros(())
+    return torch.stack(vals).sum() if vals else torch.zeros((), device=next((p.device for p in model.parameters()), None))

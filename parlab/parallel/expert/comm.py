@@ -28,6 +28,7 @@ References
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -94,11 +95,12 @@ def dispatch(x_sorted: torch.Tensor, counts: torch.Tensor, group=None) -> tuple[
     in_splits = counts.view(ep, local).sum(1).tolist()                               # rows to each rank
     out_splits = received.sum(1).tolist()                                            # rows from each rank
     rows = all_to_all_rows(x_sorted, in_splits, out_splits, group, label="ep dispatch")   # (M, H) by source
-    start = torch.cumsum(received.reshape(-1), 0) - received.reshape(-1)             # (ep E/ep,) block offsets
-    start = start.view(ep, local)
-    order = [torch.arange(int(start[s, e]), int(start[s, e] + received[s, e])) for e in range(local) for s in range(ep)]
-    order = torch.cat(order) if order else torch.zeros(0, dtype=torch.long)          # (M,) expert-major
-    plan = DispatchPlan(in_splits, out_splits, order, received.sum(0).tolist())
+    rec = received.tolist()                                                          # one copy to the host
+    start = list(itertools.accumulate([0] + [n for row in rec for n in row]))        # block (s, e) at s E/ep + e
+    order = [i for e in range(local) for s in range(ep)
+             for i in range(start[s * local + e], start[s * local + e] + rec[s][e])]
+    order = torch.tensor(order, dtype=torch.long, device=x_sorted.device)            # (M,) expert-major
+    plan = DispatchPlan(in_splits, out_splits, order, [sum(rec[s][e] for s in range(ep)) for e in range(local)])
     return rows[order], plan                                                         # (M, H)
 
 

@@ -56,8 +56,8 @@ def average_gradients(model: nn.Module, group=None, ep_group=None, edp_group=Non
 def grad_norm(model: nn.Module, ep_group=None) -> torch.Tensor:
     """The 2-norm of all gradients of the model, every parameter once: dense (the same on every rank) plus the
     experts of every EP rank (summed over `ep_group`). () float64."""
-    dense = torch.zeros((), dtype=torch.float64)
-    experts = torch.zeros((), dtype=torch.float64)
+    dense = torch.zeros((), dtype=torch.float64, device="cpu")       # host sums of the squares (.cpu() below)
+    experts = torch.zeros((), dtype=torch.float64, device="cpu")
     for name, p in model.named_parameters():
         if p.grad is not None:
             sq = p.grad.detach().double().square().sum().cpu()
