@@ -291,3 +291,67 @@ def test_expert_replicas_average_over_their_edp_group_and_divide_by_ep():
         for k, v in state.items():
             want = ref_state[k][mine[0]:mine[-1] + 1] if is_expert_param(k) else ref_state[k]
             torch.testing.assert_close(v, want, rtol=TOL, atol=TOL, msg=f"rank {r} parameter {k}")
+
+
+# ---------------------------------------------------------------------- 5D: EP composed with DP, PP, CP (hybrid.py)
+H_CFG = GPTConfig(vocab_size=16, seq_len=8, n_layer=2, n_head=2, n_embd=16, mlp_ratio=2, experts=4, top_k=2,
+                  capacity_factor=1.0, aux_loss_coeff=0.1, z_loss_coeff=1e-3)
+H_B = 8                                                  # global batch (rows)
+H_LAYOUTS = [  # (pp, cp, ep, microbatches, free routing): dp = 4 / (pp cp)
+    (2, 1, 2, 2, False),      # PP x DP, EP over the dp ranks: routing groups dp x m = 4
+    (1, 1, 2, 1, False),      # DP 4, EP 2 x EDP 2
+    (1, 2, 2, 1, True),       # CP x DP, EP over a cp group: no capacity or aux loss (routing per token)
+]
+
+
+def _h_config(free):
+    return GPTConfig(**{**H_CFG.__dict__, **({"capacity_factor": None, "aux_loss_coeff": 0.0, "z_loss_coeff": 0.0}
+                                             if free else {})})
+
+
+def _h_batch(step):
+    g = torch.Generator().manual_seed(200 + step)
+    x = torch.randint(0, H_CFG.vocab_size, (H_B, H_CFG.seq_len), generator=g)
+    return x, torch.roll(x, -1, dims=1)
+
+
+def _hybrid_rank(pp, cp, ep, m, free):
+    from parlab.parallel.groups import build_groups
+    from parlab.parallel.hybrid import build_hybrid
+    from parlab.parallel.topology import ParallelGrid
+    groups = build_groups(ParallelGrid(4, pp=pp, cp=cp, ep=ep))
+    h = build_hybrid(GPT(_h_config(free), seed=0, dtype=torch.float64), groups, microbatches=m, lr=LR)
+    losses = [h.train_step(*_h_batch(s)).item() for s in range(STEPS)]
+    return losses, {k: v.clone() for k, v in h.dense_state_dict().items()}, list(local_experts(H_CFG.experts, groups.ep))
+
+
+@pytest.mark.parametrize("pp, cp, ep, m, free", H_LAYOUTS, ids=["pp2-dp2-ep2", "dp4-ep2-edp2", "cp2-dp2-ep2"])
+def test_expert_parallel_composes_with_dp_pp_cp_as_one_process(pp, cp, ep, m, free):
+    dp = 4 // (pp * cp)
+    ref = routed_as_ranks(GPT(_h_config(free), seed=0, dtype=torch.float64), dp * m)   # each rank's micro-batches
+    opt = torch.optim.AdamW(ref.parameters(), lr=LR)
+    ref_losses = []
+    for s in range(STEPS):
+        _, loss = ref(*_h_batch(s))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        ref_losses.append(loss.item())
+    ref_state = ref.state_dict()
+    for r, (losses, state, mine) in enumerate(parlab.run(_hybrid_rank, 4, pp, cp, ep, m, free, echo=False)):
+        assert losses == pytest.approx(ref_losses, rel=TOL), f"rank {r}"
+        assert state and (not pp > 1 or len(state) < len(ref_state))          # a stage holds its part only
+        for k, v in state.items():
+            want = ref_state[k][mine[0]:mine[-1] + 1] if is_expert_param(k) else ref_state[k]
+            torch.testing.assert_close(v, want, rtol=TOL, atol=TOL, msg=f"rank {r} parameter {k}")
+
+
+def test_hybrid_refuses_what_expert_parallel_does_not_compose_with_yet():
+    from parlab.parallel.hybrid import check_layout, make_schedule
+    from parlab.parallel.topology import ParallelGrid
+    with pytest.raises(ValueError, match="give the model GPTConfig.experts=E. with E a multiple of 2"):
+        check_layout(GPTConfig(), ParallelGrid(4, ep=2), make_schedule("1f1b", 1, 1))
+    with pytest.raises(ValueError, match="composes here with dp, cp and pp only .* got tp=2"):
+        check_layout(GPTConfig(experts=4), ParallelGrid(4, tp=2, ep=2), make_schedule("1f1b", 1, 1))
+    with pytest.raises(ValueError, match="zero_stage=1"):
+        check_layout(GPTConfig(experts=4), ParallelGrid(4, ep=2), make_schedule("1f1b", 1, 1), zero_stage=1)

@@ -125,13 +125,14 @@ class ProcessGroups:
 
 def build_groups(
     grid: ParallelGrid,
-    dims: Iterable[str] = DEFAULT_DIMS,
+    dims: Iterable[str] | None = None,
     rank: int | None = None,
     backend: str | None = None,
 ) -> ProcessGroups:
     """Create the process groups for ``dims`` on every rank; return this rank's.
 
-    ``dims`` may name the expert layers' groups too ("ep", "edp", "etp", "etp-ep": `ParallelGrid.expert`).
+    ``dims`` (default `DEFAULT_DIMS`, and "ep", "edp" when the grid has ep > 1) may name the expert layers'
+    groups too ("ep", "edp", "etp", "etp-ep": `ParallelGrid.expert`).
     Must be called by *all* ranks with the same ``grid`` and ``dims`` after
     ``dist.init_process_group``. ``backend`` is passed to ``new_group``
     (None: the default group's backend).
@@ -147,6 +148,8 @@ def build_groups(
     rank = me if rank is None else rank
     if rank != me:
         raise ValueError(f"rank={rank} but dist.get_rank() is {me}; a rank can only build its own groups")
+    if dims is None:
+        dims = DEFAULT_DIMS + (("ep", "edp") if grid.ep > 1 else ())
     if isinstance(dims, str):
         dims = (dims,)
 

@@ -1,4 +1,5 @@
-"""Hybrid (4D) parallelism: every strategy of the course composed on the tiny GPT for one `ParallelGrid`.
+"""Hybrid (4D, and 5D with experts) parallelism: every strategy of the course composed on the tiny GPT for one
+`ParallelGrid`.
 
 A real large-model run uses all the techniques at once, each along its own dimension of the rank grid
 (`parlab.parallel.topology`): with ``world = tp * cp * dp * pp`` ranks, a rank at coordinates (t, c, d, p)
@@ -24,6 +25,11 @@ group it needs (groups are passed explicitly, from `parlab.parallel.groups.build
     3. CP     attention of every kept layer over `groups.cp`; position embeddings at global positions
     4. DP     gradient average over `groups.dp_cp` (one flat all-reduce), or ZeRO-1/2 over the same group
               (`parlab.parallel.zero.optimizer.ShardedOptimizer`: reduce-scatter, shard step, all-gather)
+    5. EP     a model with MoE layers (``GPTConfig(experts=E)``) on a grid with ep > 1: each kept MoE layer's
+              experts spread over `groups.ep` (`parlab.parallel.expert`), their gradients averaged over
+              `groups.edp` and divided by ep instead of the dp-cp average; the auxiliary losses' gradient scaled
+              by 1/m (m micro-batches' gradients are summed). First increment: tp = etp = 1, ZeRO stage 0; each
+              rank routes each micro-batch's tokens, so the one-process model that matches routes dp x m groups
 
 In the code step 2 cuts the dense model before step 1 shards what is left: `PipelineParallel` deep-copies
 its model, and a communicator cannot be copied. Sharding the layers of a stage is the same as cutting a
@@ -53,8 +59,9 @@ from collections import defaultdict
 import torch
 
 from parlab import comm
-from parlab.models import GPT
+from parlab.models import GPT, moe_layers
 from parlab.parallel.context import check_seq_len, ring_attention, shard_positions, shard_sequence, ulysses_attention
+from parlab.parallel.expert import average_expert_gradients, expert_parallel, is_expert_param
 from parlab.parallel.groups import ProcessGroups
 from parlab.parallel.pipeline import (SCHEDULES, PipelineParallel, Schedule, add_back_grads, average_grads,
                                       set_aside_grads)
@@ -112,6 +119,13 @@ def check_layout(config, grid: ParallelGrid, schedule: Schedule, *, batch_size: 
                          f"only). For ZeRO-3 use parlab.parallel.zero.fsdp.FullyShardedDataParallel on its own (pure DP)")
     if config.dropout:
         raise ValueError("the hybrid model needs dropout=0 (ranks would draw different masks)")
+    if grid.ep > 1:
+        if not config.experts or config.experts % grid.ep:
+            raise ValueError(f"ep={grid.ep} spreads the experts of the MoE layers over ep ranks: give the model "
+                             f"GPTConfig(experts=E) with E a multiple of {grid.ep} (it has experts={config.experts})")
+        if grid.tp > 1 or grid.etp > 1 or zero_stage:
+            raise ValueError(f"expert parallelism composes here with dp, cp and pp only (tp=1, etp=1, ZeRO stage 0); "
+                             f"got tp={grid.tp}, etp={grid.etp}, zero_stage={zero_stage}")
     if batch_size is not None and batch_size % (dp * schedule.microbatches):
         raise ValueError(f"global batch {batch_size} must split into dp={dp} replicas x "
                          f"{schedule.microbatches} micro-batches; use a multiple of {dp * schedule.microbatches}")
@@ -162,8 +176,12 @@ class HybridGPT:
         loss = self.pipeline.step(x, y)                       # schedule: F/B over micro-batches, PP p2p
         if self.sequence_parallel:                            # partial grads of params used on S/tp tokens
             sync_sequence_parallel_grads(self.module, g.tp)
+        ep = self.grid.ep > 1                                 # experts: their own average (step 5)
+        dense = [p for n, p in self.module.named_parameters() if not (ep and is_expert_param(n))]
         if self.zero_stage == 0 and g.size("dp-cp") > 1:     # plain DP: one flat all-reduce
-            average_grads(self.module.parameters(), g.dp_cp)
+            average_grads(dense, g.dp_cp)
+        if ep:
+            average_expert_gradients(self.module, g.ep, g.edp if g.size("edp") > 1 else None)
         add_back_grads(earlier)
         return self._global_loss(loss)
 
@@ -246,6 +264,11 @@ def build_hybrid(model: GPT, groups: ProcessGroups, *, schedule: str | Schedule 
                                                               layout=cp_layout)
         if stage.wpe is not None:                             # prepend: before the SP split of positions
             stage.wpe.register_forward_pre_hook(_global_positions(grid.cp, cp_rank, cp_layout), prepend=True)
+    # 5. EP: the MoE layers' experts over the ep group; every micro-batch's aux-loss gradient weighs 1/m.
+    if grid.ep > 1:
+        expert_parallel(stage, groups.ep)
+    for moe in moe_layers(stage):
+        moe.aux_grad_scale = 1.0 / sch.microbatches
     if device is not None:                                    # only the stage's TP shards reach the device
         pipe.to(device)
     # 4. DP / ZeRO: the optimizer over this rank's (sharded) parameters.

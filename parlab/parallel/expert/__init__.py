@@ -15,9 +15,10 @@ Read in this order:
 Lesson 09 and exercise 10.
 """
 from parlab.parallel.expert.comm import DispatchPlan, all_to_all_rows, combine, dispatch, exchange_counts
-from parlab.parallel.expert.grads import average_gradients, clip_grad_norm, grad_norm, is_expert_param
+from parlab.parallel.expert.grads import (average_expert_gradients, average_gradients, clip_grad_norm, grad_norm,
+                                         is_expert_param)
 from parlab.parallel.expert.layers import ExpertParallelMoE, expert_parallel, local_experts, routed_as_ranks
 
 __all__ = ["exchange_counts", "all_to_all_rows", "dispatch", "combine", "DispatchPlan", "ExpertParallelMoE",
-           "expert_parallel", "local_experts", "routed_as_ranks", "average_gradients", "grad_norm",
+           "expert_parallel", "local_experts", "routed_as_ranks", "average_gradients", "average_expert_gradients", "grad_norm",
            "clip_grad_norm", "is_expert_param"]

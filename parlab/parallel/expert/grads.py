@@ -23,7 +23,7 @@ import torch.nn as nn
 
 from parlab import comm
 
-__all__ = ["is_expert_param", "average_gradients", "grad_norm", "clip_grad_norm"]
+__all__ = ["is_expert_param", "average_gradients", "average_expert_gradients", "grad_norm", "clip_grad_norm"]
 
 
 def is_expert_param(name: str) -> bool:
@@ -37,20 +37,30 @@ def average_gradients(model: nn.Module, group=None, ep_group=None, edp_group=Non
     spread over `ep_group` (default: the same ranks) and replicated over `edp_group` (None: no replicas):
     dense over `group`, experts over `edp_group` and / ep (module docstring). A missing gradient counts as zero
     (a rank can receive no tokens for an expert)."""
-    ep = comm.get_world_size(ep_group)
-    dense, experts = [], []
+    dense = []
     for name, p in model.named_parameters():
-        if p.requires_grad:
+        if p.requires_grad and not is_expert_param(name):
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-            (experts if is_expert_param(name) else dense).append(p.grad)
+            dense.append(p.grad)
     if comm.get_world_size(group) > 1:
         for g in dense:
             comm.all_reduce(g, op=comm.ReduceOp.AVG, group=group, label=f"{label} dense")
-    for g in experts:
+    average_expert_gradients(model, ep_group, edp_group, label)
+
+
+def average_expert_gradients(model: nn.Module, ep_group=None, edp_group=None, label: str = "ep grads") -> None:
+    """The experts' part of `average_gradients`: each expert gradient averaged over `edp_group` (None: no
+    replicas) and divided by the size of `ep_group`; a missing gradient counts as zero."""
+    ep = comm.get_world_size(ep_group)
+    for name, p in model.named_parameters():
+        if not (p.requires_grad and is_expert_param(name)):
+            continue
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
         if edp_group is not None and comm.get_world_size(edp_group) > 1:
-            comm.all_reduce(g, op=comm.ReduceOp.AVG, group=edp_group, label=f"{label} experts")
-        g.div_(ep)
+            comm.all_reduce(p.grad, op=comm.ReduceOp.AVG, group=edp_group, label=f"{label} experts")
+        p.grad.div_(ep)
 
 
 def grad_norm(model: nn.Module, ep_group=None) -> torch.Tensor:

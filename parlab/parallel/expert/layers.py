@@ -55,6 +55,7 @@ class ExpertParallelMoE(MoE):
                          local_experts=len(mine))
         self.group = group
         self.expert_ids = mine
+        self.aux_grad_scale = moe.aux_grad_scale                                      # (groups: 1, its own tokens)
         ref = moe.router.weight
         self.to(device=ref.device, dtype=ref.dtype)
         with torch.no_grad():
