@@ -272,3 +272,14 @@ def test_plan_refuses_a_broken_hardware_description(capsys, tmp_path):
                         '"sms": 0}')
     assert main(["--model", "llama-7b", "--hardware", str(zero_sms)]) == 2
     assert "sms must be a positive integer" in capsys.readouterr().out
+
+
+def test_every_plan_option_says_what_it_is(capsys):
+    """`parlab plan --help`: each option is followed by its description (on its line or the next)."""
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    lines = capsys.readouterr().out.split("options:")[1].splitlines()
+    bare = [line.strip() for k, line in enumerate(lines)
+            if line.startswith("  -") and "  " not in line.strip()                      # the option alone ...
+            and not (k + 1 < len(lines) and lines[k + 1].startswith(" " * 10))]        # ... with nothing below
+    assert bare == [], f"options without help: {bare}"

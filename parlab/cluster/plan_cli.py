@@ -19,13 +19,17 @@ MAX_GPUS = 16384   # `parlab plan` answers in seconds up to here (1024 nodes x 8
 def main(argv=None) -> int:
     """``parlab plan``: print the ranked layouts of a model on a cluster."""
     p = argparse.ArgumentParser(prog="parlab plan", description=_("rank training layouts by estimated step time"))
-    p.add_argument("--model", default="gpt3-175b", choices=[*PRESETS, "custom"])
+    p.add_argument("--model", default="gpt3-175b", choices=[*PRESETS, "custom"],
+                   help=_("a published model, or custom with --layers --hidden --heads --vocab --seq (default "
+                          "gpt3-175b)"))
     for k in ("layers", "hidden", "heads", "vocab", "seq"):
         p.add_argument(f"--{k}", type=int, help=_("custom model {name} (overrides the preset)").format(name=k))
     c = Cluster()
-    p.add_argument("--nodes", type=int, default=1)
-    p.add_argument("--gpus-per-node", type=int, default=c.gpus_per_node)
-    p.add_argument("--gpu-mem-gb", type=float, default=c.gpu_mem_gb)
+    p.add_argument("--nodes", type=int, default=1, help=_("nodes of the cluster (default 1)"))
+    p.add_argument("--gpus-per-node", type=int, default=c.gpus_per_node,
+                   help=_("GPUs per node (default {default})").format(default=c.gpus_per_node))
+    p.add_argument("--gpu-mem-gb", type=float, default=c.gpu_mem_gb,
+                   help=_("GB of memory per GPU a layout may use (default {default:g})").format(default=c.gpu_mem_gb))
     p.add_argument("--intra-gbps", type=float, default=c.intra_gbps, help=_("GB/s per GPU inside a node"))
     p.add_argument("--inter-gbps", type=float, default=c.inter_gbps, help=_("GB/s per GPU between nodes"))
     p.add_argument("--tflops", type=float, default=c.peak_tflops, help=_("peak dense 16-bit TFLOP/s per GPU"))
@@ -43,7 +47,7 @@ def main(argv=None) -> int:
     p.add_argument("--no-sp", action="store_true", help=_("tensor parallelism without sequence parallelism"))
     p.add_argument("--virtual", nargs="+", type=int, default=[1], metavar="V",
                    help=_("interleaving chunks per pipeline rank to try, e.g. 1 2 4 (default 1: plain 1F1B)"))
-    p.add_argument("--top", type=int, default=10)
+    p.add_argument("--top", type=int, default=10, help=_("layouts to list, fastest first (default 10)"))
     a = p.parse_args(argv)
     for k in ("layers", "hidden", "heads", "vocab", "seq", "global_batch", "top", "nodes", "gpus_per_node"):
         if getattr(a, k) is not None and getattr(a, k) < 1:
