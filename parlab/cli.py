@@ -106,10 +106,11 @@ def _course_scorecard(args) -> int:
                                               "--junitxml {path} on exercise notebooks (their graded cells call "
                                               "grading.check_*)").format(path=args.junit_xml), file=sys.stderr)
         return 2
+    import textwrap
     for r in rows:
-        first = r["message"].splitlines()[0][:100] if r["message"] else ""
+        first = r["message"].splitlines()[0] if r["message"] else ""             # the reason, whole, wrapped
         print(f"{'PASS' if r['passed'] else 'FAIL'}  {r['file']}  cell {r['cell']:>2}  {r['check']}"
-              + (f"\n      {first}" if first else ""))
+              + ("\n" + textwrap.fill(first, 110, initial_indent=" " * 6, subsequent_indent=" " * 6) if first else ""))
     passed = sum(r["passed"] for r in rows)
     print(_("{passed}/{total} checks passed").format(passed=passed, total=len(rows)))
     return 0 if passed == len(rows) else 1

@@ -189,6 +189,20 @@ def test_scorecard_reads_a_junit_file(tmp_path):
     assert rows[0]["check"].startswith("Graded:")
 
 
+
+def test_scorecard_command_shows_each_reason_whole(tmp_path, capsys):
+    """The command prints a failure's first line wrapped, not cut at 100 characters (mid-word, before the hint)."""
+    reason = "rank 1, chunk 0 holds the sum of ranks [1, 2] only; " * 4 + "send before you receive"
+    xml = tmp_path / "r.xml"
+    xml.write_text('<testsuites><testsuite><testcase classname="exercises.00_ring_allreduce.ipynb" name="Cell 2">'
+                   f'<failure message="x">Traceback...\nAssertionError: {reason}</failure></testcase>'
+                   "</testsuite></testsuites>")
+    assert cli.main(["course", "scorecard", str(xml)]) == 1
+    shown = capsys.readouterr().out
+    reason_lines = [line for line in shown.splitlines() if line.startswith(" " * 6)]
+    assert " ".join(shown.split()).count(reason) == 1 and max(map(len, reason_lines)) <= 110
+
+
 # ---------------------------------------------------------------------- the formulas lesson 00 quotes
 def test_lesson_00_figures():
     assert formulas.weights_memory(175e9) == 350e9
