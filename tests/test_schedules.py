@@ -80,7 +80,8 @@ def test_out_of_range_action():
 
 
 def test_backward_before_its_own_forward_deadlocks():
-    with pytest.raises(ScheduleError, match="deadlock: rank 0 waits at 0B0 for 0F0"):
+    with pytest.raises(ScheduleError, match="deadlock: rank 0 waits at 0B0 for 0F0, which rank 0 itself runs only "
+                                            "later in its list"):
         validate(Schedule.from_text("0B0 0F0\n1F0 1B0"))
 
 
@@ -89,8 +90,8 @@ def test_cross_rank_cycle_is_reported_with_both_ranks():
     s = Schedule.from_text("0F0 0B0 0F1 0B1\n1F1 1B1 1F0 1B0")
     with pytest.raises(ScheduleError) as err:
         validate(s)
-    assert "rank 0 waits at 0B0 for 1B0/1I0 (rank 1)" in str(err.value)
-    assert "rank 1 waits at 1F1 for 0F1 (rank 0)" in str(err.value)
+    assert "rank 0 waits at 0B0 for 1B0/1I0 (on rank 1)" in str(err.value)
+    assert "rank 1 waits at 1F1 for 0F1 (on rank 0)" in str(err.value)
 
 
 def test_impossible_configurations_raise_value_errors():

@@ -17,6 +17,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
+from parlab.i18n import _
 from parlab.parallel.pipeline.schedules import KINDS, Action, Schedule, ScheduleError
 
 __all__ = ["Simulation", "validate", "simulate", "unit_cost", "UNIT_COSTS", "message_order", "message_sequence"]
@@ -163,7 +164,7 @@ def simulate(schedule: Schedule, costs: Costs = None, comm: float = 0.0) -> Simu
                     continue
                 break
         if not progress:
-            raise ScheduleError("deadlock: " + "; ".join(_waiting(schedule, pos, finish)))
+            raise ScheduleError(_("deadlock: {waits}").format(waits="; ".join(_waiting(schedule, pos, finish))))
     return Simulation(schedule, spans, max(free), [sum(e - s for s, e, _ in sp) for sp in spans],
                       *_peaks(schedule, spans))
 
@@ -207,7 +208,9 @@ def _waiting(s: Schedule, pos: list[int], finish) -> list[str]:
             a = acts[pos[r]]
             missing = [("/".join(f"{st}{k}{mb}" for k in kinds), s.placement[st])
                        for st, kinds, mb in _needs(a, s.stages) if not any((st, k, mb) in finish for k in kinds)]
-            out.append(f"rank {r} waits at {a} for " + ", ".join(f"{m} (rank {q})" for m, q in missing))
+            needs = [_("{action}, which rank {rank} itself runs only later in its list").format(action=m, rank=q)
+                     if q == r else _("{action} (on rank {rank})").format(action=m, rank=q) for m, q in missing]
+            out.append(_("rank {rank} waits at {action} for {needs}").format(rank=r, action=a, needs=", ".join(needs)))
     return out
 
 
