@@ -356,7 +356,7 @@ def test_ring_checks_reject_wrong_answers(name, check, wrong, says):
 
 
 def test_a_deadlocked_ring_fails_within_the_timeout():
-    with pytest.raises(AssertionError, match="deadlock"):
+    with pytest.raises(AssertionError, match="deadlock(.|\n)*start the send with req = comm.isend"):
         grading.check_ring_all_reduce(all_reduce_blocking, world_sizes=(2,), timeout=3)
 
 
@@ -449,3 +449,17 @@ def test_locked_cells_are_locked_in_jupyterlab_as_nbgrader_leaves_them():
         for cell in course.read(path).cells:
             assert "editable" not in cell.metadata and "deletable" not in cell.metadata, (path.name, cell.metadata)
             assert "checksum" not in cell.metadata["nbgrader"], path.name
+
+
+def _all_reduce_on_rank_0_only(chunks):
+    from parlab import comm
+    if comm.get_rank() == 0:
+        comm.all_reduce(chunks[0])
+
+
+def test_a_collective_on_one_rank_gets_the_collective_hint_not_the_send_recv_one():
+    """Rank 0 all-reduces alone: the deadlock message says the other ranks returned without calling it."""
+    with pytest.raises(AssertionError) as err:
+        grading.check_ring_reduce_scatter(_all_reduce_on_rank_0_only, world_sizes=(2,))
+    msg = str(err.value)
+    assert "Ranks [1] returned without calling it" in msg and "comm.isend" not in msg, msg

@@ -200,12 +200,32 @@ def hint() -> str:
              "the send with req = comm.isend(...), then comm.recv(...), then req.wait().")
 
 
+P2P = {"send", "recv", "isend", "irecv", "wait", "batch_isend_irecv"}    # what the send-before-recv hint is about
+
+
+def _hint_for(found: dict, world_size: int) -> str:
+    """The hint that fits what the ranks wait in: a collective some ranks never reached, collectives in different
+    orders, or point-to-point calls that wait for each other (`hint`)."""
+    ops = {r: site.split(",")[0].rsplit(".", 1)[-1] for r, site in found["ranks"].items()}
+    if all(op in P2P for op in ops.values()):
+        return hint()
+    returned = sorted(set(range(world_size)) - {int(r) for r in ops})
+    if returned:
+        return _("Ranks {returned} returned without calling it: a collective is called by every rank of its group, "
+                 "the same number of times, in the same order (on one rank alone it waits forever).").format(
+            returned=returned)
+    return _("The ranks wait in different calls ({ops}): every rank of a group must make the same collectives in "
+             "the same order, and a send must have its recv.").format(
+        ops=", ".join(f"rank {r}: {op}" for r, op in ops.items()))
+
+
 def explain(found: dict, what: str, world_size: int) -> str:
     """The check's message for the deadlock `found` (a `verdict`) of `what` on `world_size` ranks."""
     where = "\n".join(_("  rank {rank} waits in {site}").format(rank=r, site=site) for r, site in found["ranks"].items())
     return _("{what} deadlocked on {world} ranks: every rank still running has waited in communication for "
              "{window:g} s with no progress:\n{where}\n{hint}").format(what=what, world=world_size,
-                                                                        window=found["window"], where=where, hint=hint())
+                                                                        window=found["window"], where=where,
+                                                                        hint=_hint_for(found, world_size))
 
 
 def verdict(folder: str) -> dict | None:
