@@ -463,3 +463,17 @@ def test_a_collective_on_one_rank_gets_the_collective_hint_not_the_send_recv_one
         grading.check_ring_reduce_scatter(_all_reduce_on_rank_0_only, world_sizes=(2,))
     msg = str(err.value)
     assert "Ranks [1] returned without calling it" in msg and "comm.isend" not in msg, msg
+
+
+def test_not_written_yet_names_the_function_when_another_cell_calls_it():
+    """A blank answer called from a later cell: the line says which function is unwritten, not 'line 4 of this
+    cell' about a cell the student is not looking at; raised in the cell itself, it gives the line."""
+    from parlab.course.grading.guard import not_written_where
+    env = {}
+    exec(compile("def one_f_one_b_rank(p, m, r):\n    '''doc'''\n    # YOUR CODE HERE\n    raise NotImplementedError()\n",
+                 "<cell-3>", "exec"), env)
+    for source, says in (("one_f_one_b_rank(4, 6, 0)\n", " in one_f_one_b_rank (line 4 of the cell that defines it)"),
+                         ("x = 1\nraise NotImplementedError()\n", " (line 2 of this cell)")):
+        with pytest.raises(NotImplementedError) as err:
+            exec(compile(source, "<cell-5>", "exec"), env)
+        assert not_written_where(err.value.__traceback__) == says

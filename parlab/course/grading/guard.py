@@ -81,6 +81,20 @@ def not_written(what: str) -> str:
         what=what)
 
 
+def not_written_where(tb) -> str:
+    """Where the `raise NotImplementedError` is, for the 'not written yet' line: in the cell that ran, or, when a
+    function defined in a cell raised it (an answer cell called from a later one), that function's name."""
+    cells = [(frame, line) for frame, line in traceback.walk_tb(tb)
+             if frame.f_code.co_filename.startswith(("<", "/tmp"))]                # notebook cells (ipykernel)
+    if not cells:
+        return ""
+    frame, line = cells[-1]
+    if frame.f_code.co_name == "<module>" and frame.f_code.co_filename == cells[0][0].f_code.co_filename:
+        return _(" (line {line} of this cell)").format(line=line)
+    return _(" in {function} (line {line} of the cell that defines it)").format(function=frame.f_code.co_name,
+                                                                               line=line)
+
+
 def install_ipython_hooks() -> None:
     """In IPython, show a `raise NotImplementedError` left in a cell as one line saying 'not written yet'."""
     ip = sys.modules.get("IPython") and getattr(sys.modules["IPython"], "get_ipython", lambda: None)()
@@ -88,13 +102,9 @@ def install_ipython_hooks() -> None:
         return
 
     def handler(shell, etype, value, tb, tb_offset=None):
-        where = ""
-        for frame, line in traceback.walk_tb(tb):
-            where = (_(" (line {line} of this cell)").format(line=line)
-                     if frame.f_code.co_filename.startswith(("<", "/tmp")) else where)
         stb = ["\x1b[0;31mNotImplementedError\x1b[0m: " + _("not written yet{where}: replace "
                                                               "`raise NotImplementedError` with your code.").format(
-            where=where)]
+            where=not_written_where(tb))]
         shell._showtraceback(etype, value, stb)
         return stb
 
