@@ -38,6 +38,7 @@ import copy
 import functools
 import json
 import os
+import re
 import signal
 import sys
 import threading
@@ -81,11 +82,16 @@ def not_written(what: str) -> str:
         what=what)
 
 
+def _is_cell(filename: str) -> bool:
+    """A notebook cell's code: ipykernel compiles each cell as <tmp>/ipykernel_<pid>/<hash>.py (plain IPython and
+    exec'd code: '<...>')."""
+    return filename.startswith("<") or re.search(r"ipykernel_\d+[/\\]\d+\.py$", filename) is not None
+
+
 def not_written_where(tb) -> str:
     """Where the `raise NotImplementedError` is, for the 'not written yet' line: in the cell that ran, or, when a
     function defined in a cell raised it (an answer cell called from a later one), that function's name."""
-    cells = [(frame, line) for frame, line in traceback.walk_tb(tb)
-             if frame.f_code.co_filename.startswith(("<", "/tmp"))]                # notebook cells (ipykernel)
+    cells = [(frame, line) for frame, line in traceback.walk_tb(tb) if _is_cell(frame.f_code.co_filename)]
     if not cells:
         return ""
     frame, line = cells[-1]
