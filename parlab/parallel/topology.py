@@ -104,19 +104,20 @@ def parse_dims(dims: str | Iterable[str], known: tuple[str, ...] = DIMS) -> tupl
 
     The names keep the caller's order; unknown or repeated names raise.
     """
-    DIMS = known  # noqa: N806 (the messages below name the caller's dimensions)
     if isinstance(dims, str):
         names = tuple(dims.split("-")) if dims else ()
     else:
         names = tuple(dims)
     if not names or any(not isinstance(n, str) for n in names):
-        raise ValueError(f"dims must be names from {DIMS} joined by '-', e.g. 'tp' or 'tp-pp'; got {dims!r}")
-    unknown = [n for n in names if n not in DIMS]
+        raise ValueError(f"dims must be names from {known} joined by '-', e.g. '{known[0]}' or '{known[0]}-pp'; "
+                         f"got {dims!r}")
+    unknown = [n for n in names if n not in known]
     if unknown:
-        hint = "; the expert layers' groups are grid.expert.groups(...)" if set(unknown) & set(EXPERT_DIMS) else ""
+        expert = known == DIMS and set(unknown) & set(EXPERT_DIMS)
+        hint = "; the expert layers' groups are grid.expert.groups(...)" if expert else ""
         raise ValueError(
-            f"unknown dimension name(s) {unknown} in {dims!r}; valid names are {', '.join(DIMS)}, "
-            f"joined by '-' for a combination such as 'tp-pp'{hint}"
+            f"unknown dimension name(s) {unknown} in {dims!r}; valid names are {', '.join(known)}, "
+            f"joined by '-' for a combination such as '{known[0]}-pp'{hint}"
         )
     if len(set(names)) != len(names):
         raise ValueError(f"dimension repeated in {dims!r}; name each dimension at most once")
@@ -379,7 +380,8 @@ class ExpertGrid:
 
     def group_of(self, rank: int, dims: str | Iterable[str]) -> list[int]:
         """The group along ``dims`` that contains ``rank``."""
-        return next(g for g in self.groups(dims) if self.coords(rank) and rank in g)
+        self.coords(rank)                                                            # refuses a bad rank
+        return next(g for g in self.groups(dims) if rank in g)
 
     def __repr__(self) -> str:
         sizes = " ".join(f"{d}={s}" for d, s in self.sizes.items())
