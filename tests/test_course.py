@@ -6,6 +6,7 @@ where point-to-point was asked, a blocking ring that deadlocks. Each must fail i
 that names the problem.
 """
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -151,6 +152,39 @@ def test_sliced_wait_finds_a_message_whose_wake_up_was_lost():
     with pytest.raises(Empty):
         asyncio.run(get(timeout=0.2))
     assert 0.2 <= time.monotonic() - start < 30
+
+
+@pytest.fixture
+def first_kernel_loses_its_port(monkeypatch):
+    """The race of jupyter_client#154, made to happen: once the first kernel's connection file is written, another
+    socket takes its shell port (as a rank's gloo socket can on a busy machine), so that kernel dies on start."""
+    from jupyter_client.connect import ConnectionFileMixin
+    write, taken = ConnectionFileMixin.write_connection_file, []
+
+    def write_and_steal(self, **kw):
+        write(self, **kw)
+        if not taken:
+            s = socket.socket()
+            s.bind((self.ip, self.shell_port))
+            s.listen()
+            taken.append(s)
+    monkeypatch.setattr(ConnectionFileMixin, "write_connection_file", write_and_steal)
+    yield taken
+    for s in taken:
+        s.close()
+
+
+@pytest.mark.parametrize("blocking", [False, True], ids=["execute", "setup_kernel"])
+def test_a_kernel_that_dies_starting_is_started_again(first_kernel_loses_its_port, tmp_path, blocking):
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("x = 6 * 7\nprint(x)")])
+    if blocking:                                          # the grader's way: setup_kernel, then cell by cell
+        c = notebooks.client(nb, timeout=60, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}})
+        with c.setup_kernel():
+            c.execute_cell(nb.cells[0], 0)
+    else:
+        notebooks.execute(nb, tmp_path, timeout=60)
+    assert first_kernel_loses_its_port, "the first kernel's port was not taken: the race was not provoked"
+    assert nb.cells[0].outputs[0]["text"] == "42\n"
 
 
 def test_html_command_rejects_a_missing_notebook(tmp_path, capsys):

@@ -33,12 +33,15 @@ ZH_BLANKS = [p for p in EXERCISES if p.stem.startswith(("00_", "05_", "09_"))]
 
 def nbval(paths, junit: Path, cell_timeout: int = 300, cwd: Path = ROOT, lang: str = "en") -> subprocess.Popen:
     """Grade notebooks the way exercises/README.md tells lecturers to (started, not waited for); pytest's own
-    output goes to `junit` with the suffix .txt."""
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--nbval-lax", "--nbval-current-env",
+    output goes to `junit` with the suffix .txt. The one addition, tests/nbval_kernel_retry.py, starts a kernel
+    again when it dies before running anything (a port raced away by the rest of the suite)."""
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "nbval_kernel_retry",
+           "--nbval-lax", "--nbval-current-env",
            f"--nbval-cell-timeout={cell_timeout}", f"--junitxml={junit}", *map(str, paths)]
     with open(junit.with_suffix(".txt"), "w") as log:
-        return subprocess.Popen(cmd, cwd=cwd, stdout=log, stderr=subprocess.STDOUT, text=True,
-                                env={**os.environ, "PARLAB_LANG": lang})
+        env = {**os.environ, "PARLAB_LANG": lang,        # tests/nbval_kernel_retry.py, on the plugin path
+               "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")]))}
+        return subprocess.Popen(cmd, cwd=cwd, stdout=log, stderr=subprocess.STDOUT, text=True, env=env)
 
 
 @pytest.fixture(scope="module")

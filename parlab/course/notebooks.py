@@ -59,7 +59,7 @@ import nbformat
 
 __all__ = ["BEGIN", "END", "PLACEHOLDER", "strip_solution", "make_exercise", "strip_notebook", "stripped_problems",
            "graded_cells", "read", "dumps", "build", "strip", "course_notebooks", "scorecard", "ROOT",
-           "make_source", "nbgrader_metadata", "nbgrader_checksum", "is_graded", "execute", "export_html"]
+           "make_source", "nbgrader_metadata", "nbgrader_checksum", "is_graded", "execute", "client", "export_html"]
 
 BEGIN, END = "### BEGIN SOLUTION", "### END SOLUTION"
 PLACEHOLDER = "# YOUR CODE HERE\nraise NotImplementedError()"   # nbgrader's ClearSolutions.code_stub["python"]
@@ -287,21 +287,56 @@ def execute(nb: nbformat.NotebookNode, cwd: str | Path, timeout: float = 300.0,
     Waiting in slices of `poll` seconds makes every wake-up also look at the socket, so a stall lasts at
     most `poll` seconds. `lang`: the language parlab speaks in that kernel (``PARLAB_LANG``; default: ours)."""
     import os
-    from nbclient import NotebookClient
-
-    class _Client(NotebookClient):
-        async def async_start_new_kernel_client(self):
-            kc = await super().async_start_new_kernel_client()
-            for channel in (kc.shell_channel, kc.iopub_channel):
-                channel.get_msg = _sliced(channel.get_msg, poll)
-            return kc
 
     # the kernel's own stderr only carries jupyter_client's shutdown noise ("KeyboardInterrupt caught in
     # kernel", sent on purpose before shutdown); errors in cells come back in the notebook and raise here
     env = {**os.environ, **({"PARLAB_LANG": lang} if lang else {})}
-    _Client(nb, timeout=timeout, kernel_name="python3", resources={"metadata": {"path": str(cwd)}}).execute(
+    client(nb, poll, timeout=timeout, kernel_name="python3", resources={"metadata": {"path": str(cwd)}}).execute(
         stderr=subprocess.DEVNULL, env=env)
     return nb
+
+
+KERNEL_STARTS = 3
+
+
+def client(nb: nbformat.NotebookNode, poll: float = 0.5, **kwargs):
+    """nbclient's NotebookClient for `nb` (`kwargs` are its options), with two repairs the course needs:
+
+    - waits on the kernel in slices of `poll` seconds (`_sliced`; jupyter/nbclient#312);
+    - a kernel that dies while starting is started again, up to `KERNEL_STARTS` times. The client picks the
+      kernel's ports (binds port 0, then lets go) and the kernel binds them a moment later; on a busy machine
+      another process (a rank's gloo socket, another kernel) can take one in between, and the kernel exits
+      with "Address already in use" before it answers kernel_info (jupyter/jupyter_client#154). Nothing of the
+      notebook has run then, so starting again on fresh ports changes nothing it computes; for the grader it
+      means a student is not scored "crashed" for the machine's race (tests/test_course.py provokes it)."""
+    from jupyter_core.utils import run_sync
+    from nbclient import NotebookClient
+
+    class _Client(NotebookClient):
+        async def async_start_new_kernel(self, **kw):
+            self._start_kwargs = kw                        # kept for a second start
+            await super().async_start_new_kernel(**kw)
+
+        async def async_start_new_kernel_client(self):
+            for attempt in range(1, KERNEL_STARTS + 1):
+                try:
+                    kc = await super().async_start_new_kernel_client()
+                    break
+                except RuntimeError:                       # "Kernel died before replying to kernel_info"
+                    if attempt == KERNEL_STARTS:
+                        raise
+                    # nbclient has shut the dead kernel down and dropped its manager: a new one, new ports
+                    self.km = self.create_kernel_manager()
+                    await self.async_start_new_kernel(**self._start_kwargs)
+            for channel in (kc.shell_channel, kc.iopub_channel):
+                channel.get_msg = _sliced(channel.get_msg, poll)
+            return kc
+
+        # nbclient's blocking forms wrap the base class's coroutines: wrap ours (the grader calls these)
+        start_new_kernel = run_sync(async_start_new_kernel)
+        start_new_kernel_client = run_sync(async_start_new_kernel_client)
+
+    return _Client(nb, **kwargs)
 
 
 def _sliced(get_msg, poll: float):

@@ -62,24 +62,17 @@ def _out_of_memory(text: str) -> bool:
 
 def grade_notebook(nb: nbformat.NotebookNode, workdir: Path, cell_timeout: float, cpu_limit: float) -> dict:
     """Execute `nb` (restored) in a kernel started in `workdir`; return the record of every graded cell."""
-    from nbclient import NotebookClient
     from nbclient.exceptions import DeadKernelError
 
-    from parlab.course.notebooks import _sliced
-
-    class _Client(NotebookClient):
-        async def async_start_new_kernel_client(self):
-            kc = await super().async_start_new_kernel_client()
-            for channel in (kc.shell_channel, kc.iopub_channel):
-                channel.get_msg = _sliced(channel.get_msg, 0.5)
-            return kc
+    from parlab.course.notebooks import client as notebook_client
 
     results = workdir / "checks.jsonl"
     results.write_text("")
     timed_out = _("this cell ran longer than {seconds:g} s and was interrupted").format(seconds=cell_timeout)
-    client = _Client(nb, timeout=cell_timeout, kernel_name="python3", allow_errors=True, interrupt_on_timeout=True,
-                     error_on_timeout={"ename": "CellTimeout", "evalue": timed_out, "traceback": []},
-                     resources={"metadata": {"path": str(workdir)}})
+    client = notebook_client(nb, 0.5, timeout=cell_timeout, kernel_name="python3", allow_errors=True,
+                             interrupt_on_timeout=True,
+                             error_on_timeout={"ename": "CellTimeout", "evalue": timed_out, "traceback": []},
+                             resources={"metadata": {"path": str(workdir)}})
     cells: list[dict] = []
     status, tampered, crash = "ok", set(), ""
     offset = 0
