@@ -30,6 +30,7 @@ def _cases(p):
     out += [sch.interleaved_1f1b(p, m, 2) for m in sorted({4, 2 * p})]
     if p == 2:
         out += [sch.interleaved_1f1b(p, 2, 3)]
+    out += [sch.dualpipe_v(p, {2: 6, 4: 8}[p])]     # a V: stage p - 1 hands to stage p on its own rank
     cases = [(s, CFG) for s in out]
     untied = GPTConfig(**{**CFG.__dict__, "tie_embeddings": False, "n_layer": 5})   # uneven split, no tie
     cases += [(sch.one_f_one_b(p, 4), untied)] + ([(sch.zero_bubble_h1(p, 4), untied)] if p == 2 else [])
@@ -83,7 +84,8 @@ def _check(results, cfg, x, y, label, check_loss=True):
 @pytest.mark.parametrize("p", [1, 2, 4])
 def test_every_schedule_matches_the_unsplit_model(p):
     cases = _cases(p) if p > 1 else [(s, CFG) for s in (sch.one_f_one_b(1, 4), sch.zero_bubble_h1(1, 3),
-                                                        sch.interleaved_1f1b(1, 4, 2))]   # local hand-offs
+                                                        sch.interleaved_1f1b(1, 4, 2), sch.dualpipe_v(1, 2))]
+    # (p = 1: every hand-off is local)
     res = parlab.run(_run_cases, p, cases)
     x, y = _batch()
     for k, (s, cfg) in enumerate(cases):
@@ -207,5 +209,5 @@ def test_every_rank_pair_posts_its_messages_in_one_mirrored_order(p):
     # must therefore post, for every pair of ranks, the same sequence of messages on both sides: a send on
     # one side where the other has the receive. Checked from the trace, which records calls in post order.
     schedules = [sch.gpipe(p, 4), sch.one_f_one_b(p, 4), sch.one_f_one_b(p, {2: 6, 4: 8}[p]),
-                 sch.interleaved_1f1b(p, 4, 2), sch.zero_bubble_h1(p, 4)]
+                 sch.interleaved_1f1b(p, 4, 2), sch.zero_bubble_h1(p, 4), sch.dualpipe_v(p, 2 * p)]
     assert_mirrored_p2p(parlab.run(_traced_steps, p, schedules, trace=True).trace)

@@ -5,17 +5,19 @@ import pathlib
 import pytest
 
 import parlab.parallel.pipeline.simulation as sch_module
-from parlab.parallel.pipeline import (Action, Schedule, ScheduleError, bubble_formula, gpipe, interleaved_1f1b, naive,
-                              one_f_one_b, simulate, validate, zero_bubble_h1)
+from parlab.parallel.pipeline import (Action, Schedule, ScheduleError, bubble_formula, dualpipe_v, gpipe,
+                                     interleaved_1f1b, naive, one_f_one_b, simulate, validate, zero_bubble_h1)
 
 GENERATORS = {"naive": naive, "gpipe": gpipe, "1f1b": one_f_one_b, "zb-h1": zero_bubble_h1,
               "interleaved": lambda p, m: interleaved_1f1b(p, m, 2),
-              "interleaved-memory": lambda p, m: interleaved_1f1b(p, m, 2, memory_optimised=True)}
+              "interleaved-memory": lambda p, m: interleaved_1f1b(p, m, 2, memory_optimised=True),
+              "dualpipe-v": dualpipe_v}
 SIZES = [(p, m) for p in (1, 2, 3, 4, 8) for m in (1, 2, 3, 4, 8, 16)]
 EPS = 1e-12   # the simulation adds unit costs: exact up to float rounding
 
 
-CASES = [(n, p, m) for n in GENERATORS for p, m in SIZES if not (n.startswith("interleaved") and m % p)]
+CASES = [(n, p, m) for n in GENERATORS for p, m in SIZES
+         if not (n.startswith("interleaved") and m % p) and not (n == "dualpipe-v" and m < 2 * p)]
 
 
 # ---------------------------------------------------------------------- the data
@@ -60,7 +62,10 @@ def test_every_generated_schedule_is_valid(name, p, m):
     s = GENERATORS[name](p, m)
     assert validate(s) is s
     per_stage = sum(len(a) for a in s.actions) / (s.stages * m)
-    assert per_stage == (3 if name == "zb-h1" else 2)     # F + B, or F + I + W, for every (stage, micro-batch)
+    if name == "dualpipe-v":                              # some backwards whole, some split (validate checks each)
+        assert 2 < per_stage < 3
+    else:
+        assert per_stage == (3 if name == "zb-h1" else 2)     # F + B, or F + I + W, for every (stage, micro-batch)
 
 
 @pytest.mark.parametrize("text,message", [
@@ -123,6 +128,61 @@ def test_interleaving_divides_the_bubble_time_by_v(p, m, v):
     assert abs(inter.bubble_fraction - bubble_formula("interleaved", p, m, v)) < EPS
     work = 3 * m          # per rank, F + B = 3 units per micro-batch whatever v (chunks cost 1/v each)
     assert abs((inter.makespan - work) * v - (base.makespan - work)) < EPS
+
+
+def _torch_dualpipe_v(p: int, m: int) -> str:
+    """torch.distributed.pipelining.ScheduleDualPipeV's actions in our text form (an OVERLAP_F_B as 'F&B').
+    Its per-rank list needs no stages or process group: only the pipeline size and the micro-batch count."""
+    from torch.distributed.pipelining import schedules as ts
+    kind = {ts.FORWARD: "F", ts.FULL_BACKWARD: "B", ts.BACKWARD_INPUT: "I", ts.BACKWARD_WEIGHT: "W"}
+    word = lambda a: f"{a.stage_index}{kind[a.computation_type]}{a.microbatch_index}"
+    torch_schedule = object.__new__(ts.ScheduleDualPipeV)
+    torch_schedule.pp_group_size, torch_schedule._n_microbatches = p, m
+    return "\n".join(f"rank {r}: " + " ".join("&".join(map(word, a.sub_actions)) if a.sub_actions else word(a)
+                                              for a in torch_schedule._calculate_single_rank_operations(r))
+                     for r in range(p))
+
+
+@pytest.mark.parametrize("p", [1, 2, 3, 4, 6])
+def test_dualpipe_v_lists_torch_schedule_dualpipe_v_actions(p):
+    for m in (2 * p, 2 * p + 1, 2 * p + 5):
+        s = dualpipe_v(p, m)
+        assert s.text() == _torch_dualpipe_v(p, m), (p, m)
+        assert s.placement == tuple(list(range(p)) + list(range(p - 1, -1, -1)))     # the V: r and 2p - 1 - r
+
+
+@pytest.mark.parametrize("p,m", [(2, 4), (2, 9), (4, 8), (4, 20), (8, 16)])
+def test_dualpipe_v_bubble_is_the_dualpipe_readme_formula(p, m):
+    # DeepSeek's table: bubble (PP/2 - 1)(F&B + B - 3W), activations PP + 1 per device, PP = 2p stages, costs
+    # per chunk. With F&B = F + B (the simulation's default: no gain from overlapping) every rank idles exactly
+    # that long; with a real overlap gain the ranks differ and the formula is the worst one's (the last ranks).
+    for costs in (None, {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}, {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0,
+                                                                    "F&B": 2.5}):
+        sim, c = simulate(dualpipe_v(p, m), costs), costs or {"F": 0.5, "B": 1.0, "W": 0.5}
+        formula = (2 * p / 2 - 1) * (c.get("F&B", c["F"] + c["B"]) + c["B"] - 3 * c["W"])
+        idle = [sim.makespan - b for b in sim.busy]
+        assert abs(max(idle) - formula) < EPS, costs
+        if costs is None or "F&B" not in costs:
+            assert max(idle) - min(idle) < EPS
+        assert sim.peak_in_flight == [2 * p + 1] * p                       # PP + 1
+    assert abs(simulate(dualpipe_v(p, m)).bubble_fraction - bubble_formula("dualpipe-v", p, m)) < EPS
+
+
+def test_overlapped_pairs_read_write_and_refuse_what_is_not_a_pair():
+    s = dualpipe_v(2, 4)
+    i = s.actions[0].index(Action(3, "B", 1))
+    assert "0F3&3B1" in s.text() and s.pair_of(0, i) == i - 1 and s.pair_of(0, i - 1) == i
+    assert s.pair_of(0, 0) is None
+    back = Schedule.from_text(s.text(), placement=s.placement)
+    assert (back.actions, back.overlapped) == (s.actions, s.overlapped)
+    with pytest.raises(ScheduleError, match="one forward and one backward"):
+        Schedule.from_text("0F0&0F1&1B0")
+    with pytest.raises(ScheduleError, match="must be a forward followed by a backward"):
+        Schedule([["0F0", "0B0"]], 1, 1, overlapped=((1,),))
+    with pytest.raises(ScheduleError, match="the actions there are 0F0 0F1"):      # (so no two pairs share one)
+        Schedule([["0F0", "0F1", "0B0", "0B1"]], 1, 2, overlapped=((0, 1),))
+    with pytest.raises(ScheduleError, match="microbatches >= 8"):
+        dualpipe_v(4, 7)
 
 
 @pytest.mark.parametrize("p,m", [(p, m) for p, m in SIZES if m >= p])

@@ -30,7 +30,7 @@ from parlab.viz import style
 __all__ = ["KIND_COLORS", "KIND_NAMES", "kind_names", "schedule_timeline", "schedules_figure", "peak_bars"]
 
 KIND_COLORS = {"F": style.COMPUTE_COLORS["forward"], "B": style.COMPUTE_COLORS["backward"],
-               "I": "#2171b5", "W": "#a1d99b"}
+               "I": "#6a51a3", "W": "#a1d99b"}   # I purple: apart from B even two chunks darker
 KIND_NAMES = {"F": "F forward", "B": "B backward", "I": "I input grad", "W": "W weight grad"}   # in English
 PATTERNS = ("", "/", "x", "\\", ".", "+")         # hatch of chunk 0, 1, 2, ... (interleaving)
 

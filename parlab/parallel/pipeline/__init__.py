@@ -6,9 +6,10 @@
 
 Read bottom-up, in the order the data flows:
 
-* ``schedules.py``  the schedules as data: naive, GPipe, 1F1B, interleaved 1F1B, ZB-H1; the closed-form
-                     bubbles; `split_layers` (Huang et al. arXiv:1811.06965; Narayanan et al. arXiv:2006.09503
-                     and arXiv:2104.04473 section 2.2; Qi et al. arXiv:2401.10241 section 3).
+* ``schedules.py``  the schedules as data: naive, GPipe, 1F1B, interleaved 1F1B, ZB-H1, DualPipeV; the
+                     closed-form bubbles; `split_layers` (Huang et al. arXiv:1811.06965; Narayanan et al.
+                     arXiv:2006.09503 and arXiv:2104.04473 section 2.2; Qi et al. arXiv:2401.10241 section 3;
+                     DeepSeek-AI arXiv:2412.19437 section 3.2.1).
 * ``simulation.py`` validation (every action once, on its rank, no deadlock) and simulation (spans, bubble,
                      activations in flight), and the order messages are produced in.
 * ``plan.py``       the order each rank posts its sends and receives, and a model of NCCL's serialised p2p
@@ -24,13 +25,14 @@ Lesson 05 and exercise 05.
 from parlab.parallel.pipeline.executor import (PipelineParallel, add_back_grads, average_grads, measured_bubble,
                                                measured_costs, measured_spans, set_aside_grads)
 from parlab.parallel.pipeline.plan import Post, merged_plan, pair_plans
-from parlab.parallel.pipeline.schedules import (KINDS, SCHEDULES, Action, Schedule, ScheduleError, bubble_formula, gpipe,
-                                                interleaved_1f1b, naive, one_f_one_b, split_layers, zero_bubble_h1)
+from parlab.parallel.pipeline.schedules import (KINDS, SCHEDULES, Action, Schedule, ScheduleError, bubble_formula,
+                                                dualpipe_v, gpipe, interleaved_1f1b, naive, one_f_one_b, split_layers,
+                                                zero_bubble_h1)
 from parlab.parallel.pipeline.stages import PipelineStages
 from parlab.parallel.pipeline.simulation import (UNIT_COSTS, Simulation, message_order, message_sequence, simulate,
                                                unit_cost, validate)
 
 __all__ = ["KINDS", "Action", "Schedule", "ScheduleError", "naive", "gpipe", "one_f_one_b", "interleaved_1f1b",
-           "zero_bubble_h1", "SCHEDULES", "bubble_formula", "split_layers", "Simulation", "validate", "simulate",
+           "zero_bubble_h1", "dualpipe_v", "SCHEDULES", "bubble_formula", "split_layers", "Simulation", "validate", "simulate",
            "unit_cost", "UNIT_COSTS", "message_order", "message_sequence", "Post", "merged_plan", "pair_plans",
            "PipelineStages", "PipelineParallel", "average_grads", "set_aside_grads", "add_back_grads", "measured_spans", "measured_bubble", "measured_costs"]

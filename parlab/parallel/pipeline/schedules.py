@@ -26,6 +26,9 @@ The generators (p = ranks, m = micro-batches, v = chunks per rank):
     interleaved_1f1b(p, m, v)   Megatron's depth-first order over v chunks; needs m % p == 0 [3]
         memory_optimised=True   fewer warm-up forwards, fewer micro-batches alive (MindSpore's idea, seed 003)
     zero_bubble_h1(p, m)        B split into I and W, W deferred into the bubbles [4]
+    dualpipe_v(p, m)            DeepSeek-V3's DualPipe cut in half: 2p stages in a V, rank r holds stages r and
+                                2p - 1 - r; in its steady state a forward of one runs overlapped with a backward of
+                                the other ("0F6&7B0", forward listed first) [6]
 
 How the executor runs a schedule, and so how `simulate` models it: each rank runs its
 actions in order; a forward waits for its input activation, a backward for its output
@@ -51,6 +54,7 @@ reproduces (bubble as a fraction of the step, i.e. of the makespan):
     GPipe, 1F1B      (p - 1) / (m + p - 1)        [= (p - 1) / m of the ideal time]
     interleaved      (p - 1) / (v m + p - 1)      (the bubble time divided by v)
     ZB-H1            (p - 1) / (3 m + p - 1)      F = I = W, m >= p: a third of 1F1B's bubble time
+    DualPipeV        idle time per rank (PP/2 - 1)(F&B + B - 3W) with PP = 2p stages and per-chunk costs, m >= 2p
     peak in flight   1F1B: p - r on rank r (<= p);   GPipe: m
 
 References
@@ -61,6 +65,9 @@ References
         Megatron-LM", SC 2021, arXiv:2104.04473, section 2.2 (interleaved schedule).
     [4] P. Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024, arXiv:2401.10241, section 3 (ZB-H1).
     [5] PyTorch, torch.distributed.pipelining (schedules as per-rank lists of actions such as "0F3").
+    [6] DeepSeek-AI, "DeepSeek-V3 Technical Report", arXiv:2412.19437, section 3.2.1 (DualPipe); the V-shaped
+        "cut-in-half" variant and its bubble table: github.com/deepseek-ai/DualPipe (README, dualpipev.py);
+        torch.distributed.pipelining.ScheduleDualPipeV lists the same actions.
 """
 from __future__ import annotations
 
@@ -69,7 +76,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterable
 
 __all__ = ["Action", "Schedule", "ScheduleError", "naive", "gpipe", "one_f_one_b", "interleaved_1f1b",
-           "zero_bubble_h1", "SCHEDULES", "bubble_formula", "split_layers"]
+           "zero_bubble_h1", "dualpipe_v", "SCHEDULES", "bubble_formula", "split_layers"]
 
 KINDS = {"F": "forward", "B": "backward", "I": "backward_input", "W": "backward_weight"}
 _ACTION = re.compile(r"^\s*(\d+)\s*([FBIW])\s*(\d+)\s*$")
@@ -110,12 +117,17 @@ class Action:
 class Schedule:
     """Per-rank ordered actions of one training step, plus where each virtual stage lives.
 
-    Actions may be given as `Action`s or in their text form: ``Schedule([["0F0", "0B0"], ["1F0", "1B0"]], 2, 1)``."""
+    Actions may be given as `Action`s or in their text form: ``Schedule([["0F0", "0B0"], ["1F0", "1B0"]], 2, 1)``.
+
+    `overlapped[r]` lists the positions i in rank r's actions where a forward (i) and the backward after it (i + 1)
+    run as one overlapped pair, DualPipe's F&B: one waits for the inputs of both, and both finish together; the
+    text form joins them with "&" ("0F6&7B0")."""
     actions: tuple[tuple[Action, ...], ...]   # actions[r]: what rank r runs, in order
     stages: int                               # virtual stages (p * v)
     microbatches: int
     placement: tuple[int, ...] = ()           # placement[s]: the rank holding stage s (default s % p)
     name: str = "custom"
+    overlapped: tuple[tuple[int, ...], ...] = ()   # overlapped[r]: positions of F&B pairs on rank r (forward's)
 
     def __post_init__(self):
         object.__setattr__(self, "actions", tuple(tuple(a if isinstance(a, Action) else Action.parse(str(a))
@@ -123,6 +135,21 @@ class Schedule:
         if not self.placement and self.actions:
             object.__setattr__(self, "placement", tuple(s % len(self.actions) for s in range(self.stages)))
         object.__setattr__(self, "placement", tuple(self.placement))
+        pairs = tuple(tuple(sorted(self.overlapped[r])) if r < len(self.overlapped) else ()
+                      for r in range(len(self.actions))) if self.overlapped else ()
+        for r, pos in enumerate(pairs):
+            for i in pos:
+                acts = self.actions[r]
+                if not (0 <= i < len(acts) - 1 and acts[i].kind == "F" and acts[i + 1].kind in "BI"):
+                    raise ScheduleError(f"rank {r}: overlapped position {i} must be a forward followed by a "
+                                        f"backward (F then B or I); the actions there are "
+                                        f"{' '.join(map(str, acts[i:i + 2])) or 'none'}")
+        object.__setattr__(self, "overlapped", pairs)
+
+    def pair_of(self, rank: int, i: int) -> int | None:
+        """The position of the action run overlapped with action i of `rank` (its F&B partner), or None."""
+        pos = self.overlapped[rank] if self.overlapped else ()
+        return i + 1 if i in pos else i - 1 if i - 1 in pos else None
 
     @property
     def ranks(self) -> int:
@@ -137,8 +164,17 @@ class Schedule:
         return [s for s in range(self.stages) if self.placement[s] == rank]
 
     def text(self) -> str:
-        """One line per rank: 'rank 0: 0F0 0F1 0B0 ...'; `Schedule.from_text` reads it back."""
-        return "\n".join(f"rank {r}: " + " ".join(map(str, acts)) for r, acts in enumerate(self.actions))
+        """One line per rank: 'rank 0: 0F0 0F1 0B0 ...' (an overlapped pair as '0F6&7B0'); `Schedule.from_text`
+        reads it back."""
+        def words(r: int, acts) -> list[str]:
+            out, pos = [], set(self.overlapped[r]) if self.overlapped else set()
+            for i, a in enumerate(acts):
+                if i - 1 in pos:
+                    out[-1] += f"&{a}"
+                else:
+                    out.append(str(a))
+            return out
+        return "\n".join(f"rank {r}: " + " ".join(words(r, acts)) for r, acts in enumerate(self.actions))
 
     def __str__(self) -> str:
         return self.text()
@@ -150,11 +186,24 @@ class Schedule:
 
         `stages` and `microbatches` default to the largest indices seen plus one."""
         rows = [line.split(":", 1)[-1].split() for line in text.strip().splitlines() if line.strip()]
-        actions = [[Action.parse(t) for t in row] for row in rows]
+        actions, overlapped = [], []
+        for row in rows:
+            acts, pos = [], []
+            for word in row:
+                parts = word.split("&")
+                if len(parts) > 2:
+                    raise ScheduleError(f"cannot read {word!r}: an overlapped pair is one forward and one "
+                                        f"backward, e.g. '0F6&7B0'")
+                if len(parts) == 2:
+                    pos.append(len(acts))
+                acts += [Action.parse(t) for t in parts]
+            actions.append(acts)
+            overlapped.append(tuple(pos))
         flat = [a for row in actions for a in row]
         stages = stages if stages is not None else max((a.stage for a in flat), default=-1) + 1
         microbatches = microbatches if microbatches is not None else max((a.mb for a in flat), default=-1) + 1
-        return cls(actions, stages, microbatches, tuple(placement), name)
+        return cls(actions, stages, microbatches, tuple(placement), name,
+                   tuple(overlapped) if any(overlapped) else ())
 
 
 # ---------------------------------------------------------------------- generators
@@ -255,15 +304,108 @@ def zero_bubble_h1(p: int, m: int) -> Schedule:
     return Schedule(out, p, m, name="zb-h1")
 
 
+def dualpipe_v(p: int, m: int) -> Schedule:
+    """DualPipeV [6]: 2p stages folded into a V, rank r holding stage r (chunk 0, on the way down) and stage
+    2p - 1 - r (chunk 1, on the way back), so rank 0 holds the first stage and the last (with the loss).
+
+    The eight phases of DeepSeek's dualpipev.py, per rank r (each chunk runs its micro-batches in order):
+
+        1  2 (p - r - 1) forwards of chunk 0                                 warm-up
+        2  r + 1 times: F chunk 0, F chunk 1
+        3  p - r - 1 times: I chunk 1, a W, F chunk 1                       zero-bubble split
+        4  m - 2p + r + 1 times: F0&B1, F1&B0                                 the steady state, overlapped
+        5  p - r - 1 times: B chunk 1, F1&B0
+        6  r + 1 times: B chunk 1, B chunk 0 (I instead of B from the middle of this phase on)
+        7  p - r - 1 times: a W, then I chunk 0
+        8  r + 1 W's: the weight gradients deferred so far, oldest first
+
+    (the last rank's first phase-4 pair runs F then B, not overlapped, as in DeepSeek's code). A W always takes
+    the oldest deferred weight gradient. Needs m >= 2p micro-batches, as torch's ScheduleDualPipeV does.
+
+    The overlap itself is a GPU's: DeepSeek runs a pair's forward compute while the backward's all-to-all is on
+    the wire, with a model-specific overlapped forward-backward. parlab's executor runs a pair as its F, then its
+    B (one CPU stream); `simulate` models the pair, with its "F&B" cost."""
+    _check(p, m)
+    if m < 2 * p:
+        raise ScheduleError(f"DualPipeV needs at least as many micro-batches as stages (2p = {2 * p}), got "
+                            f"microbatches={m}; use microbatches >= {2 * p}")
+    out, pairs = [], []
+    for r in range(p):
+        stage = (r, 2 * p - 1 - r)                      # chunk 0, chunk 1
+        acts: list[Action] = []
+        pos: list[int] = []
+        done = {(c, k): 0 for c in (0, 1) for k in "FB"}    # micro-batches each chunk has run forward / backward
+        deferred: list[Action] = []                        # W's owed, oldest first
+
+        def forward(c):
+            acts.append(Action(stage[c], "F", done[(c, "F")]))
+            done[(c, "F")] += 1
+
+        def backward(c, split=False):
+            acts.append(Action(stage[c], "I" if split else "B", done[(c, "B")]))
+            if split:
+                deferred.append(Action(stage[c], "W", done[(c, "B")]))
+            done[(c, "B")] += 1
+
+        def weight():
+            if deferred:
+                acts.append(deferred.pop(0))
+
+        def overlapped(f, b):                               # F&B: the forward of chunk f with the backward of b
+            pos.append(len(acts))
+            forward(f)
+            backward(b)
+
+        for _ in range(2 * (p - r - 1)):                    # 1
+            forward(0)
+        for _ in range(r + 1):                              # 2
+            forward(0)
+            forward(1)
+        for _ in range(p - r - 1):                          # 3
+            backward(1, split=True)
+            weight()
+            forward(1)
+        for i in range(m - 2 * p + r + 1):                  # 4
+            if i == 0 and r == p - 1:
+                forward(0)
+                backward(1)
+            else:
+                overlapped(0, 1)
+            overlapped(1, 0)
+        for _ in range(p - r - 1):                          # 5
+            backward(1)
+            overlapped(1, 0)
+        split = False
+        for i in range(r + 1):                              # 6
+            split = split or (i == (r + 1) // 2 and r % 2 == 1)
+            backward(1, split)
+            split = split or (i == (r + 1) // 2 and r % 2 == 0)
+            backward(0, split)
+        for _ in range(p - r - 1):                          # 7
+            weight()
+            backward(0, split)
+        for _ in range(r + 1):                              # 8
+            weight()
+        out.append(acts)
+        pairs.append(tuple(pos))
+    placement = tuple(s if s < p else 2 * p - 1 - s for s in range(2 * p))
+    return Schedule(out, 2 * p, m, placement, name="dualpipe-v", overlapped=tuple(pairs))
+
+
 SCHEDULES: dict[str, Callable[..., Schedule]] = {"naive": naive, "gpipe": gpipe, "1f1b": one_f_one_b,
-                                                 "interleaved": interleaved_1f1b, "zb-h1": zero_bubble_h1}
+                                                 "interleaved": interleaved_1f1b, "zb-h1": zero_bubble_h1,
+                                                 "dualpipe-v": dualpipe_v}
 
 
 def bubble_formula(name: str, p: int, m: int, v: int = 1) -> float:
-    """The closed-form bubble fraction of the step (unit costs F = 1, B = 2 or F = I = W = 1)."""
+    """The closed-form bubble fraction of the step (unit costs F = 1, B = 2 or F = I = W = 1).
+
+    DualPipeV (`v` ignored: always 2 chunks): the idle time per rank is (PP/2 - 1)(F&B + B - 3W) [6] with PP = 2p
+    stages and per-chunk costs F = 1/2, B = 1, W = 1/2 and F&B = F + B (no gain from overlapping), that is p - 1;
+    each rank computes 3m, so the fraction is (p - 1) / (3m + p - 1), ZB-H1's."""
     forms = {"naive": lambda: 1 - 1 / p, "gpipe": lambda: (p - 1) / (m + p - 1),
              "1f1b": lambda: (p - 1) / (m + p - 1), "interleaved": lambda: (p - 1) / (v * m + p - 1),
-             "zb-h1": lambda: (p - 1) / (3 * m + p - 1)}
+             "zb-h1": lambda: (p - 1) / (3 * m + p - 1), "dualpipe-v": lambda: (p - 1) / (3 * m + p - 1)}
     if name not in forms:
         raise ValueError(f"no closed form for {name!r}; known: {', '.join(forms)}")
     return forms[name]()

@@ -118,16 +118,17 @@ def unit_cost(action: Action, v: int = 1) -> float:
     return UNIT_COSTS[action.kind] / v
 
 
-def _cost_fn(costs: Costs, v: int) -> Callable[[Action], float]:
+def _cost_fn(costs: Costs, v: int) -> tuple[Callable[[Action], float], Callable[[Action, Action], float]]:
+    """(duration of one action, duration of an overlapped F&B pair): "F&B" in `costs`, else F + B (no gain)."""
     if callable(costs):
-        return costs
+        return costs, lambda f, b: costs(f) + costs(b)
     table = {k: c / v for k, c in UNIT_COSTS.items()}
     if costs is not None:
-        unknown = set(costs) - set(KINDS)
+        unknown = set(costs) - set(KINDS) - {"F&B"}
         if unknown:
-            raise ValueError(f"costs has unknown kinds {sorted(unknown)}; use keys among F, B, I, W")
+            raise ValueError(f"costs has unknown kinds {sorted(unknown)}; use keys among F, B, I, W (and F&B)")
         table.update({k: float(c) for k, c in costs.items()})   # given costs are per action, taken as they are
-    return lambda a: table[a.kind]
+    return (lambda a: table[a.kind]), (lambda f, b: table.get("F&B", table[f.kind] + table[b.kind]))
 
 
 def simulate(schedule: Schedule, costs: Costs = None, comm: float = 0.0) -> Simulation:
@@ -136,33 +137,50 @@ def simulate(schedule: Schedule, costs: Costs = None, comm: float = 0.0) -> Simu
 
     `costs`: per-action durations, a dict like {"F": 1, "B": 2} (kinds left out keep their default) or a
     function of the Action; by default F = 1, B = 2, I = W = 1, divided by the chunks per rank v (a chunk holds
-    1/v of a rank's layers, so the step's work does not depend on v).
+    1/v of a rank's layers, so the step's work does not depend on v). An overlapped pair (DualPipe's F&B,
+    `Schedule.overlapped`) starts when the inputs of both have arrived, lasts ``costs["F&B"]`` (default F + B: no
+    gain from overlapping) and both its actions finish at its end; its spans split that time in proportion F : B.
     Raises `ScheduleError` for an invalid schedule or a deadlock (naming what each stuck rank waits for)."""
     _check_structure(schedule)
-    cost, S = _cost_fn(costs, schedule.chunks), schedule.stages
+    (cost, pair_cost), S = _cost_fn(costs, schedule.chunks), schedule.stages
     finish: dict[tuple[int, str, int], float] = {}
     spans: list[list[tuple[float, float, Action]]] = [[] for _ in range(schedule.ranks)]
     pos, free = [0] * schedule.ranks, [0.0] * schedule.ranks
     total = sum(map(len, schedule.actions))
+
+    def arrived(r: int, a: Action) -> float | None:
+        """When everything `a` waits for has reached rank r (None: not yet produced)."""
+        ready = 0.0
+        for st, kinds, mb in _needs(a, S):
+            t = next((finish[(st, k, mb)] for k in kinds if (st, k, mb) in finish), None)
+            if t is None:
+                return None
+            ready = max(ready, t + (comm if schedule.placement[st] != r else 0.0))
+        return ready
+
     while sum(pos) < total:
         progress = False
         for r, acts in enumerate(schedule.actions):
             while pos[r] < len(acts):
-                a = acts[pos[r]]
-                ready = free[r]
-                for st, kinds, mb in _needs(a, S):
-                    t = next((finish[(st, k, mb)] for k in kinds if (st, k, mb) in finish), None)
-                    if t is None:
-                        break
-                    ready = max(ready, t + (comm if schedule.placement[st] != r else 0.0))
+                i = pos[r]
+                group = acts[i:i + 2] if schedule.pair_of(r, i) == i + 1 else acts[i:i + 1]
+                times = [arrived(r, a) for a in group]
+                if None in times:
+                    break
+                start = max([free[r], *times])
+                if len(group) == 2:                       # F&B: one span of work, split F : B for the figure
+                    end = start + pair_cost(*group)
+                    mid = start + (end - start) * cost(group[0]) / max(cost(group[0]) + cost(group[1]), 1e-300)
+                    cuts = [(start, mid), (mid, end)]
                 else:
-                    end = ready + cost(a)
-                    spans[r].append((ready, end, a))
-                    finish[(a.stage, a.kind, a.mb)] = free[r] = end
-                    pos[r] += 1
-                    progress = True
-                    continue
-                break
+                    end = start + cost(group[0])
+                    cuts = [(start, end)]
+                for a, (t0, t1) in zip(group, cuts):
+                    spans[r].append((t0, t1, a))
+                    finish[(a.stage, a.kind, a.mb)] = end
+                free[r] = end
+                pos[r] += len(group)
+                progress = True
         if not progress:
             raise ScheduleError(_("deadlock: {waits}").format(waits="; ".join(_waiting(schedule, pos, finish))))
     return Simulation(schedule, spans, max(free), [sum(e - s for s, e, _ in sp) for sp in spans],
