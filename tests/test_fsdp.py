@@ -301,6 +301,49 @@ def test_tied_across_units_is_a_clear_error():
     assert msg is not None and "shared by units" in msg and "one unit" in msg
 
 
+class _TwoDtypes(nn.Module):
+    """A float64 layer feeding a float32 one, both in the root unit."""
+
+    def __init__(self):
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.a = nn.Linear(4, 6, dtype=torch.float64)
+        self.b = nn.Linear(6, 3, dtype=torch.float32)
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randn(p.shape, generator=g, dtype=p.dtype))
+
+    def forward(self, x):
+        return self.b(self.a(x).float())
+
+
+X2 = torch.randn(8, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(1))   # (B, 4)
+
+
+def _two_dtypes_step():
+    m = FSDP(_TwoDtypes())
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    r, w = comm.get_rank(), comm.get_world_size()
+    m(X2[r * 8 // w:(r + 1) * 8 // w]).square().mean().backward()    # (B/w, 3)
+    opt.step()
+    return m.full_parameters(), sorted(str(f.shard.dtype) for fs in m.flats.values() for f in fs)
+
+
+def test_a_unit_with_two_dtypes_keeps_a_flat_buffer_per_dtype():
+    # one buffer for the unit took the first parameter's dtype: the float32 layer became float64 and died in
+    # F.linear ("mat1 and mat2 must have the same dtype")
+    ref = _TwoDtypes()
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    ref(X2).square().mean().backward()
+    opt.step()
+    for full, dtypes in parlab.run(_two_dtypes_step, 2).results:
+        assert dtypes == ["torch.float32", "torch.float64"]
+        for name, q in ref.named_parameters():
+            assert full[name].dtype == q.dtype, name
+            # the same sums in another order (mean of per-rank means): float32 rounding of the float32 layer
+            torch.testing.assert_close(full[name], q.detach(), rtol=1e-6, atol=1e-6, msg=name)
+
+
 def _backward_bytes():
     """Bytes the memory-bound ops of one backward move (the replay's meter), plain GPT against FSDP (1 rank)."""
     from parlab.trace.meter import CostMeter

@@ -62,7 +62,7 @@ __all__ = ["FullyShardedDataParallel"]
 
 
 class _Flat:
-    """The parameters of one unit that share `requires_grad`, flattened and sharded."""
+    """The parameters of one unit that share `requires_grad` and dtype, flattened and sharded."""
 
     def __init__(self, unit: str, params: list, requires_grad: bool, rank: int, world: int, group, compute_dtype,
                  device=None, param_init=None):
@@ -218,17 +218,20 @@ class FullyShardedDataParallel(FSDPState, nn.Module):
                 if p is not None:
                     refs.setdefault(id(p), []).append((m, attr, unit_of(mname)))
         self.units = unit_names + ["root"]
-        per_unit: dict[str, dict[bool, list]] = {u: {True: [], False: []} for u in self.units}
+        # one flat buffer per unit, requires_grad and dtype: a buffer has one dtype, so float32 and float64 weights
+        # of one unit go to two (as ZeRO-1/2's flat buffers do); trainable before frozen
+        per_unit: dict[str, dict[tuple[bool, torch.dtype], list]] = {u: {} for u in self.units}
         for name, p in module.named_parameters():                     # tied parameters appear once
             where = {u for _, _, u in refs[id(p)]}
             if len(where) > 1:
                 raise ValueError(f"parameter {name} is shared by units {sorted(where)}; put the modules that "
                                  f"share it in one unit (or leave them all to the root unit)")
-            per_unit[where.pop()][p.requires_grad].append((name, p, [(m, a) for m, a, _ in refs[id(p)]]))
+            per_unit[where.pop()].setdefault((p.requires_grad, p.dtype), []).append(
+                (name, p, [(m, a) for m, a, _ in refs[id(p)]]))
         self.flats: dict[str, list[_Flat]] = {}
         for u in self.units:
             self.flats[u] = [_Flat(u, ps, rg, self.rank, self.world, group, compute_dtype, device, param_init)
-                             for rg, ps in per_unit[u].items() if ps]
+                             for (rg, _), ps in sorted(per_unit[u].items(), key=lambda kv: not kv[0][0])]
         self.shards = nn.ParameterList([f.shard for u in self.units for f in self.flats[u]])
         for u in self.units:                                           # the module forgets its own weights
             for f in self.flats[u]:
