@@ -20,6 +20,7 @@ import os
 import sys
 from pathlib import Path
 
+from parlab.args import ArgumentParser
 from parlab.i18n import _
 
 
@@ -288,7 +289,7 @@ COMMANDS = [add_course, add_grid, add_plan, add_grade, add_calibrate]
 
 
 def make_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="parlab", description=_("parlab: learn parallel training by running it"))
+    parser = ArgumentParser(prog="parlab", description=_("parlab: learn parallel training by running it"))
     sub = parser.add_subparsers(dest="command", required=True)
     for add in COMMANDS:
         add(sub)

@@ -3,8 +3,7 @@
 """
 from __future__ import annotations
 
-import argparse
-
+from parlab.args import ArgumentParser
 from parlab.cluster import transformer as T
 from parlab.cluster.costs import PRESETS, Cluster, ModelSpec, preset
 from parlab.cluster.plan_report import explain, format_table
@@ -18,7 +17,7 @@ MAX_GPUS = 16384   # `parlab plan` answers in seconds up to here (1024 nodes x 8
 
 def main(argv=None) -> int:
     """``parlab plan``: print the ranked layouts of a model on a cluster."""
-    p = argparse.ArgumentParser(prog="parlab plan", description=_("rank training layouts by estimated step time"))
+    p = ArgumentParser(prog="parlab plan", description=_("rank training layouts by estimated step time"))
     p.add_argument("--model", default="gpt3-175b", choices=[*PRESETS, "custom"],
                    help=_("a published model, or custom with --layers --hidden --heads --vocab --seq (default "
                           "gpt3-175b)"))

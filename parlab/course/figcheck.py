@@ -30,7 +30,6 @@ The figures are drawn offline (plotly.js from the plotly package); nothing is fe
 """
 from __future__ import annotations
 
-import argparse
 import bisect
 import functools
 import json
@@ -42,6 +41,8 @@ import tempfile
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from parlab.args import ArgumentParser
 
 __all__ = ["Figure", "collect", "check_pages", "main", "CHROMIUM_ARGS", "chromium_path", "missing_glyphs"]
 
@@ -314,7 +315,7 @@ def run(paths: list[Path], out: Path, jobs: int = 1, width: int = WIDTH, timeout
 def main(argv: list[str] | None = None) -> int:
     from parlab import course
 
-    p = argparse.ArgumentParser(prog="python -m parlab.course.figcheck", description=__doc__.split("\n\n")[0])
+    p = ArgumentParser(prog="python -m parlab.course.figcheck", description=__doc__.split("\n\n")[0])
     p.add_argument("notebooks", nargs="*", type=Path, help="notebooks (default: every lesson)")
     p.add_argument("--out", type=Path, default=Path("figcheck"), help="folder for the PNGs and report.txt")
     p.add_argument("--jobs", type=int, default=1, help="notebooks executed at once")

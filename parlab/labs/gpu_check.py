@@ -31,6 +31,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
+from parlab.args import ArgumentParser
 from parlab.i18n import _
 
 __all__ = ["parser", "plan", "LabRun", "check_cuda", "parse_summary", "table", "main"]
@@ -60,7 +61,7 @@ class LabRun:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m parlab.labs.gpu_check", description=__doc__.split("\n\n")[0],
+    p = ArgumentParser(prog="python -m parlab.labs.gpu_check", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--gpus", type=int, default=None, help=_("GPUs (ranks) per lab; default: all of this node's"))
     p.add_argument("--size", choices=sorted(SIZES), default="small", help=_("model and batch preset"))

@@ -11,6 +11,7 @@ import math
 
 import torch
 
+from parlab.args import ArgumentParser
 from parlab.i18n import _
 
 __all__ = ["parser", "positive_int", "positive_float", "DTYPES", "MIXED"]
@@ -45,7 +46,7 @@ def positive_float(text: str) -> float:
 
 def parser(name: str, description: str) -> argparse.ArgumentParser:
     """The options every lab shares; a lab adds its own with ``add_args(parser)``."""
-    p = argparse.ArgumentParser(prog=f"torchrun --nproc_per_node=N -m parlab.labs.{name}", description=description,
+    p = ArgumentParser(prog=f"torchrun --nproc_per_node=N -m parlab.labs.{name}", description=description,
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     m = p.add_argument_group(_("model (the tiny GPT of parlab.models; the vocabulary is the shipped alphabet)"))
     m.add_argument("--layers", type=positive_int, default=4, help=_("transformer blocks"))

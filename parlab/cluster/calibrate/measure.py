@@ -42,7 +42,6 @@ cores with 2 threads each measured a third of the FLOP/s of 2 ranks with one thr
 """
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import time
@@ -50,6 +49,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from parlab.args import ArgumentParser
 from parlab import comm
 from parlab.cluster.calibrate.compute import _compute_samples, _sync, _timeit, fit_compute, fit_roofline
 from parlab.cluster.calibrate.fit import fit_alpha_beta
@@ -247,7 +247,7 @@ def _bad_args(a, sizes) -> str | None:
 
 def main(argv=None) -> int:
     """``parlab calibrate``: measure this machine (or, under torchrun, its GPUs) and write a Hardware JSON."""
-    p = argparse.ArgumentParser(prog="parlab calibrate", description="measure collectives and matmul throughput "
+    p = ArgumentParser(prog="parlab calibrate", description="measure collectives and matmul throughput "
                                 "and write a hardware description for parlab.cluster.replay")
     p.add_argument("--world", type=int, default=default_world(),
                    help="gloo ranks on this CPU (default: one per core, 2 to 4; ignored under torchrun)")

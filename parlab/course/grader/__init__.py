@@ -45,6 +45,7 @@ from pathlib import Path
 
 import nbformat
 
+from parlab.args import ArgumentParser
 from parlab.i18n import _, language, normalize, use_language
 from parlab.course.grader.collect import Submission, collect, released_exercises, restore
 
@@ -214,7 +215,7 @@ def grade(submissions: str | Path, out: str | Path, exercises: str | Path | None
 
 def main(argv=None) -> int:
     import argparse
-    p = argparse.ArgumentParser(prog="parlab grade", description="grade a folder of exercise submissions")
+    p = ArgumentParser(prog="parlab grade", description="grade a folder of exercise submissions")
     add_arguments(p)
     return run_from_args(p.parse_args(argv))
 

@@ -15,7 +15,6 @@ The result is one JSON file: status, and per graded cell: grade_id, passed, kind
 """
 from __future__ import annotations
 
-import argparse
 import json
 import re
 import sys
@@ -24,6 +23,7 @@ from pathlib import Path
 
 import nbformat
 
+from parlab.args import ArgumentParser
 from parlab.i18n import _
 
 __all__ = ["grade_notebook", "main"]
@@ -171,7 +171,7 @@ def grade_notebook(nb: nbformat.NotebookNode, workdir: Path, cell_timeout: float
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m parlab.course.grader.worker")
+    p = ArgumentParser(prog="python -m parlab.course.grader.worker")
     p.add_argument("notebook", type=Path)
     p.add_argument("result", type=Path)
     p.add_argument("--cell-timeout", type=float, default=300.0)
