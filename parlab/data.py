@@ -133,7 +133,9 @@ class BatchSampler:
         return self.tokens[idx], self.tokens[idx + 1]  # (B, S), (B, S)
 
     def shard(self, step: int, rank: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rows [rank * b, (rank + 1) * b) of ``global_batch(step)``, b = batch_size // world_size."""
+        """Rows [rank * b, (rank + 1) * b) of ``global_batch(step)``, b = batch_size // world_size, as tensors of
+        their own: a data-parallel rank holds its slice only (a view would keep the whole batch's storage alive, and
+        a memory count by storage would charge each rank the global batch)."""
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"rank must be in [0, world_size), got rank={rank}, world_size={world_size}")
         if self.batch_size % world_size != 0:
@@ -144,7 +146,7 @@ class BatchSampler:
             )
         b = self.batch_size // world_size
         x, y = self.global_batch(step)  # (B, S), (B, S)
-        return x[rank * b : (rank + 1) * b], y[rank * b : (rank + 1) * b]  # (b, S), (b, S)
+        return x[rank * b : (rank + 1) * b].clone(), y[rank * b : (rank + 1) * b].clone()  # (b, S), (b, S)
 
 
 def micro_batches(x: torch.Tensor, y: torch.Tensor, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:

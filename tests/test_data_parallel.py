@@ -383,6 +383,16 @@ def test_naive_phases_traffic_and_memory():
         assert sum(mem[0].values()) > 2 * sum(mem[r].values())
 
 
+def test_a_ranks_slice_holds_its_rows_only():
+    # shard() once returned views: lesson 02 then charged every DDP rank the whole global batch's bytes
+    from parlab.parallel.data.meters import tensor_bytes
+    sampler, w = _sampler(), 4
+    x, y = sampler.shard(0, 1, w)                               # (B/w, S) each
+    gx, gy = sampler.global_batch(0)                            # (B, S) each
+    assert torch.equal(x, gx[B // w:2 * B // w]) and torch.equal(y, gy[B // w:2 * B // w])
+    assert tensor_bytes([x, y]) == 2 * (B // w) * S * x.element_size()
+
+
 def test_naive_batch_must_split_evenly():
     with pytest.raises(parlab.RankError, match="not divisible by 2 ranks"):
         parlab.run(_naive_odd_batch, 2, timeout=30)
