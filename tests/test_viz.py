@@ -338,6 +338,32 @@ def test_planner_step_axis_labels_read_in_full():
     assert _ticks_125([0.03, 0.045]) == [0.03, 0.04, 0.05]                   # a narrow range: 1..9 steps
 
 
+def _uneven_all_to_all():
+    """Rank r sends r * j + 1 rows of 2 float32 to rank j, none to its next rank: an uneven exchange."""
+    r, n = comm.get_rank(), comm.get_world_size()
+    rows = lambda a, b: 0 if b == (a + 1) % n else a * b + 1          # noqa: E731
+    send = [rows(r, j) for j in range(n)]
+    recv = [rows(j, r) for j in range(n)]
+    out = torch.empty(sum(recv), 2)                                   # (rows received, 2)
+    comm.all_to_all(out, torch.ones(sum(send), 2), recv, send, label="dispatch")
+
+
+def test_uneven_all_to_all_arrows_carry_the_recorded_bytes():
+    """An all-to-all's arrows are what each rank recorded for each peer (Event.splits, e.g. tokens to their
+    experts), not X/N; summed per sender they are its wire bytes, and empty messages are not drawn."""
+    from parlab.viz.animation import algorithm_steps, comm_steps, step_edges, step_title
+    tr = parlab.run(_uneven_all_to_all, 3, trace=True).trace
+    (step,) = [s for s in comm_steps(tr) if s.label == "dispatch"]
+    edges = step_edges(step)
+    assert sorted(edges) == [(0, 2, 8.0), (1, 0, 8.0), (2, 1, 24.0)]    # 8 bytes a row; the empty ones left out
+    for e in step.events:                                            # the arrows leaving a rank: its wire bytes
+        assert sum(nb for a, _, nb in edges if a == e.rank) == e.wire_bytes
+    moves = [m for _, ms in algorithm_steps(step) for m in ms]
+    assert sorted((m.src, m.dst, m.nbytes) for m in moves) == sorted(edges)
+    assert step_title(step).endswith("8 B to 24 B per arrow")
+    assert step_title(step, per_call=False).endswith("up to 24 B sent by one rank in all")
+
+
 def test_animation_heading_gives_a_calls_total_per_rank_not_per_arrow():
     """Played step by step, each arrow carries a chunk (X/N): the heading must not call the total 'per arrow'."""
     from parlab.viz.animation import Step, step_title
@@ -346,3 +372,8 @@ def test_animation_heading_gives_a_calls_total_per_rank_not_per_arrow():
     assert step_title(ar).endswith("16 B payload, 24 B per arrow")                       # one frame per call
     assert step_title(ar, per_call=False).endswith("16 B payload, 24 B sent per rank in all")
     assert step_title(a2a, per_call=False).endswith("16 B payload, 12 B sent per rank in all")   # 3 arrows of 4 B
+    # a chain broadcast's last rank only receives; a scatter's root alone sends; uneven arrows give their range
+    chain = Step("broadcast", "collective", "", (0, 1, 2, 3), 16, root=0)
+    assert step_title(chain, per_call=False).endswith("16 B sent by each of ranks 0, 1, 2 in all, rank 3 sends nothing")
+    scatter = Step("scatter", "collective", "", (0, 1, 2, 3), 16, root=0)
+    assert step_title(scatter, per_call=False).endswith("12 B sent by rank 0 in all, ranks 1, 2, 3 send nothing")

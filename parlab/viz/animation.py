@@ -12,7 +12,9 @@ are the messages of that step, labelled with the bytes each arrow carries:
 
       all_reduce                      ring g0 -> g1 -> ... -> g0, 2 (N-1)/N X per arrow
       all_gather / reduce_scatter     ring, (N-1)/N X per arrow
-      all_to_all                      every rank to every other, X/N per arrow
+      all_to_all                      every rank to every other, X/N per arrow, or the bytes each rank
+                                      recorded for each peer (`Event.splits`: an uneven all-to-all, such as
+                                      tokens dispatched to their experts); empty messages are not drawn
       broadcast                       pipelined chain from the root, X per arrow
       reduce                          chain into the root, X per arrow
       scatter / gather                root to each rank / each rank to the root, X/N per arrow
@@ -95,6 +97,16 @@ def comm_steps(trace: Any) -> list[Step]:
     return sorted(steps.values(), key=lambda s: s.start)
 
 
+def _all_to_all_bytes(step: Step) -> dict[tuple[int, int], float]:
+    """{(sender, receiver): bytes} of an all-to-all: what each rank recorded for each peer (`Event.splits`), or
+    X/N for every pair when a rank recorded none (an even all-to-all)."""
+    g, n = list(step.group), len(step.group)
+    split = {e.rank: e.splits for e in step.events if e.splits and len(e.splits) == n}
+    if set(split) != set(g):
+        return {(a, b): step.nbytes / n for a in g for b in g if a != b}
+    return {(a, b): float(split[a][j]) for a in g for j, b in enumerate(g) if a != b}
+
+
 def step_edges(step: Step) -> list[tuple[int, int, float]]:
     """The messages of one step as (sender, receiver, bytes) under the algorithm in the module docstring."""
     g, x = list(step.group), float(step.nbytes)
@@ -107,7 +119,7 @@ def step_edges(step: Step) -> list[tuple[int, int, float]]:
     if step.op in ("all_reduce", "all_gather", "reduce_scatter"):
         return [(a, b, ring_factor(step.op, n) * x) for a, b in ring]
     if step.op == "all_to_all":
-        return [(a, b, x / n) for a in g for b in g if a != b]
+        return [(a, b, nb) for (a, b), nb in _all_to_all_bytes(step).items() if nb > 0]
     if step.root not in g:
         return []
     k = g.index(step.root)
@@ -170,8 +182,10 @@ def algorithm_steps(step: Step) -> list[tuple[str, list[Move]]]:
         what = (_("all-to-all {step}/{steps}: every rank sends its chunk for the rank {places} place further round "
                   "straight to it"), _("all-to-all {step}/{steps}: every rank sends its chunk for the rank {places} "
                                        "places further round straight to it"))
+        sent = _all_to_all_bytes(step)
         return [(what[s > 1].format(step=s, steps=n - 1, places=s),
-                 [Move(g[i], g[(i + s) % n], x / n, (i + s) % n) for i in range(n)]) for s in range(1, n)]
+                 [Move(g[i], g[(i + s) % n], sent[(g[i], g[(i + s) % n])], (i + s) % n) for i in range(n)
+                  if sent[(g[i], g[(i + s) % n])] > 0]) for s in range(1, n)]
     if step.root not in g:
         return [(_("root outside the group: not drawn"), [])]
     chain = g[g.index(step.root):] + g[:g.index(step.root)]             # the root first, then round the ring
@@ -218,16 +232,43 @@ def _sent_by(edges) -> dict[int, float]:
 def step_title(step: Step, per_call: bool = True) -> str:
     """E.g. "all_reduce 'grads' on ranks [0, 1, 2, 3]: 64 B payload, 96 B per arrow" (per_call: the call's
     arrows are its total), or "..., 96 B sent per rank in all" when the call is played step by step (each
-    frame's arrows then carry a chunk, and the call's total must not read as an arrow's)."""
+    frame's arrows then carry a chunk, and the call's total must not read as an arrow's). Where the arrows or
+    the ranks differ it says so: "12 B to 40 B per arrow" (an uneven all-to-all), "3.2 MB sent by each of ranks
+    0, 1, 2 in all, rank 3 sends nothing" (a chain broadcast: the last rank only receives)."""
     label, edges = (f" '{step.label}'" if step.label else ""), step_edges(step)
-    text = (_("send rank {src} → rank {dst}{label}: {payload}") if step.kind == "p2p" else
-            _("{op}{label} on ranks {group}{root}: {payload} payload") if not edges else
-            _("{op}{label} on ranks {group}{root}: {payload} payload, {nbytes} per arrow") if per_call else
-            _("{op}{label} on ranks {group}{root}: {payload} payload, {nbytes} sent per rank in all"))
     root = _(" (root {root})").format(root=step.root) if step.root is not None else ""
-    nbytes = style.human_bytes(edges[0][2] if per_call else max(_sent_by(edges).values())) if edges else ""
-    return text.format(op=step.op, label=label, group=list(step.group), root=root, src=step.group[0],
-                       dst=step.group[-1], payload=style.human_bytes(step.nbytes), nbytes=nbytes)
+    head = dict(op=step.op, label=label, group=list(step.group), root=root, payload=style.human_bytes(step.nbytes))
+    if step.kind == "p2p":
+        return _("send rank {src} → rank {dst}{label}: {payload}").format(
+            **head, src=step.group[0], dst=step.group[-1])
+    if not edges:
+        return _("{op}{label} on ranks {group}{root}: {payload} payload").format(**head)
+    if per_call:
+        lo, hi = min(e[2] for e in edges), max(e[2] for e in edges)
+        if lo == hi:
+            return _("{op}{label} on ranks {group}{root}: {payload} payload, {nbytes} per arrow").format(
+                **head, nbytes=style.human_bytes(hi))
+        return _("{op}{label} on ranks {group}{root}: {payload} payload, {low} to {high} per arrow").format(
+            **head, low=style.human_bytes(lo), high=style.human_bytes(hi))
+    sent = {r: _sent_by(edges).get(r, 0.0) for r in step.group}
+    if len(set(sent.values())) == 1:
+        return _("{op}{label} on ranks {group}{root}: {payload} payload, {nbytes} sent per rank in all").format(
+            **head, nbytes=style.human_bytes(max(sent.values())))
+    idle, senders = [r for r, b in sent.items() if b == 0], [r for r, b in sent.items() if b > 0]
+    nbytes, ranks = style.human_bytes(max(sent.values())), ", ".join(map(str, senders))
+    if len({sent[r] for r in senders}) > 1:
+        text = _("{op}{label} on ranks {group}{root}: {payload} payload, up to {nbytes} sent by one rank in "
+                 "all").format(**head, nbytes=nbytes)
+    elif len(senders) == 1:
+        text = _("{op}{label} on ranks {group}{root}: {payload} payload, {nbytes} sent by rank {ranks} in "
+                 "all").format(**head, nbytes=nbytes, ranks=ranks)
+    else:
+        text = _("{op}{label} on ranks {group}{root}: {payload} payload, {nbytes} sent by each of ranks {ranks} in "
+                 "all").format(**head, nbytes=nbytes, ranks=ranks)
+    if idle:
+        text += _(", rank {ranks} sends nothing").format(ranks=", ".join(map(str, idle))) if len(idle) == 1 else \
+            _(", ranks {ranks} send nothing").format(ranks=", ".join(map(str, idle)))
+    return text
 
 
 # ---------------------------------------------------------------------- geometry and frames
