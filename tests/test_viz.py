@@ -360,7 +360,7 @@ def test_uneven_all_to_all_arrows_carry_the_recorded_bytes():
         assert sum(nb for a, _, nb in edges if a == e.rank) == e.wire_bytes
     moves = [m for _, ms in algorithm_steps(step) for m in ms]
     assert sorted((m.src, m.dst, m.nbytes) for m in moves) == sorted(edges)
-    assert step_title(step).endswith("8 B to 24 B per arrow")
+    assert step_title(step).endswith("16 B to 64 B payload, 8 B to 24 B per arrow")   # payloads: 2, 3, 8 rows
     assert step_title(step, per_call=False).endswith("up to 24 B sent by one rank in all")
 
 

@@ -237,7 +237,10 @@ def step_title(step: Step, per_call: bool = True) -> str:
     0, 1, 2 in all, rank 3 sends nothing" (a chain broadcast: the last rank only receives)."""
     label, edges = (f" '{step.label}'" if step.label else ""), step_edges(step)
     root = _(" (root {root})").format(root=step.root) if step.root is not None else ""
-    head = dict(op=step.op, label=label, group=list(step.group), root=root, payload=style.human_bytes(step.nbytes))
+    sizes = sorted({e.nbytes for e in step.events}) or [step.nbytes]     # an uneven all-to-all: one per rank
+    payload = style.human_bytes(sizes[0]) if len(sizes) == 1 else _("{low} to {high}").format(
+        low=style.human_bytes(sizes[0]), high=style.human_bytes(sizes[-1]))
+    head = dict(op=step.op, label=label, group=list(step.group), root=root, payload=payload)
     if step.kind == "p2p":
         return _("send rank {src} → rank {dst}{label}: {payload}").format(
             **head, src=step.group[0], dst=step.group[-1])
