@@ -22,7 +22,7 @@ RUNS = [
     ("context_parallel", 2, ["--attention", "ring"]),
     ("expert_parallel", 2, ["--experts", "4", "--capacity-factor", "1.0"]),   # 2 experts a rank, some dropped
     ("hybrid", 4, ["--tp", "2", "--pp", "2", "--sp"]),        # TP+SP x PP
-    ("hybrid", 4, ["--cp", "2", "--zero", "1"]),               # dp 2 x cp 2
+    ("hybrid", 4, ["--cp", "2", "--zero", "1", "--ep", "2", "--experts", "4"]),   # dp 2 x cp 2, EP 2 + ZeRO-1
     ("pipeline", 2, ["--schedule", "zb-h1", "--microbatches", "4", "--dtype", "bfloat16"]),  # autocast, fp32 W
 ]
 

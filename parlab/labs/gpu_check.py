@@ -115,6 +115,8 @@ def plan(gpus: int, size: str = "small", steps: int = 20, only: list[str] | None
     if n >= 4:
         runs.append(LabRun("hybrid", ["--tp", "2", "--cp", "2", "--sp"] if n == 4 else
                            ["--tp", "2", "--pp", "2", "--cp", "2", "--sp"]))
+        runs.append(LabRun("hybrid", ["--pp", "2", "--ep", "2", "--experts", str(n), "--zero", "1",
+                                      "--microbatches", "4"]))   # 5D: experts over the dp ranks, ZeRO-1
     for r in runs:
         r.shared = shared
     return [r for r in runs if only is None or r.lab in only]

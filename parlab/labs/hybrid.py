@@ -1,13 +1,17 @@
-"""Lab: 4D hybrid parallelism. The N = tp x cp x dp x pp ranks form a grid (`parlab.parallel.topology`, order
-tp-cp-dp-pp: tp neighbours share a node, pp crosses nodes); `parlab.parallel.hybrid.build_hybrid` shards the
-layers over tp, cuts stages over pp, splits sequences over cp and averages gradients (or ZeRO) over
-dp-cp. The report shows the bytes each dimension moved: TP > DP > PP in volume.
+"""Lab: 4D hybrid parallelism, 5D with experts. The N = tp x cp x dp x pp ranks form a grid
+(`parlab.parallel.topology`, order tp-cp-dp-pp: tp neighbours share a node, pp crosses nodes);
+`parlab.parallel.hybrid.build_hybrid` shards the layers over tp, cuts stages over pp, splits sequences over cp and
+averages gradients (or ZeRO) over dp-cp. With --experts E --ep k the MLPs become mixtures of E experts spread
+over k ranks of the same grid (expert grid etp-ep-edp-pp). The report shows the bytes each dimension moved:
+TP > DP > PP in volume.
 
     torchrun --nproc_per_node=8 -m parlab.labs.hybrid --tp 2 --pp 2 --layers 4 --batch 32
+    torchrun --nproc_per_node=8 -m parlab.labs.hybrid --pp 2 --ep 2 --experts 4 --zero 1
     torchrun --nnodes=2 --nproc_per_node=8 ... -m parlab.labs.hybrid --tp 2 --pp 4 --gpus-per-node 8
 """
 from __future__ import annotations
 
+import dataclasses
 
 from parlab.i18n import _
 from parlab.parallel.groups import build_groups
@@ -30,6 +34,10 @@ def add_args(p):
     g.add_argument("--chunks", type=positive_int, default=1, help=_("model chunks per rank (interleaved schedule)"))
     g.add_argument("--cp-attention", choices=("ring", "ulysses"), default="ring")
     g.add_argument("--cp-layout", choices=("zigzag", "contiguous"), default="zigzag")
+    g.add_argument("--ep", type=positive_int, default=1, help=_("expert parallel ranks (needs --experts)"))
+    g.add_argument("--experts", type=int, default=0, help=_("experts per MoE layer, a multiple of --ep (default: 0, "
+                                                            "a dense model)"))
+    g.add_argument("--top-k", type=positive_int, default=2, help=_("experts each token is sent to"))
     g.add_argument("--gpus-per-node", type=positive_int, default=None,
                    help=_("for the layout printout (default: torchrun's LOCAL_WORLD_SIZE or srun's tasks per node)"))
 
@@ -38,15 +46,22 @@ def main(argv=None):
     lab = start("hybrid", __doc__, add_args, argv)
     a = lab.args
     m = a.microbatches or 2 * a.pp
+    if a.ep > 1 and a.experts <= 0:
+        raise SystemExit(_("--ep {ep} spreads the experts of MoE layers over {ep} ranks: give --experts E, a "
+                           "multiple of {ep}").format(ep=a.ep))
     try:
+        if a.experts:
+            lab.config = dataclasses.replace(lab.config, experts=a.experts, top_k=a.top_k)
         gpn = a.gpus_per_node or local_world_size(default=lab.world_size)      # torchrun's, or srun's
-        grid = ParallelGrid(lab.world_size, tp=a.tp, pp=a.pp, cp=a.cp, gpus_per_node=gpn)
+        grid = ParallelGrid(lab.world_size, tp=a.tp, pp=a.pp, cp=a.cp, ep=a.ep, gpus_per_node=gpn)
         schedule = make_schedule(a.schedule, a.pp, m, a.chunks)
         check_layout(lab.config, grid, schedule, batch_size=a.batch, seq_len=a.seq_len, sequence_parallel=a.sp,
                      cp_attention=a.cp_attention, cp_layout=a.cp_layout, zero_stage=a.zero)
     except ValueError as e:
         raise SystemExit(_("error: {error}").format(error=e)) from None
     lab.log(grid.describe())
+    if a.ep > 1:
+        lab.log(grid.expert.describe())
     groups = build_groups(grid)
     # built on the meta device and handed over: only this rank's stage, TP-sharded, is materialised, on the
     # device, with the dense model's values; the rest never exists in this process
@@ -65,7 +80,7 @@ def main(argv=None):
                 dim=dim, messages=row["messages"], mb=row["bytes"] / 1e6))
 
     lab.train(step, model.parameters, model.optimizer, trace_report=traffic,
-              extra=f"dp={grid.dp} tp={grid.tp} pp={grid.pp} cp={grid.cp} zero={a.zero}")
+              extra=f"dp={grid.dp} tp={grid.tp} pp={grid.pp} cp={grid.cp} ep={grid.ep} zero={a.zero}")
 
 
 if __name__ == "__main__":

@@ -28,8 +28,10 @@ group it needs (groups are passed explicitly, from `parlab.parallel.groups.build
     5. EP     a model with MoE layers (``GPTConfig(experts=E)``) on a grid with ep > 1: each kept MoE layer's
               experts spread over `groups.ep` (`parlab.parallel.expert`), their gradients averaged over
               `groups.edp` and divided by ep instead of the dp-cp average; the auxiliary losses' gradient scaled
-              by 1/m (m micro-batches' gradients are summed). First increment: tp = etp = 1, ZeRO stage 0; each
-              rank routes each micro-batch's tokens, so the one-process model that matches routes dp x m groups
+              by 1/m (m micro-batches' gradients are summed). With ZeRO-1/2 the experts get their own sharded
+              optimizer over `groups.edp` (the dense weights' over `groups.dp_cp`): its reduce-scatter averages
+              over the replicas, the 1/ep is applied before it. So far tp = etp = 1; each rank routes each
+              micro-batch's tokens, so the one-process model that matches routes dp x m groups
 
 In the code step 2 cuts the dense model before step 1 shards what is left: `PipelineParallel` deep-copies
 its model, and a communicator cannot be copied. Sharding the layers of a stage is the same as cutting a
@@ -70,8 +72,8 @@ from parlab.parallel.tensor import (check_divisible, dense_state_dict, gpt_plan,
 from parlab.parallel.topology import ParallelGrid
 from parlab.parallel.zero import ShardedOptimizer
 
-__all__ = ["HybridGPT", "build_hybrid", "make_schedule", "check_layout", "group_dim", "traffic_by_dim",
-           "SUPPORTED"]
+__all__ = ["HybridGPT", "OptimizerSet", "build_hybrid", "make_schedule", "check_layout", "group_dim",
+           "traffic_by_dim", "SUPPORTED"]
 
 SUPPORTED = ("any tp x cp x dp x pp the model's sizes allow; sequence_parallel needs seq_len / cp divisible by "
              "tp; cp attention 'ulysses' needs (n_head/tp) % cp == 0; ZeRO stage 0, 1 or 2; dropout 0")
@@ -123,9 +125,9 @@ def check_layout(config, grid: ParallelGrid, schedule: Schedule, *, batch_size: 
         if not config.experts or config.experts % grid.ep:
             raise ValueError(f"ep={grid.ep} spreads the experts of the MoE layers over ep ranks: give the model "
                              f"GPTConfig(experts=E) with E a multiple of {grid.ep} (it has experts={config.experts})")
-        if grid.tp > 1 or grid.etp > 1 or zero_stage:
-            raise ValueError(f"expert parallelism composes here with dp, cp and pp only (tp=1, etp=1, ZeRO stage 0); "
-                             f"got tp={grid.tp}, etp={grid.etp}, zero_stage={zero_stage}")
+        if grid.tp > 1 or grid.etp > 1:
+            raise ValueError(f"expert parallelism composes here with dp, cp, pp and ZeRO-1/2, not yet with tensor "
+                             f"parallelism (tp=1, etp=1); got tp={grid.tp}, etp={grid.etp}")
     if batch_size is not None and batch_size % (dp * schedule.microbatches):
         raise ValueError(f"global batch {batch_size} must split into dp={dp} replicas x "
                          f"{schedule.microbatches} micro-batches; use a multiple of {dp * schedule.microbatches}")
@@ -180,8 +182,8 @@ class HybridGPT:
         dense = [p for n, p in self.module.named_parameters() if not (ep and is_expert_param(n))]
         if self.zero_stage == 0 and g.size("dp-cp") > 1:     # plain DP: one flat all-reduce
             average_grads(dense, g.dp_cp)
-        if ep:
-            average_expert_gradients(self.module, g.ep, g.edp if g.size("edp") > 1 else None)
+        if ep:          # ZeRO: its expert optimizer averages over edp at the step; the 1/ep is here either way
+            average_expert_gradients(self.module, g.ep, g.edp if g.size("edp") > 1 and not self.zero_stage else None)
         add_back_grads(earlier)
         return self._global_loss(loss)
 
@@ -274,23 +276,60 @@ def build_hybrid(model: GPT, groups: ProcessGroups, *, schedule: str | Schedule 
     # 4. DP / ZeRO: the optimizer over this rank's (sharded) parameters.
     params = list(stage.parameters())
     if zero_stage:
-        # overlap=False: reduce once at the step, not once per micro-batch backward (the pipeline runs several)
-        opt = ShardedOptimizer(params, optimizer_cls, stage=zero_stage, group=groups.dp_cp, overlap=False,
-                               **optimizer_kwargs)
+        # overlap=False: reduce once at the step, not once per micro-batch backward (the pipeline runs several);
+        # with experts, the dense weights shard over dp-cp and each expert over its replicas (edp)
+        experts = [q for n, q in stage.named_parameters() if grid.ep > 1 and is_expert_param(n)]
+        dense = [q for q in params if id(q) not in {id(e) for e in experts}]
+        # (an expert without replicas, edp = 1, keeps a plain optimizer: nothing to shard or average)
+        opts = [ShardedOptimizer(dense, optimizer_cls, stage=zero_stage, group=groups.dp_cp, overlap=False,
+                                 **optimizer_kwargs)]
+        if experts:
+            opts.append(ShardedOptimizer(experts, optimizer_cls, stage=zero_stage, group=groups.edp, overlap=False,
+                                         **optimizer_kwargs) if groups.size("edp") > 1 else
+                        optimizer_cls(experts, **optimizer_kwargs))
+        opt = OptimizerSet(opts)
     else:
         opt = optimizer_cls(params, **optimizer_kwargs)
     return HybridGPT(pipe, groups, opt, sequence_parallel, cp_layout, zero_stage)
 
 
+class OptimizerSet:
+    """Several optimizers stepped as one (ZeRO over dp-cp for the dense weights, over edp for the experts):
+    `step`, `zero_grad` and `state` (every parameter's, for `parlab.parallel.zero.memory.measure`)."""
+
+    def __init__(self, optimizers: list):
+        self.optimizers = list(optimizers)
+
+    def step(self) -> None:
+        for opt in self.optimizers:
+            opt.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=set_to_none)
+
+    @property
+    def state(self) -> dict:
+        return {k: v for opt in self.optimizers for k, v in opt.state.items()}
+
+    @property
+    def param_groups(self) -> list:
+        return [g for opt in self.optimizers for g in opt.param_groups]
+
+
 # ---------------------------------------------------------------------- which group did each message use
 def group_dim(grid: ParallelGrid, event) -> str:
     """The grid dimension whose group (of the event's rank) carried `event`: 'tp', 'cp', 'pp', 'dp', 'dp-cp',
-    or '?' for another group. Dimensions of size 1 never match (their groups hold one rank)."""
+    the expert grid's 'ep' or 'edp', or '?' for another group. Dimensions of size 1 never match (their groups
+    hold one rank). An all-to-all is the experts' even where the ep group is also a dense one (ep over dp)."""
     members = sorted(event.group)
-    for dims in ("tp", "cp", "pp", "dp", "dp-cp", "tp-pp"):
-        g = grid.group_of(event.rank, dims)
-        if len(g) > 1 and g == members:
-            return dims
+    expert = [("ep",)] if grid.ep > 1 and event.op == "all_to_all" else []
+    for dims in [*expert, "tp", "cp", "pp", "dp", "dp-cp", "tp-pp", *(("ep", "edp") if grid.ep > 1 else ())]:
+        on_expert = isinstance(dims, tuple) or (dims in ("ep", "edp"))
+        name = dims[0] if isinstance(dims, tuple) else dims
+        g = grid.expert.group_of(event.rank, name) if on_expert else grid.group_of(event.rank, name)
+        if len(g) > 1 and sorted(g) == members:
+            return name
     return "?"
 
 

@@ -58,6 +58,11 @@ class ExpertParallelMoE(MoE):
         self.aux_grad_scale = moe.aux_grad_scale                                      # (groups: 1, its own tokens)
         ref = moe.router.weight
         self.to(device=ref.device, dtype=ref.dtype)
+        if ref.is_meta:         # built on the meta device: materialize() draws this rank's experts later
+            ep, r = comm.get_world_size(group), comm.get_rank(group)
+            for p in self.experts.parameters():
+                p.dense_chunk = (0, ep, r)                                            # experts r E/ep .. of E
+            return
         with torch.no_grad():
             self.router.weight.copy_(moe.router.weight)                               # (E, H), replicated
             for name, p in self.experts.named_parameters():                           # (E/ep, ...) of (E, ...)
