@@ -5,7 +5,7 @@ A Jupyter kernel's ports are picked by the client (bound to port 0, then let go)
 later; while the suite runs, other tests open sockets all the time (gloo ranks, other kernels), one can take a port
 in between, and the kernel exits with "Address already in use" before it answers kernel_info
 (jupyter/jupyter_client#154; it failed one CI run). nbval starts each notebook's kernel once, so this plugin
-retries that start, as `parlab.course.notebooks.client` does for parlab's own runs; nothing else of nbval changes:
+retries that start, as `parlab.course.kernel.client` does for parlab's own runs; nothing else of nbval changes:
 no cell has run when a start fails.
 """
 import nbval.kernel

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from parlab import cli, comm, course
 from parlab.cluster import formulas
-from parlab.course import grading, notebooks
+from parlab.course import grading, kernel, notebooks
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -144,7 +144,7 @@ def test_sliced_wait_finds_a_message_whose_wake_up_was_lost():
             return {"msg_type": "execute_reply"}
         raise Empty
 
-    get = notebooks._sliced(lossy_get_msg, poll=0.05)
+    get = kernel._sliced(lossy_get_msg, poll=0.05)
     msg = asyncio.run(asyncio.wait_for(get(timeout=None), 5))
     assert msg["msg_type"] == "execute_reply" and time.monotonic() - t0 < 30   # ~0.1 s, not 3600 s (generous: busy machines)
     t0 = time.monotonic() + 3600                          # a message that never comes: the timeout still holds
@@ -178,11 +178,11 @@ def first_kernel_loses_its_port(monkeypatch):
 def test_a_kernel_that_dies_starting_is_started_again(first_kernel_loses_its_port, tmp_path, blocking):
     nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("x = 6 * 7\nprint(x)")])
     if blocking:                                          # the grader's way: setup_kernel, then cell by cell
-        c = notebooks.client(nb, timeout=60, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}})
+        c = kernel.client(nb, timeout=60, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}})
         with c.setup_kernel():
             c.execute_cell(nb.cells[0], 0)
     else:
-        notebooks.execute(nb, tmp_path, timeout=60)
+        kernel.execute(nb, tmp_path, timeout=60)
     assert first_kernel_loses_its_port, "the first kernel's port was not taken: the race was not provoked"
     assert nb.cells[0].outputs[0]["text"] == "42\n"
 

@@ -254,7 +254,7 @@ def test_costs_may_be_a_function_of_the_action():
     assert slow.bubble[3] < slow.bubble[0]
 
 
-@pytest.mark.parametrize("module", ["schedules", "simulation", "plan"])
+@pytest.mark.parametrize("module", ["actions", "schedules", "simulation", "plan"])
 def test_schedules_module_is_pure_python(module):
     path = pathlib.Path(sch_module.__file__).with_name(f"{module}.py")
     tree = ast.parse(path.read_text())

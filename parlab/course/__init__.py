@@ -5,6 +5,8 @@ Read in this order:
 * ``notebooks.py``  exercises generated from their solution notebooks (solution regions cut, nbgrader metadata
                      and checksums added; each solution is itself an nbgrader source notebook), notebooks kept
                      stripped, scorecards read (``parlab course build``).
+* ``kernel.py``     notebooks run in a fresh kernel (waits in slices, a start that dies retried), lessons
+                     exported as HTML.
 * ``workspace.py``  a student's own copy of the course in ``my-course/``, opened in JupyterLab
                      (``parlab course open``); edited notebooks are never overwritten.
 * ``translated.py`` the course in another language: lessons and exercises built from the English and their
@@ -26,11 +28,12 @@ __all__ = ["BEGIN", "END", "PLACEHOLDER", "strip_solution", "make_exercise", "ma
 
 
 def __getattr__(name: str):
-    """PEP 562: the names above load ``notebooks.py`` (and nbformat, whose schema validator costs most of a second
+    """PEP 562: the names above load ``notebooks.py`` or ``kernel.py`` (and nbformat, whose schema validator costs most of a second
     to import) on first use, so an exercise's kernel that imports only ``parlab.course.grading`` skips it."""
     if name not in __all__:
         raise AttributeError(f"module 'parlab.course' has no attribute {name!r}")
-    value = getattr(importlib.import_module("parlab.course.notebooks"), name)
+    home = "parlab.course.kernel" if name in ("execute", "export_html") else "parlab.course.notebooks"
+    value = getattr(importlib.import_module(home), name)
     globals()[name] = value
     return value
 

@@ -40,10 +40,7 @@ writes that metadata into the solution notebooks too, so each is an nbgrader *so
 ``nbgrader generate_assignment`` with nbgrader's default configuration makes from it the very exercise
 `make_exercise` makes (same cells, stub, grade ids, points, locks and checksums; tests/test_nbgrader.py).
 
-`execute` runs a notebook in a fresh kernel and `export_html` turns executed
-lessons into HTML handouts (``parlab course html``); `execute` waits on the
-kernel in short slices to avoid nbclient's lost-reply stall on widget cells
-(jupyter/nbclient#312).
+Running notebooks (`execute`, `export_html`) lives in `parlab.course.kernel`.
 """
 from __future__ import annotations
 
@@ -51,7 +48,6 @@ import ast
 import copy
 import hashlib
 import re
-import subprocess
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
@@ -59,7 +55,7 @@ import nbformat
 
 __all__ = ["BEGIN", "END", "PLACEHOLDER", "strip_solution", "make_exercise", "strip_notebook", "stripped_problems",
            "graded_cells", "read", "dumps", "build", "strip", "course_notebooks", "scorecard", "ROOT",
-           "make_source", "nbgrader_metadata", "nbgrader_checksum", "is_graded", "execute", "client", "export_html"]
+           "make_source", "nbgrader_metadata", "nbgrader_checksum", "is_graded"]
 
 BEGIN, END = "### BEGIN SOLUTION", "### END SOLUTION"
 PLACEHOLDER = "# YOUR CODE HERE\nraise NotImplementedError()"   # nbgrader's ClearSolutions.code_stub["python"]
@@ -273,111 +269,6 @@ def course_notebooks(root: str | Path = ROOT) -> list[Path]:
 def strip(root: str | Path = ROOT, check: bool = False) -> list[Path]:
     """Strip outputs from every course notebook; returns the ones that were not stripped."""
     return [p for p in course_notebooks(root) if _write_if_changed(p, dumps(strip_notebook(read(p))), check)]
-
-
-# ---------------------------------------------------------------------- executing and exporting
-def execute(nb: nbformat.NotebookNode, cwd: str | Path, timeout: float = 300.0,
-            poll: float = 0.5, lang: str | None = None) -> nbformat.NotebookNode:
-    """Run every cell of `nb` in a fresh kernel started in `cwd`, in place (outputs kept); returns `nb`.
-
-    A cell that takes more than `timeout` seconds raises nbclient's CellTimeoutError. Works around
-    nbclient's lost-reply stall (jupyter/nbclient#312): on cells that open widgets, the kernel's reply can
-    sit unnoticed on the client's socket until the wait times out (measured here: lesson 07 under plain
-    nbclient stalled a cell for the full 90 s timeout in 2 of 3 runs, and forever without a timeout).
-    Waiting in slices of `poll` seconds makes every wake-up also look at the socket, so a stall lasts at
-    most `poll` seconds. `lang`: the language parlab speaks in that kernel (``PARLAB_LANG``; default: ours)."""
-    import os
-
-    # the kernel's own stderr only carries jupyter_client's shutdown noise ("KeyboardInterrupt caught in
-    # kernel", sent on purpose before shutdown); errors in cells come back in the notebook and raise here
-    env = {**os.environ, **({"PARLAB_LANG": lang} if lang else {})}
-    client(nb, poll, timeout=timeout, kernel_name="python3", resources={"metadata": {"path": str(cwd)}}).execute(
-        stderr=subprocess.DEVNULL, env=env)
-    return nb
-
-
-KERNEL_STARTS = 3
-
-
-def client(nb: nbformat.NotebookNode, poll: float = 0.5, **kwargs):
-    """nbclient's NotebookClient for `nb` (`kwargs` are its options), with two repairs the course needs:
-
-    - waits on the kernel in slices of `poll` seconds (`_sliced`; jupyter/nbclient#312);
-    - a kernel that dies while starting is started again, up to `KERNEL_STARTS` times. The client picks the
-      kernel's ports (binds port 0, then lets go) and the kernel binds them a moment later; on a busy machine
-      another process (a rank's gloo socket, another kernel) can take one in between, and the kernel exits
-      with "Address already in use" before it answers kernel_info (jupyter/jupyter_client#154). Nothing of the
-      notebook has run then, so starting again on fresh ports changes nothing it computes; for the grader it
-      means a student is not scored "crashed" for the machine's race (tests/test_course.py provokes it)."""
-    from jupyter_core.utils import run_sync
-    from nbclient import NotebookClient
-
-    class _Client(NotebookClient):
-        async def async_start_new_kernel(self, **kw):
-            self._start_kwargs = kw                        # kept for a second start
-            await super().async_start_new_kernel(**kw)
-
-        async def async_start_new_kernel_client(self):
-            for attempt in range(1, KERNEL_STARTS + 1):
-                try:
-                    kc = await super().async_start_new_kernel_client()
-                    break
-                except RuntimeError:                       # "Kernel died before replying to kernel_info"
-                    if attempt == KERNEL_STARTS:
-                        raise
-                    # nbclient has shut the dead kernel down and dropped its manager: a new one, new ports
-                    self.km = self.create_kernel_manager()
-                    await self.async_start_new_kernel(**self._start_kwargs)
-            for channel in (kc.shell_channel, kc.iopub_channel):
-                channel.get_msg = _sliced(channel.get_msg, poll)
-            return kc
-
-        # nbclient's blocking forms wrap the base class's coroutines: wrap ours (the grader calls these)
-        start_new_kernel = run_sync(async_start_new_kernel)
-        start_new_kernel_client = run_sync(async_start_new_kernel_client)
-
-    return _Client(nb, **kwargs)
-
-
-def _sliced(get_msg, poll: float):
-    """`get_msg(timeout)` that waits in slices of `poll` seconds, each ending with a fresh look at the socket."""
-    from queue import Empty
-    from time import monotonic
-
-    async def get(timeout=None):
-        deadline = None if timeout is None else monotonic() + timeout
-        while True:
-            left = poll if deadline is None else min(poll, max(0.0, deadline - monotonic()))
-            try:
-                return await get_msg(timeout=left)
-            except Empty:
-                if deadline is not None and monotonic() >= deadline:
-                    raise
-    return get
-
-
-def export_html(paths, out: str | Path, timeout: float = 300.0, lang: str | None = None, executed=False) -> list[Path]:
-    """Execute each notebook in its own folder (unless `executed`: they carry outputs) and write NAME.html into
-    `out`; returns the pages written.
-    The pages read fully offline (`parlab.course.handout`): plotly figures carry their own plotly.js, formulas are
-    typeset by the MathJax copied into ``out/mathjax/``, and each widget shows its controls' initial values and
-    the figure it drew for them."""
-    from nbconvert import HTMLExporter
-
-    from parlab.course.handout import drop_remote_scripts, offline_mathjax, static_widgets
-
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    mathjax = offline_mathjax(out)
-    pages = []
-    for path in map(Path, paths):
-        nb = read(path) if executed else execute(read(path), path.resolve().parent, timeout=timeout, lang=lang)
-        static_widgets(nb)
-        html, _ = HTMLExporter(mathjax_url=mathjax).from_notebook_node(nb)
-        page = out / (path.stem + ".html")
-        page.write_text(drop_remote_scripts(html), encoding="utf-8")
-        pages.append(page)
-    return pages
 
 
 # ---------------------------------------------------------------------- grading results

@@ -24,6 +24,9 @@ Examples::
     html = pio.to_html(viz.comm_animation(res.trace), include_plotlyjs=True)   # self-contained file
     # (plotly's HTML export plays an animation once on load; pass auto_play=False to open it at step 1)
 
+`viz.comm_steps` is the animation's data: a trace's sends and collective calls as steps, each with the messages
+of its algorithm (pure; `comm_animation` draws them).
+
 Figures for one technique live in their own module, used by its lesson:
 `viz.data_parallel`, `viz.memory` (ZeRO/FSDP), `viz.tensor_parallel`, `viz.pipeline` (schedule timelines),
 `viz.context_parallel` (ring and Ulysses), `viz.expert` (tokens per expert, the all-to-all matrix), `viz.planner` (layout search), `viz.explorer` (one layout's memory

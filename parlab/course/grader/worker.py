@@ -64,7 +64,7 @@ def grade_notebook(nb: nbformat.NotebookNode, workdir: Path, cell_timeout: float
     """Execute `nb` (restored) in a kernel started in `workdir`; return the record of every graded cell."""
     from nbclient.exceptions import DeadKernelError
 
-    from parlab.course.notebooks import client as notebook_client
+    from parlab.course.kernel import client as notebook_client
 
     results = workdir / "checks.jsonl"
     results.write_text("")

@@ -6,6 +6,7 @@
 
 Read bottom-up, in the order the data flows:
 
+* ``actions.py``    the data types: `Action` ("1F3") and `Schedule` (each rank's list, placement, F&B pairs).
 * ``schedules.py``  the schedules as data: naive, GPipe, 1F1B, interleaved 1F1B, ZB-H1, DualPipeV; the
                      closed-form bubbles; `split_layers` (Huang et al. arXiv:1811.06965; Narayanan et al.
                      arXiv:2006.09503 and arXiv:2104.04473 section 2.2; Qi et al. arXiv:2401.10241 section 3;
