@@ -1,13 +1,15 @@
 """nbgrader as a client: a course that already runs on nbgrader takes parlab's solution notebooks as its
 *source* notebooks, and nbgrader's own commands release and grade them exactly as parlab does.
 
-The lecturer's steps (nbgrader 0.9's documented layout, ``source/<assignment>/``, default configuration):
+The lecturer's steps (nbgrader 0.9's documented layout, ``source/<assignment>/``, the course's
+``exercises/nbgrader_config.py`` copied in, as exercises/README.md says):
 
 1. ``nbgrader generate_assignment`` on all ten solutions: every released notebook has the very cells of
    parlab's ``exercises/NN.ipynb`` (sources with nbgrader's stub, grade ids, points, locks and checksums);
-2. ``nbgrader autograde`` on exercise 05 handed in two ways (the solution, and the blank with two answers
-   written and one graded cell edited to pass): nbgrader's score for every graded cell equals the one
-   ``parlab grade`` gives the same two notebooks. (A blank scores 0 under nbval: tests/test_notebooks.py.)
+2. ``nbgrader autograde`` on exercise 05 handed in three ways (the solution; the blank with two answers
+   written and one graded cell edited to pass; a blank whose answer cell rebinds every check to a no-op):
+   nbgrader's score for every graded cell equals the one ``parlab grade`` gives the same notebooks, the cheat
+   0 from both (`parlab.course.grader.nbgrader_execute`). (A blank scores 0 under nbval: tests/test_notebooks.py.)
 
 3. the same in Chinese, in the same assignment (one nbgrader run each): the Chinese source notebooks
    (`parlab.course.translated`, named NAME_zh) are released as the Chinese exercises parlab builds, and the two
@@ -49,15 +51,22 @@ def _by_id(nb) -> dict:
     return {c.metadata["nbgrader"]["grade_id"]: c for c in nb.cells}
 
 
+CHECKS = ("check_1f1b_valid", "check_1f1b_reference", "check_1f1b_bubble", "check_bubble_of_step",
+          "check_bubble_over_ideal")
+
+
 def _submissions(lang: str = "en") -> dict[str, nbformat.NotebookNode]:
-    """The two hand-ins: the solution notebook itself, and an edited partial answer (two of three functions
-    written, a graded cell edited), in `lang`."""
+    """The three hand-ins: the solution notebook itself, an edited partial answer (two of three functions
+    written, a graded cell edited), and a blank whose answer cell rebinds every check to a no-op, in `lang`."""
     solution = translated.translated_solution(ROOT / "exercises" / "solutions" / f"{EX}.ipynb", lang)
     edited = course.make_exercise(solution, f"{EX}.ipynb")
     done, cells = _by_id(solution), _by_id(edited)
     cells["answer-bubble_of_step"].source = done["answer-bubble_of_step"].source   # two answers written
     cells["check_1f1b_valid-one_f_one_b_rank"].source = "print('all good')"   # a graded cell edited to pass
-    return {"solution": solution, "edited": edited}
+    cheat = course.make_exercise(solution, f"{EX}.ipynb")
+    answer = _by_id(cheat)["answer-one_f_one_b_rank"]
+    answer.source += "\n" + "\n".join(f"grading.{name} = lambda *a, **k: None" for name in CHECKS)
+    return {"solution": solution, "edited": edited, "cheat": cheat}
 
 
 @pytest.fixture(scope="module")
@@ -83,13 +92,14 @@ def nbgrader_course(tmp_path_factory):
         for sol in sorted((ROOT / "exercises" / "solutions").glob("*.ipynb")):
             shutil.copy(sol, root / "source" / "all" / sol.name)
             shutil.copy(zh_course / "exercises" / "solutions" / sol.name, root / "source" / "all" / f"{sol.stem}_zh.ipynb")
-        _nbgrader(root, "generate_assignment", "all", "--create")
-        _nbgrader(root, "autograde", "all", "--create")
+        shutil.copy(ROOT / "exercises" / "nbgrader_config.py", root / "nbgrader_config.py")   # as README says
+        _nbgrader(root, "generate_assignment", "all")
+        _nbgrader(root, "autograde", "all")
         ours, ours_zh = ({r.student: {c["grade_id"]: c["points"] * c["passed"] for c in r.checks}
                           for r in grades.result()} for grades in (parlab_grades, parlab_grades_zh))
     theirs, theirs_zh = {}, {}
     with nbgrader_api.Gradebook(f"sqlite:///{root / 'gradebook.db'}") as gb:
-        for student in ("solution", "edited"):
+        for student in ("solution", "edited", "cheat"):
             theirs[student] = {g.name: g.score for g in gb.find_submission_notebook(EX, "all", student).grades}
             theirs_zh[student] = {g.name: g.score for g in gb.find_submission_notebook(f"{EX}_zh", "all", student).grades}
     return root, theirs, ours, theirs_zh, zh_course, ours_zh
@@ -122,5 +132,6 @@ def test_nbgrader_autograde_scores_every_check_as_parlab_grade_does(nbgrader_cou
     assert edited.count("### ") == 5 and edited.count("评分：") == 5, edited
     total = {student: sum(scores.values()) for student, scores in ours.items()}
     # the edited graded cell was restored by both (it checks the unwritten one_f_one_b_rank, so it fails),
-    # and the cell holding the two bubble functions passes their two checks only
-    assert total == {"solution": 5, "edited": 2}, total
+    # and the cell holding the two bubble functions passes their two checks only; the checks rebound to no-ops
+    # earn nothing from either (nbgrader with the course's nbgrader_config.py: plain nbgrader gave it 5 of 5)
+    assert total == {"solution": 5, "edited": 2, "cheat": 0}, total

@@ -27,6 +27,9 @@ are written in it. The gradebook's codes (statuses, ``pass``/``fail``, column na
 
 Like otter-grader, grading runs the notebook afresh in a separate process; like nbgrader, it trusts the
 released cells, not the submitted ones. Run it in a throw-away container: a submission is arbitrary code.
+
+A course graded by nbgrader instead gets the same tamper check from `nbgrader_execute.GuardedExecute`, which the
+shipped ``exercises/nbgrader_config.py`` puts in place of nbgrader's Execute step.
 """
 from __future__ import annotations
 

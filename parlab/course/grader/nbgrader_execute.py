@@ -1,0 +1,62 @@
+"""nbgrader's autograde with what ``parlab grade`` guards: `GuardedExecute`, installed by the course's
+``exercises/nbgrader_config.py`` in place of nbgrader's own Execute preprocessor.
+
+nbgrader runs a submission's cells and gives a graded cell its points when the cell raised nothing. So an answer
+cell that rebinds the grading code (``grading.check_ring_all_reduce = print``) made every graded cell after it
+pass: 12 of 12 under plain nbgrader, 0 and "tampered" under ``parlab grade``. `GuardedExecute` does what
+``parlab grade``'s worker does (`parlab.course.grader.worker`):
+
+* after each graded cell, a probe cell (not kept in the notebook) asks `parlab.course.grading.guard` whether
+  the grading code or parlab was rebound; if so the graded cell gets an error output "Tampered: ...", which
+  nbgrader scores 0, and the student reads why in the feedback;
+* the cells after the last graded one (demonstrations) are not run: they score nothing, and a slow one would
+  only cost the class's grading time.
+
+Everything else is nbgrader's Execute (its timeout, its kernel, its error handling), configured as usual.
+"""
+from __future__ import annotations
+
+import json
+
+from nbformat.v4 import new_code_cell, new_output
+from nbgrader.preprocessors import Execute
+from nbgrader.utils import is_grade
+
+from parlab.i18n import _
+
+__all__ = ["GuardedExecute"]
+
+MARK = "PARLAB-GUARD:"
+PROBE = f"import json as _j, parlab.course.grading.guard as _g\nprint('{MARK}' + _j.dumps(_g.tampered()))"
+
+
+class GuardedExecute(Execute):
+    """nbgrader's Execute, with the tamper probe after each graded cell and nothing run after the last one."""
+
+    def preprocess(self, nb, resources=None, km=None):
+        graded = [i for i, cell in enumerate(nb.cells) if is_grade(cell)]
+        self._last_graded = graded[-1] if graded else len(nb.cells) - 1
+        return super().preprocess(nb, resources, km)
+
+    def preprocess_cell(self, cell, resources, index):
+        if index > self._last_graded:                  # a demonstration after the last check: not run
+            return cell, resources
+        cell, resources = super().preprocess_cell(cell, resources, index)
+        if is_grade(cell):
+            bad = self._tampered(cell, index)
+            if bad:
+                message = _("tampered: {what}; the grading code or parlab was rebound in this notebook, so this "
+                            "check does not count").format(what=", ".join(bad))
+                cell.outputs.append(new_output("error", ename="Tampered", evalue=message, traceback=[message]))
+        return cell, resources
+
+    def _tampered(self, cell, index: int) -> list[str]:
+        """The names the guard finds rebound, from a probe run in the same kernel (its output is read, not kept)."""
+        probe = new_code_cell(PROBE)
+        self.execute_cell(probe, index, store_history=False)
+        self.nb["cells"][index] = cell                 # nbclient writes the executed cell back at its index
+        for out in probe.get("outputs", []):
+            for line in out.get("text", "").splitlines():
+                if line.startswith(MARK):
+                    return json.loads(line[len(MARK):])
+        return [_("parlab.course.grading.guard (the tamper probe printed nothing)")]
