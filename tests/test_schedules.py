@@ -90,6 +90,13 @@ def test_backward_before_its_own_forward_deadlocks():
         validate(Schedule.from_text("0B0 0F0\n1F0 1B0"))
 
 
+def test_a_deadlock_reads_as_one_sentence_in_chinese_too():
+    from parlab.i18n import use_language
+    with use_language("zh_CN"), pytest.raises(ScheduleError) as err:
+        validate(Schedule.from_text("rank 0: 0F0 0B0\nrank 1: 1B0 1F0"))
+    assert "；rank 1" in str(err.value) and "; " not in str(err.value)      # a full-width semicolon between ranks
+
+
 def test_cross_rank_cycle_is_reported_with_both_ranks():
     # rank 0 wants 1B0 before it sends 0F1; rank 1 wants 0F1 before it runs 1B0
     s = Schedule.from_text("0F0 0B0 0F1 0B1\n1F1 1B1 1F0 1B0")

@@ -182,7 +182,8 @@ def simulate(schedule: Schedule, costs: Costs = None, comm: float = 0.0) -> Simu
                 pos[r] += len(group)
                 progress = True
         if not progress:
-            raise ScheduleError(_("deadlock: {waits}").format(waits="; ".join(_waiting(schedule, pos, finish))))
+            # the separator is a message too: Chinese joins its clauses with a full-width semicolon
+            raise ScheduleError(_("deadlock: {waits}").format(waits=_("; ").join(_waiting(schedule, pos, finish))))
     return Simulation(schedule, spans, max(free), [sum(e - s for s, e, _ in sp) for sp in spans],
                       *_peaks(schedule, spans))
 
