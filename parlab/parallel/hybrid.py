@@ -15,27 +15,29 @@ one-process model's loss is the mean over the global batch's N non-ignored targe
 the ranks may share unevenly; so each rank's loss is its share D * (its sum) / N, N counted over dp-cp (one
 all-reduce of an integer per step), and the average of the D ranks' gradients is the one-process gradient.
 
-`build_hybrid(model, groups, ...)` applies the strategies in one visible order, each one using only the
-group it needs (groups are passed explicitly, from `parlab.parallel.groups.build_groups`):
+`build_hybrid(model, groups, ...)` applies the strategies in one visible order, torchtitan's composition
+contract: the pipeline first cuts the model into this rank's stage(s), then each technique applies itself to
+that part, then data parallelism wraps the result. Each step is a function of its own, using only the group it
+needs (groups are passed explicitly, from `parlab.parallel.groups.build_groups`):
 
-    1. TP/SP  shard the layers over `groups.tp` (Megatron plan of `parlab.parallel.tensor.layers`); the last stage
-              keeps its logits split over the vocabulary, (b, S, V/tp), and its loss is the vocab-parallel
-              cross-entropy (three all-reduces of (b, S) numbers instead of gathering (b, S, V) logits)
-    2. PP     keep this rank's stage(s) of the schedule over `groups.pp` (`parlab.parallel.pipeline.executor`)
-    3. CP     attention of every kept layer over `groups.cp`; position embeddings at global positions
-    4. DP     gradient average over `groups.dp_cp` (one flat all-reduce), or ZeRO-1/2 over the same group
-              (`parlab.parallel.zero.optimizer.ShardedOptimizer`: reduce-scatter, shard step, all-gather)
-    5. EP     a model with MoE layers (``GPTConfig(experts=E)``) on a grid with ep > 1: each kept MoE layer's
-              experts spread over `groups.ep` (`parlab.parallel.expert`), their gradients averaged over
-              `groups.edp` and divided by ep instead of the dp-cp average; the auxiliary losses' gradient scaled
-              by 1/m (m micro-batches' gradients are summed). With ZeRO-1/2 the experts get their own sharded
-              optimizer over `groups.edp` (the dense weights' over `groups.dp_cp`): its reduce-scatter averages
-              over the replicas, the 1/ep is applied before it. So far tp = etp = 1; each rank routes each
+    1. PP     `apply_pp`: keep this rank's stage(s) of the schedule over `groups.pp`
+              (`parlab.parallel.pipeline.executor`). First, because `PipelineParallel` deep-copies its model
+              and a communicator cannot be copied; sharding a stage is the same as cutting a sharded model
+    2. TP/SP  `apply_tp`: shard the stage's layers over `groups.tp` (Megatron plan of
+              `parlab.parallel.tensor.layers`); the last stage keeps its logits split over the vocabulary,
+              (b, S, V/tp), and its loss is the vocab-parallel cross-entropy (three all-reduces of (b, S) numbers
+              instead of gathering (b, S, V) logits)
+    3. CP     `apply_cp`: attention of every kept layer over `groups.cp`; position embeddings at global positions
+    4. EP     `apply_ep`: a model with MoE layers (``GPTConfig(experts=E)``) on a grid with ep > 1: each kept MoE
+              layer's experts spread over `groups.ep` (`parlab.parallel.expert`); the auxiliary losses' gradient
+              scaled by 1/m (m micro-batches' gradients are summed). So far tp = etp = 1; each rank routes each
               micro-batch's tokens, so the one-process model that matches routes dp x m groups
-
-In the code step 2 cuts the dense model before step 1 shards what is left: `PipelineParallel` deep-copies
-its model, and a communicator cannot be copied. Sharding the layers of a stage is the same as cutting a
-sharded model, so the result is the same; the order in which the *groups* enter is the one above.
+    5. DP     `make_optimizer`: plain DP averages the gradients over `groups.dp_cp` (one flat all-reduce, in
+              `HybridGPT.forward_backward`); ZeRO-1/2 shards the optimizer over the same group
+              (`parlab.parallel.zero.optimizer.ShardedOptimizer`: reduce-scatter, shard step, all-gather). The
+              experts' gradients are averaged over `groups.edp` and divided by ep instead; with ZeRO they get
+              their own sharded optimizer over `groups.edp`, whose reduce-scatter averages over the replicas,
+              the 1/ep applied before it
 
 `HybridGPT.train_step(x, y)` takes the global batch (B, S) (the same on every rank), keeps this rank's
 rows (dp) and positions (cp), runs the chosen pipeline schedule over `schedule.microbatches` micro-batches,
@@ -72,8 +74,8 @@ from parlab.parallel.tensor import (check_divisible, dense_state_dict, gpt_plan,
 from parlab.parallel.topology import ParallelGrid
 from parlab.parallel.zero import ShardedOptimizer
 
-__all__ = ["HybridGPT", "OptimizerSet", "build_hybrid", "make_schedule", "check_layout", "group_dim",
-           "traffic_by_dim", "SUPPORTED"]
+__all__ = ["HybridGPT", "OptimizerSet", "build_hybrid", "apply_pp", "apply_tp", "apply_cp", "apply_ep",
+           "make_optimizer", "make_schedule", "check_layout", "group_dim", "traffic_by_dim", "SUPPORTED"]
 
 SUPPORTED = ("any tp x cp x dp x pp the model's sizes allow; sequence_parallel needs seq_len / cp divisible by "
              "tp; cp attention 'ulysses' needs (n_head/tp) % cp == 0; ZeRO stage 0, 1 or 2; dropout 0")
@@ -241,56 +243,76 @@ def build_hybrid(model: GPT, groups: ProcessGroups, *, schedule: str | Schedule 
     sch = make_schedule(schedule, grid.pp, microbatches or grid.pp, chunks)
     check_layout(model.config, grid, sch, sequence_parallel=sequence_parallel, cp_attention=cp_attention,
                  cp_layout=cp_layout, zero_stage=zero_stage)
-    dp_cp = groups.dp_cp if groups.size("dp-cp") > 1 else None
+    pipe = apply_pp(model, sch, groups, sequence_parallel, copy)       # 1. this rank's stage(s)
+    apply_tp(pipe, groups, sequence_parallel)                          # 2. its layers sharded over tp
+    apply_cp(pipe.module, groups, cp_attention, cp_layout)             # 3. its attention over cp
+    apply_ep(pipe.module, groups, sch.microbatches)                    # 4. its experts over ep
+    if device is not None:                                             # only the stage's shards reach the device
+        pipe.to(device)
+    opt = make_optimizer(pipe.module, groups, zero_stage, optimizer_cls, **optimizer_kwargs)   # 5. DP / ZeRO
+    return HybridGPT(pipe, groups, opt, sequence_parallel, cp_layout, zero_stage)
 
-    # 2. PP (first in the code, see the module docstring): this rank's stage(s) of the dense model.
-    #    The loss is the mean over the non-ignored targets of all dp-cp ranks (their gradients are averaged);
-    #    plain DP's average itself runs after the SP sum, in HybridGPT.forward_backward.
-    #    With SP the stages exchange hidden states split along the sequence over tp: (b, S/tp, H).
-    pipe = PipelineParallel(model, sch, group=groups.pp, loss_group=dp_cp,
-                            sequence_split=grid.tp if sequence_parallel else 1, copy=copy)
+
+def apply_pp(model: GPT, sch: Schedule, groups: ProcessGroups, sequence_parallel: bool,
+             copy: bool) -> PipelineParallel:
+    """Step 1: this rank's stage(s) of `model` under `sch` over `groups.pp`. The loss is the mean over the
+    non-ignored targets of all dp-cp ranks (their gradients are averaged); with SP the stages exchange hidden
+    states split along the sequence over tp: (b, S/tp, H)."""
+    dp_cp = groups.dp_cp if groups.size("dp-cp") > 1 else None
+    return PipelineParallel(model, sch, group=groups.pp, loss_group=dp_cp,
+                            sequence_split=groups.grid.tp if sequence_parallel else 1, copy=copy)
+
+
+def apply_tp(pipe: PipelineParallel, groups: ProcessGroups, sequence_parallel: bool) -> None:
+    """Step 2: every layer of the stage sharded over `groups.tp` (nothing with tp = 1)."""
     stage = pipe.module
-    # 1. TP/SP: shard every layer the stage holds over the tp group.
-    if grid.tp > 1:
-        parallelize(stage, _stage_plan(stage, sequence_parallel), groups.tp, sequence_parallel)
-        if stage.lm_head is not None:                         # the last stage: loss on (b, S, V/tp) logits
-            stage.loss = functools.partial(vocab_parallel_mean_loss, group=groups.tp)
-        pipe.register_split_backward_hooks()                  # zero-bubble W: the sharded layers too
-    # 3. CP: attention over the cp group; position embeddings at this rank's global positions.
-    if grid.cp > 1:
-        cp_rank = groups.local_rank("cp")
-        attend = ring_attention if cp_attention == "ring" else ulysses_attention
-        for block in stage.blocks:
-            if block is not None:
-                block.attn.core_attention = functools.partial(attend, group=groups.cp, causal=True,
-                                                              layout=cp_layout)
-        if stage.wpe is not None:                             # prepend: before the SP split of positions
-            stage.wpe.register_forward_pre_hook(_global_positions(grid.cp, cp_rank, cp_layout), prepend=True)
-    # 5. EP: the MoE layers' experts over the ep group; every micro-batch's aux-loss gradient weighs 1/m.
-    if grid.ep > 1:
+    if groups.grid.tp == 1:
+        return
+    parallelize(stage, _stage_plan(stage, sequence_parallel), groups.tp, sequence_parallel)
+    if stage.lm_head is not None:                                      # the last stage: loss on (b, S, V/tp) logits
+        stage.loss = functools.partial(vocab_parallel_mean_loss, group=groups.tp)
+    pipe.register_split_backward_hooks()                               # zero-bubble W: the sharded layers too
+
+
+def apply_cp(stage: GPT, groups: ProcessGroups, cp_attention: str, cp_layout: str) -> None:
+    """Step 3: attention over `groups.cp`, position embeddings at this rank's global positions (nothing with
+    cp = 1)."""
+    cp = groups.grid.cp
+    if cp == 1:
+        return
+    attend = ring_attention if cp_attention == "ring" else ulysses_attention
+    for block in stage.blocks:
+        if block is not None:
+            block.attn.core_attention = functools.partial(attend, group=groups.cp, causal=True, layout=cp_layout)
+    if stage.wpe is not None:                                          # prepend: before the SP split of positions
+        stage.wpe.register_forward_pre_hook(_global_positions(cp, groups.local_rank("cp"), cp_layout), prepend=True)
+
+
+def apply_ep(stage: GPT, groups: ProcessGroups, microbatches: int) -> None:
+    """Step 4: the MoE layers' experts over `groups.ep`; every micro-batch's aux-loss gradient weighs 1/m."""
+    if groups.grid.ep > 1:
         expert_parallel(stage, groups.ep)
     for moe in moe_layers(stage):
-        moe.aux_grad_scale = 1.0 / sch.microbatches
-    if device is not None:                                    # only the stage's TP shards reach the device
-        pipe.to(device)
-    # 4. DP / ZeRO: the optimizer over this rank's (sharded) parameters.
+        moe.aux_grad_scale = 1.0 / microbatches
+
+
+def make_optimizer(stage: GPT, groups: ProcessGroups, zero_stage: int,
+                   optimizer_cls: type[torch.optim.Optimizer], **optimizer_kwargs):
+    """Step 5: the optimizer over this rank's (sharded) parameters: plain, or ZeRO-1/2 over dp-cp for the dense
+    weights and over edp for the experts (a plain optimizer where an expert has no replica, edp = 1). overlap
+    is off: reduce once at the step, not once per micro-batch backward (the pipeline runs several)."""
     params = list(stage.parameters())
-    if zero_stage:
-        # overlap=False: reduce once at the step, not once per micro-batch backward (the pipeline runs several);
-        # with experts, the dense weights shard over dp-cp and each expert over its replicas (edp)
-        experts = [q for n, q in stage.named_parameters() if grid.ep > 1 and is_expert_param(n)]
-        dense = [q for q in params if id(q) not in {id(e) for e in experts}]
-        # (an expert without replicas, edp = 1, keeps a plain optimizer: nothing to shard or average)
-        opts = [ShardedOptimizer(dense, optimizer_cls, stage=zero_stage, group=groups.dp_cp, overlap=False,
-                                 **optimizer_kwargs)]
-        if experts:
-            opts.append(ShardedOptimizer(experts, optimizer_cls, stage=zero_stage, group=groups.edp, overlap=False,
-                                         **optimizer_kwargs) if groups.size("edp") > 1 else
-                        optimizer_cls(experts, **optimizer_kwargs))
-        opt = OptimizerSet(opts)
-    else:
-        opt = optimizer_cls(params, **optimizer_kwargs)
-    return HybridGPT(pipe, groups, opt, sequence_parallel, cp_layout, zero_stage)
+    if not zero_stage:
+        return optimizer_cls(params, **optimizer_kwargs)
+    experts = [q for n, q in stage.named_parameters() if groups.grid.ep > 1 and is_expert_param(n)]
+    dense = [q for q in params if id(q) not in {id(e) for e in experts}]
+    opts = [ShardedOptimizer(dense, optimizer_cls, stage=zero_stage, group=groups.dp_cp, overlap=False,
+                             **optimizer_kwargs)]
+    if experts:
+        opts.append(ShardedOptimizer(experts, optimizer_cls, stage=zero_stage, group=groups.edp, overlap=False,
+                                     **optimizer_kwargs) if groups.size("edp") > 1 else
+                    optimizer_cls(experts, **optimizer_kwargs))
+    return OptimizerSet(opts)
 
 
 class OptimizerSet:
