@@ -177,6 +177,8 @@ def test_a_hung_rank_is_named_by_the_timeout():
     with pytest.raises(RankTimeout) as info:
         parlab.run(_hang_one, 3, timeout=3, echo=False)
     assert info.value.unfinished == [1]
+    # the ranks that were done are named too: what rank 1 might wait for, they will never send
+    assert info.value.returned == [0, 2] and "ranks [0, 2] had already returned" in str(info.value)
 
 
 # ---------------------------------------------------------------------- temporary files, every exit path

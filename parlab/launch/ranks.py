@@ -116,11 +116,17 @@ class RankError(RuntimeError):
 class RankTimeout(TimeoutError):
     """Some ranks did not finish within the timeout (often a deadlock: mismatched send/recv or collectives)."""
 
-    def __init__(self, unfinished: list[int], timeout: float, outputs: list[str]):
-        self.unfinished, self.timeout, self.outputs = unfinished, timeout, outputs
-        super().__init__(f"ranks {unfinished} did not finish within {timeout:g} s; a common cause is a deadlock "
-                         f"(a rank waiting in a collective or recv that its peers never enter). "
-                         f"All ranks were stopped.")
+    def __init__(self, unfinished: list[int], timeout: float, outputs: list[str], returned: list[int] = ()):
+        self.unfinished, self.timeout, self.outputs, self.returned = unfinished, timeout, outputs, list(returned)
+        if self.returned:      # some ranks were done: whatever the others wait for, those will never send it
+            why = (f", while ranks {self.returned} had already returned from the function. If the ranks still "
+                   f"inside wait in a collective or recv, it is a deadlock the returned ranks can never end: some "
+                   f"ranks ran more steps or collectives than others (an uneven number of batches, a collective "
+                   f"under an `if rank == ...`); give every rank the same sequence of collectives")
+        else:
+            why = ("; a common cause is a deadlock (a rank waiting in a collective or recv that its peers never "
+                   "enter)")
+        super().__init__(f"ranks {unfinished} did not finish within {timeout:g} s{why}. All ranks were stopped.")
 
 
 class RankKilled(RuntimeError):
@@ -326,7 +332,8 @@ def _explain(failure, workdir: str, world_size: int, timeout: float, outputs: li
     only when no rank reported an error. Otherwise the earliest reported exception in time is the cause."""
     if failure[0] == "timeout":  # name the ranks still inside fn (finished ones wait at the exit barrier)
         inside = [r for r in failure[1] if not _reported(workdir, r)]
-        return RankTimeout(inside or failure[1], timeout, outputs)
+        returned = [r for r in range(world_size) if r not in (inside or failure[1])]
+        return RankTimeout(inside or failure[1], timeout, outputs, returned)
     silent, errors = [], []
     for r in range(world_size):
         if not _reported(workdir, r):
