@@ -76,3 +76,19 @@ def test_clear_errors():
         grid_figure(SEED_000, highlight="pp-tp")
     with pytest.raises(ValueError, match="ParallelGrid"):
         grid_figure("tp=2")
+
+
+def test_the_figure_gives_every_gpu_room_at_every_world_size():
+    """Lesson 07's grid at world 64 once squeezed 8 nodes into 200 px of a 680 px figure (squares and labels on
+    top of each other): the row length and the height now follow from the nodes, and a GPU's square keeps 30% of
+    its pitch free. (Checked in Chromium at worlds 8, 16, 32 and 64.)"""
+    from parlab.viz.grid import NODE_GAP, PLOT_H, PLOT_W, _fit, _layout_cols
+    for world, gpn in ((8, 8), (16, 8), (32, 8), (64, 8), (128, 8), (16, 4)):
+        grid = ParallelGrid(world, tp=2, gpus_per_node=gpn)
+        npr, unit = _fit(grid, None, 46)
+        cols, rows = _layout_cols(gpn), -(-gpn // _layout_cols(gpn))
+        assert min(npr, grid.num_nodes) * (cols + NODE_GAP) * unit <= PLOT_W + 1e-9          # fits the width
+        assert (-(-grid.num_nodes // npr) * (rows + NODE_GAP) + 0.3) * unit <= PLOT_H + 1e-9   # and the height
+        size = grid_figure(grid).data[0].marker.size
+        assert size == min(46, 0.7 * unit) and size >= 30, (world, size)                 # room, and legible
+    assert _fit(ParallelGrid(16, tp=2, gpus_per_node=8), None, 46)[0] == 2               # two nodes side by side

@@ -96,17 +96,42 @@ def _group_traces(grid: ParallelGrid, dims: str, pos: dict, marker_size: float) 
     return traces
 
 
-def grid_figure(grid: ParallelGrid, highlight: str = "tp", nodes_per_row: int = 4, title: str | None = None,
-                gpu_size: float = 46) -> go.Figure:
+PLOT_W, PLOT_H = 860, 560   # the plot area the figure sizes itself for (a notebook's output at 1440 x 900)
+
+
+def _fit(grid: ParallelGrid, nodes_per_row: int | None, gpu_size: float) -> tuple[int, float]:
+    """(nodes per row, pixels per GPU width): the shortest figure whose GPUs get `gpu_size` pixels with 3/7
+    of that between them inside PLOT_W x PLOT_H; where no row length allows that, the one that shows them
+    largest (a given `nodes_per_row` is kept)."""
+    gpn = grid.gpus_per_node
+    cols = _layout_cols(gpn)
+    rows = -(-gpn // cols)
+    wanted, options = gpu_size / 0.7, []
+    for npr in ([nodes_per_row] if nodes_per_row else range(1, grid.num_nodes + 1)):
+        width = min(npr, grid.num_nodes) * (cols + NODE_GAP)               # in GPU widths, boxes and gaps
+        height = -(-grid.num_nodes // npr) * (rows + NODE_GAP) + 0.3       # + the node labels
+        unit = min(PLOT_W / width, PLOT_H / height, wanted)
+        options.append((unit < wanted, -unit if unit < wanted else height, npr, unit))
+    _short, _key, npr, unit = min(options)
+    return npr, unit
+
+
+def grid_figure(grid: ParallelGrid, highlight: str = "tp", nodes_per_row: int | None = None,
+                title: str | None = None, gpu_size: float = 46) -> go.Figure:
     """GPUs in node boxes, `highlight`'s groups in colour (dashed if they cross nodes), a dropdown to switch.
 
     `highlight` is one of ``HIGHLIGHTS`` ("tp", "cp", "dp", "pp", "tp-pp"); nodes come from
-    ``grid.gpus_per_node``. Returns a plotly Figure (``fig.write_html(path)`` keeps the dropdown)."""
+    ``grid.gpus_per_node``. `nodes_per_row` (default: the row length that shows the GPUs largest) and the
+    height follow from the number of nodes, and a GPU's square shrinks below `gpu_size` pixels only where its
+    neighbours would otherwise touch it (64 GPUs: 8 nodes in rows of 3). The legend sits under the grid.
+    Returns a plotly Figure (``fig.write_html(path)`` keeps the dropdown)."""
     if not isinstance(grid, ParallelGrid):
         raise ValueError(f"grid_figure needs a parlab.parallel.topology.ParallelGrid, got {type(grid).__name__}")
     if highlight not in HIGHLIGHTS:
         parse_dims(highlight)   # a clear error for unknown names first
         raise ValueError(f"highlight must be one of {HIGHLIGHTS}, got {highlight!r}")
+    nodes_per_row, unit = _fit(grid, nodes_per_row, gpu_size)
+    gpu_size = min(gpu_size, 0.7 * unit)                 # pixels: 30% of the pitch stays between squares
     pos = gpu_positions(grid, nodes_per_row)
     gpn = grid.gpus_per_node
     fig = go.Figure()
@@ -147,12 +172,17 @@ def grid_figure(grid: ParallelGrid, highlight: str = "tp", nodes_per_row: int = 
     buttons = [dict(label=dims, method="update",
                     args=[{"visible": [o is None or o == dims for o in owner]}, {"title.text": heading(dims)}])
                for dims in HIGHLIGHTS]
-    rows = -(-grid.num_nodes // nodes_per_row)
+    xs, ys = [x for x, _y in pos.values()], [y for _x, y in pos.values()]
+    plot_h = unit * (max(ys) - min(ys) + 2 * PAD + 0.6)                 # the boxes, their labels: as drawn
+    entries = max(len(grid.groups(d)) if len(grid.groups(d)[0]) > 1 else 1 for d in HIGHLIGHTS)
+    legend_h = 26 + 21 * -(-min(entries, 48) // 3)                      # three entries a row under the grid
     fig.update_layout(
         title=dict(text=heading(highlight)), template="plotly_white", hovermode="closest",
         updatemenus=[dict(type="dropdown", buttons=buttons, active=HIGHLIGHTS.index(highlight), x=1, xanchor="right",
                           y=1.0, yanchor="bottom", showactive=True)],
         xaxis=dict(visible=False, scaleanchor="y", scaleratio=1), yaxis=dict(visible=False),
-        legend=dict(title=_("groups"), itemclick="toggle"),
-        height=max(320, 130 * rows * (-(-gpn // _layout_cols(gpn))) + 160), margin=dict(t=110))
+        legend=dict(title=_("groups"), itemclick="toggle", orientation="h", x=0, xanchor="left", y=0,
+                    yanchor="top", traceorder="normal"),     # normal: a legendgroup's entries flow in rows too
+        height=int(plot_h + 110 + legend_h),
+        margin=dict(t=110, b=legend_h, l=40, r=40))
     return fig
