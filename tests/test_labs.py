@@ -196,3 +196,57 @@ def test_a_bad_lab_option_is_one_line_and_exit_2(lab, argv, message, capsys):
     # the error first and alone (parlab.args), then where the usage is: no ten lines of usage before it
     assert e.value.code == 2 and re.search(message, err[0]) and len(err) == 2 and "--help" in err[1], err
     assert not any("Traceback" in line or "usage:" in line for line in err)
+
+
+WATCHED = """
+import os, signal, sys, time
+from parlab.labs import Watch
+
+class Store:                      # in memory; once 'gone', it never answers again (its host stopped or died)
+    gone = False
+    def __init__(self):
+        self.d = {}
+    def set(self, k, v):
+        if Store.gone:
+            raise RuntimeError("gone")
+        self.d[k] = v
+    def add(self, k, n):
+        if Store.gone:
+            raise RuntimeError("gone")
+        self.d[k] = int(self.d.get(k, 0)) + n
+        return self.d[k]
+
+Watch(Store(), rank=0, world=2, interval=0.05, timeout=1.0)
+time.sleep(0.3)
+Store.gone = True
+if sys.argv[1] == "stop":
+    os.kill(os.getpid(), signal.SIGSTOP)       # the test wakes it with SIGCONT, as SLURM does
+time.sleep(30)
+"""
+
+
+@pytest.mark.parametrize("stopped", [True, False], ids=["this-rank-stopped", "store-host-gone"])
+def test_the_store_watch_blames_the_process_that_stopped(stopped, tmp_path):
+    """A rank stopped (SIGSTOP) and woken later (SIGCONT) says it was stopped itself; it used to blame 'the
+    process hosting the store', which under srun is rank 0, itself. A rank whose store really went silent
+    still says that."""
+    import signal
+    import time
+    script = tmp_path / "watched.py"
+    script.write_text(WATCHED)
+    proc = subprocess.Popen([sys.executable, str(script), "stop" if stopped else "run"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    if stopped:
+        for _ in range(1200):                                   # until it has stopped itself
+            if open(f"/proc/{proc.pid}/stat").read().rsplit(")", 1)[-1].split()[0] == "T":
+                break
+            time.sleep(0.05)
+        time.sleep(2.5)                                         # longer than the watch's timeout of 1 s
+        os.kill(proc.pid, signal.SIGCONT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 1, err
+    said = err.strip().splitlines()[-1]
+    if stopped:
+        assert said.startswith("[rank 0] this process was stopped for") and "has just resumed" in said, said
+    else:
+        assert "the rendezvous store has not answered for" in said, said

@@ -63,7 +63,7 @@ from parlab.parallel.zero import measure
 from parlab.models import GPT, GPTConfig
 from parlab.trace import Trace, recording
 
-__all__ = ["Lab", "start", "parser", "peak_memory", "LABS", "Watch", "positive_int", "positive_float"]
+__all__ = ["Lab", "start", "parser", "peak_memory", "LABS", "Watch", "stopped_itself", "positive_int", "positive_float"]
 
 LABS = ("data_parallel", "zero", "tensor_parallel", "pipeline", "context_parallel", "expert_parallel", "hybrid")
 
@@ -197,6 +197,14 @@ class Lab:
         return summary
 
 
+def stopped_itself(silent: float, paused: float, timeout: float) -> bool:
+    """Was the store's silence of `silent` seconds this process's own doing? True when the process was not
+    running (`paused`: the longest wake-up of its watcher later than asked) for more than half the timeout: then
+    the store had no chance to answer, and blaming its host would point at the wrong process (a SIGSTOPped rank
+    0 under srun, woken by SLURM's SIGCONT, blamed itself as "the process hosting the store")."""
+    return silent > timeout and paused > timeout / 2
+
+
 class Watch:
     """Who stopped answering: every rank bumps a heartbeat counter in the rendezvous store from a daemon
     thread and records the step it is in; when a collective fails (typically after --timeout), `report`
@@ -243,13 +251,24 @@ class Watch:
             self._stop.wait(self.interval)
 
     def _watch_store(self) -> None:
+        last, paused = time.monotonic(), 0.0
         while not self._stop.wait(self.interval):
-            silent = time.monotonic() - self._answered
-            if silent > self.timeout:
+            now = time.monotonic()
+            # a wake-up far later than asked: this process itself was not running (SIGSTOP, a frozen node)
+            paused, last = max(paused, now - last - self.interval), now
+            silent = now - self._answered
+            if silent <= self.timeout:
+                paused = 0.0 if silent < self.interval * 4 else paused       # answered again: start afresh
+                continue
+            if stopped_itself(silent, paused, self.timeout):
+                print(_("[rank {rank}] this process was stopped for {paused:.0f} s (SIGSTOP, or its node froze) and "
+                        "has just resumed; the other ranks have given up on it by now: rank {rank} stops "
+                        "now").format(rank=self.rank, paused=paused), file=sys.stderr, flush=True)
+            else:
                 print(_("[rank {rank}] the rendezvous store has not answered for {silent:.0f} s: the process "
                         "hosting it stopped, froze or died (under srun: rank 0's; under torchrun: the node's agent); "
                         "rank {rank} stops now").format(rank=self.rank, silent=silent), file=sys.stderr, flush=True)
-                os._exit(1)
+            os._exit(1)
 
     def at_step(self, step: int) -> None:
         self._step = step                                  # published by the heartbeat thread
