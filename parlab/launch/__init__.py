@@ -11,6 +11,8 @@ Read in this order:
 * ``child.py``     the rank's side of `run`: the process group, one thread, the trace, the report home.
 * ``torchrun.py``  `init()` under torchrun or srun (SLURM's variables read), the device of this rank, a clean
                     exit.
+* ``watch.py``     `Watch`: the labs' heartbeats in the store, who stopped answering, a job that ends instead of
+                    hanging.
 """
 from parlab.launch.child import to_cpu
 from parlab.launch.ranks import RankError, RankKilled, RankTimeout, RunResult, choose_backend, run
