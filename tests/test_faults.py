@@ -374,6 +374,21 @@ def test_plain_python_in_a_multi_task_slurm_job_stops_with_a_message(tmp_path):
     assert "SLURM_NTASKS=4" in out.stderr and "not started by srun" in out.stderr
 
 
+@pytest.mark.parametrize("task", [0, 1])
+def test_a_lab_under_srun_without_master_addr_says_so_once_without_a_traceback(task, tmp_path):
+    """The first task prints the message; the others exit quietly, so a job of 16 tasks shows it once."""
+    out = subprocess.run([sys.executable, "-m", "parlab.labs.data_parallel", "--steps", "1", "--no-trace"],
+                         capture_output=True, text=True, timeout=120, cwd=tmp_path,
+                         env=_slurm_env(SLURM_NTASKS=2, SLURM_STEP_NUM_TASKS=2, SLURM_PROCID=task, SLURM_LOCALID=task,
+                                        MASTER_ADDR=""))
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
+    if task == 0:
+        assert out.stderr.startswith("error: parlab.init(): started by srun with several tasks but MASTER_ADDR is "
+                                     "empty") and "export MASTER_ADDR" in out.stderr, out.stderr
+    else:
+        assert out.stderr == "", out.stderr
+
+
 def test_srun_without_master_addr_stops_with_a_message(tmp_path):
     out = subprocess.run(_script(tmp_path), capture_output=True, text=True, timeout=120,
                          env=_slurm_env(SLURM_NTASKS=2, SLURM_STEP_NUM_TASKS=2, SLURM_PROCID=1, SLURM_LOCALID=1))

@@ -259,7 +259,14 @@ def start(name: str, description: str, add_args: Callable[[argparse.ArgumentPars
                     if os.path.isdir(args.trace) else
                     _("--trace {trace}: the folder {folder} does not exist; create it, or pass --no-trace").format(
                         trace=args.trace, folder=folder))
-    ctx = init(args.backend, timeout=args.timeout)
+    try:
+        ctx = init(args.backend, timeout=args.timeout)
+    except RuntimeError as e:       # the launch environment is wrong (MASTER_ADDR empty, a plain `python` in a
+        if not str(e).startswith("parlab.init()"):      # multi-task job): said once, by the first task, no traceback
+            raise
+        if os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0":
+            print(_("error: {error}").format(error=e), file=sys.stderr, flush=True)
+        raise SystemExit(1) from None
     watch = None
     if ctx.world_size > 1:
         try:
