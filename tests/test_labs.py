@@ -183,6 +183,9 @@ def test_gpu_tests_import_on_cpu():
     ("data_parallel", ["--bucket-mb", "0"], "argument --bucket-mb: must be a positive number, got 0"),
     ("hybrid", ["--tp", "0"], "argument --tp: must be a positive integer, got 0"),
     ("hybrid", ["--chunks", "-2"], "argument --chunks: must be a positive integer, got -2"),
+    ("hybrid", ["--ep", "2"], "--ep 2 spreads the experts of MoE layers over 2 ranks: give --experts E"),
+    ("hybrid", ["--ep", "2", "--experts", "3"], "--experts 3 must be a multiple of --ep 2"),
+    ("hybrid", ["--experts", "-1"], "--experts must be 0 .* got -1"),
     ("zero", ["--trace", "no/such/folder/t.json"], "the folder .*no/such/folder does not exist; create it, or pass "
                                                    "--no-trace"),
     ("zero", ["--trace", "."], "--trace .: that is a folder; name a file in it"),

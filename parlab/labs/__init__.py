@@ -237,12 +237,16 @@ def gather_to_main(obj) -> list:
 
 
 def start(name: str, description: str, add_args: Callable[[argparse.ArgumentParser], None] | None = None,
-          argv: list[str] | None = None) -> Lab:
-    """Parse the options, start torch.distributed (`parlab.init`) and set up model config and data."""
+          argv: list[str] | None = None, check: Callable[[argparse.Namespace], str | None] | None = None) -> Lab:
+    """Parse the options, start torch.distributed (`parlab.init`) and set up model config and data. `check(args)`
+    returns what is wrong with a combination of the lab's own options (or None): refused like a bad option,
+    before anything starts."""
     p = parser(name, description)
     if add_args is not None:
         add_args(p)
     args = p.parse_args(argv)
+    if check is not None and (problem := check(args)):
+        p.error(problem)
     tok = CharTokenizer()
     if args.vocab < tok.vocab_size:
         p.error(_("--vocab {vocab} is smaller than the corpus alphabet ({n} characters)").format(

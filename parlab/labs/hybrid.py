@@ -42,13 +42,24 @@ def add_args(p):
                    help=_("for the layout printout (default: torchrun's LOCAL_WORLD_SIZE or srun's tasks per node)"))
 
 
+def check_experts(a) -> str | None:
+    """What is wrong with --experts and --ep together, if anything."""
+    if a.experts < 0:
+        return _("--experts must be 0 (a dense model) or a positive number of experts, got {experts}").format(
+            experts=a.experts)
+    if a.ep > 1 and a.experts == 0:
+        return _("--ep {ep} spreads the experts of MoE layers over {ep} ranks: give --experts E, a "
+                 "multiple of {ep}").format(ep=a.ep)
+    if a.experts and a.experts % a.ep:
+        return _("--experts {experts} must be a multiple of --ep {ep} (each expert-parallel rank holds "
+                 "experts / ep of them)").format(experts=a.experts, ep=a.ep)
+    return None
+
+
 def main(argv=None):
-    lab = start("hybrid", __doc__, add_args, argv)
+    lab = start("hybrid", __doc__, add_args, argv, check=check_experts)
     a = lab.args
     m = a.microbatches or 2 * a.pp
-    if a.ep > 1 and a.experts <= 0:
-        raise SystemExit(_("--ep {ep} spreads the experts of MoE layers over {ep} ranks: give --experts E, a "
-                           "multiple of {ep}").format(ep=a.ep))
     try:
         if a.experts:
             lab.config = dataclasses.replace(lab.config, experts=a.experts, top_k=a.top_k)
