@@ -32,7 +32,7 @@ PY = sys.executable
 TINY = ["--layers", "2", "--hidden", "32", "--heads", "2", "--seq-len", "16", "--batch", "8", "--steps", "3",
         "--quiet", "--no-trace"]
 # two labs: the DP world and the hybrid's groups of a grid (every lab under srun, against torchrun's throughput: benchmarks/README.md, "Labs under a real SLURM")
-LABS = {"data_parallel": [], "hybrid": ["--tp", "2"]}
+LABS = {"data_parallel": [], "hybrid": ["--tp", "2"]}           # (the hybrid: the README's CPU script)
 NOISE = ("recvValue", "terminate called", "TCPStore.cpp", "Traceback")
 
 
@@ -58,11 +58,22 @@ def _documented_master_addr() -> str:
     return 'export MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)'
 
 
+def _readme_cpu_script() -> str:
+    """The CPU cluster's sbatch script of parlab/labs/README.md, as a user copies it (on this one node: --nodes=1;
+    this environment's python; a short run)."""
+    readme = (Path(__file__).parents[1] / "parlab" / "labs" / "README.md").read_text()
+    script = re.search(r"```bash\n(#!/bin/bash\n#SBATCH --job-name=parlab-hybrid-cpu\n.*?)```", readme, re.S).group(1)
+    assert "#SBATCH --nodes=2\n" in script and "srun -K python -m parlab.labs.hybrid" in script
+    script = script.replace("#SBATCH --nodes=2\n", "#SBATCH --nodes=1\n").replace(" python -m", f" {PY} -m")
+    script = script.replace('export MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
+                            _documented_master_addr())      # the loopback address where the host name does not resolve
+    return script.rstrip() + " --steps 3 --quiet --no-trace\n"
+
+
 def test_labs_run_in_an_sbatch_job_as_under_torchrun(slurm, tmp_path):
-    lines = [f"srun -K {PY} -m parlab.labs.{lab} {' '.join(TINY + extra)}" for lab, extra in LABS.items()]
+    """The README's CPU script (the hybrid lab, tp 2) and a data-parallel lab after it, in one job."""
     script = tmp_path / "labs.sbatch"
-    script.write_text("#!/bin/bash\n#SBATCH --ntasks=2\n#SBATCH --time=00:10:00\n"
-                      + _documented_master_addr() + "\n" + "\n".join(lines) + "\n")
+    script.write_text(_readme_cpu_script() + f"srun -K {PY} -m parlab.labs.data_parallel {' '.join(TINY)}\n")
     submitted = subprocess.run(["sbatch", "--parsable", "--output", str(tmp_path / "job.out"), str(script)],
                                env=slurm, cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert submitted.returncode == 0, submitted.stderr
