@@ -344,14 +344,14 @@ def group_dim(grid: ParallelGrid, event) -> str:
     """The grid dimension whose group (of the event's rank) carried `event`: 'tp', 'cp', 'pp', 'dp', 'dp-cp',
     the expert grid's 'ep' or 'edp', or '?' for another group. Dimensions of size 1 never match (their groups
     hold one rank). An all-to-all is the experts' even where the ep group is also a dense one (ep over dp)."""
+    dense = [(grid, d) for d in ("tp", "cp", "pp", "dp", "dp-cp", "tp-pp")]
+    experts = [(grid.expert, d) for d in ("ep", "edp")] if grid.ep > 1 else []
+    order = experts + dense if event.op == "all_to_all" else dense + experts
     members = sorted(event.group)
-    expert = [("ep",)] if grid.ep > 1 and event.op == "all_to_all" else []
-    for dims in [*expert, "tp", "cp", "pp", "dp", "dp-cp", "tp-pp", *(("ep", "edp") if grid.ep > 1 else ())]:
-        on_expert = isinstance(dims, tuple) or (dims in ("ep", "edp"))
-        name = dims[0] if isinstance(dims, tuple) else dims
-        g = grid.expert.group_of(event.rank, name) if on_expert else grid.group_of(event.rank, name)
-        if len(g) > 1 and sorted(g) == members:
-            return name
+    for g, dims in order:
+        group = g.group_of(event.rank, dims)
+        if len(group) > 1 and sorted(group) == members:
+            return dims
     return "?"
 
 

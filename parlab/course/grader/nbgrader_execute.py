@@ -16,18 +16,13 @@ Everything else is nbgrader's Execute (its timeout, its kernel, its error handli
 """
 from __future__ import annotations
 
-import json
-
 from nbformat.v4 import new_code_cell, new_output
 from nbgrader.preprocessors import Execute
 from nbgrader.utils import is_grade
 
-from parlab.i18n import _
+from parlab.course.grader.worker import TAMPER_PROBE, tampered_message, tampered_names
 
 __all__ = ["GuardedExecute"]
-
-MARK = "PARLAB-GUARD:"
-PROBE = f"import json as _j, parlab.course.grading.guard as _g\nprint('{MARK}' + _j.dumps(_g.tampered()))"
 
 
 class GuardedExecute(Execute):
@@ -45,18 +40,13 @@ class GuardedExecute(Execute):
         if is_grade(cell):
             bad = self._tampered(cell, index)
             if bad:
-                message = _("tampered: {what}; the grading code or parlab was rebound in this notebook, so this "
-                            "check does not count").format(what=", ".join(bad))
+                message = tampered_message(", ".join(bad))
                 cell.outputs.append(new_output("error", ename="Tampered", evalue=message, traceback=[message]))
         return cell, resources
 
     def _tampered(self, cell, index: int) -> list[str]:
         """The names the guard finds rebound, from a probe run in the same kernel (its output is read, not kept)."""
-        probe = new_code_cell(PROBE)
+        probe = new_code_cell(TAMPER_PROBE)
         self.execute_cell(probe, index, store_history=False)
         self.nb["cells"][index] = cell                 # nbclient writes the executed cell back at its index
-        for out in probe.get("outputs", []):
-            for line in out.get("text", "").splitlines():
-                if line.startswith(MARK):
-                    return json.loads(line[len(MARK):])
-        return [_("parlab.course.grading.guard (the tamper probe printed nothing)")]
+        return tampered_names("".join(out.get("text", "") for out in probe.get("outputs", [])))

@@ -26,9 +26,24 @@ import nbformat
 from parlab.args import ArgumentParser
 from parlab.i18n import _
 
-__all__ = ["grade_notebook", "main"]
+__all__ = ["grade_notebook", "main", "TAMPER_PROBE", "tampered_names", "tampered_message"]
 
 MARK = "__parlab_grader__"
+# run in the student's kernel after each graded cell (here and in `nbgrader_execute`): what the guard finds rebound
+TAMPER_PROBE = f"import json as _j, parlab.course.grading.guard as _g\nprint('{MARK}' + _j.dumps(_g.tampered()))"
+
+
+def tampered_names(printed: str) -> list[str]:
+    """The rebound names `TAMPER_PROBE` printed; a probe that printed nothing counts as tampering too."""
+    for line in printed.splitlines():
+        if line.startswith(MARK):
+            return json.loads(line[len(MARK):])
+    return [_("parlab.course.grading.guard (the tamper probe printed nothing)")]
+
+
+def tampered_message(what: str) -> str:
+    return _("tampered: {what}; the grading code or parlab was rebound in this notebook, so this check "
+             "does not count").format(what=what)
 
 
 def _hidden(source: str):
@@ -91,13 +106,9 @@ def grade_notebook(nb: nbformat.NotebookNode, workdir: Path, cell_timeout: float
         return out
 
     def verify(index: int) -> list[str]:
-        probe = _hidden(f"import json as _j, parlab.course.grading.guard as _g\n"
-                        f"print('{MARK}' + _j.dumps(_g.tampered()))")
+        probe = _hidden(TAMPER_PROBE)
         client.execute_cell(probe, index)
-        for line in _text_of(probe).splitlines():
-            if line.startswith(MARK):
-                return json.loads(line[len(MARK):])
-        return [_("parlab.course.grading.guard (the tamper probe printed nothing)")]
+        return tampered_names(_text_of(probe))
 
     with client.setup_kernel():
         try:
@@ -135,8 +146,7 @@ def grade_notebook(nb: nbformat.NotebookNode, workdir: Path, cell_timeout: float
                 if bad or (err is None and not mine):
                     kind = "tampered"
                     what = ", ".join(sorted(bad)) or _("{check} left no record").format(check=check)
-                    msg = _("tampered: {what}; the grading code or parlab was rebound in this notebook, so this check "
-                            "does not count").format(what=what)
+                    msg = tampered_message(what)
                 elif any(not r["passed"] for r in mine):         # the check's own message, without a class name
                     msg = next(r["message"] for r in mine if not r["passed"])
                 elif err is not None:
