@@ -6,8 +6,8 @@
 
 The map of the library, in the order its imports run (each package's ``__init__`` is the map of its chapter):
 
-    i18n/       the course's two languages (English, 简体中文): the language in force, gettext catalogues;
-                args.py  the argument parser of every command line (the error first, then where the usage is)
+    i18n/       the course's two languages (English, 简体中文): the language in force, gettext catalogues, the
+                command lines' argument parser
     trace/      what the ranks did: events, regions, the byte model, the cost meter            (pure data)
     comm/       the only place that talks: traced collectives and point-to-point, strict mode
     launch/     starting ranks: run() for simulated ranks, init() under torchrun / srun

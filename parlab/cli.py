@@ -20,7 +20,7 @@ import os
 import sys
 from pathlib import Path
 
-from parlab.args import ArgumentParser
+from parlab.i18n.args import ArgumentParser
 from parlab.i18n import _
 
 

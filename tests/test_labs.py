@@ -196,7 +196,7 @@ def test_a_bad_lab_option_is_one_line_and_exit_2(lab, argv, message, capsys):
     with pytest.raises(SystemExit) as e:
         importlib.import_module(f"parlab.labs.{lab}").main(argv)
     err = capsys.readouterr().err.strip().splitlines()
-    # the error first and alone (parlab.args), then where the usage is: no ten lines of usage before it
+    # the error first and alone (parlab.i18n.args), then where the usage is: no ten lines of usage before it
     assert e.value.code == 2 and re.search(message, err[0]) and len(err) == 2 and "--help" in err[1], err
     assert not any("Traceback" in line or "usage:" in line for line in err)
 

@@ -3,7 +3,7 @@
 """
 from __future__ import annotations
 
-from parlab.args import ArgumentParser
+from parlab.i18n.args import ArgumentParser
 from parlab.cluster import transformer as T
 from parlab.cluster.costs import PRESETS, Cluster, ModelSpec, preset
 from parlab.cluster.plan_report import explain, format_table

@@ -42,7 +42,7 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from parlab.args import ArgumentParser
+from parlab.i18n.args import ArgumentParser
 
 __all__ = ["Figure", "collect", "check_pages", "main", "CHROMIUM_ARGS", "chromium_path", "missing_glyphs"]
 

@@ -17,6 +17,8 @@ and compiles them; Poedit and Weblate open them):
                    a lesson's Chinese copy changes only the string literals its PO file lists (printed sentences,
                    figure titles), each checked to keep the f-string's fields.
     checks.py      what a translation must keep: every number of the English, no English sentence left
+    args.py        the argument parser of every parlab command line (``parlab``, the labs, ``parlab grade``): the
+                   error first, in the language in force, then where the usage is
     review.py      everything missing or stale, notebook by notebook and cell by cell
                    (``python -m parlab.i18n.review``, ``parlab course i18n check``)
 

@@ -31,7 +31,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from parlab.args import ArgumentParser
+from parlab.i18n.args import ArgumentParser
 from parlab.i18n import _
 
 __all__ = ["parser", "plan", "LabRun", "check_cuda", "parse_summary", "table", "main"]

@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from parlab.args import ArgumentParser
+from parlab.i18n.args import ArgumentParser
 from parlab.i18n import _
 
 __all__ = ["parser", "positive_int", "positive_float", "DTYPES", "MIXED"]

@@ -49,7 +49,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from parlab.args import ArgumentParser
+from parlab.i18n.args import ArgumentParser
 from parlab import comm
 from parlab.cluster.calibrate.compute import _compute_samples, _sync, _timeit, fit_compute, fit_roofline
 from parlab.cluster.calibrate.fit import fit_alpha_beta

@@ -48,7 +48,7 @@ from pathlib import Path
 
 import nbformat
 
-from parlab.args import ArgumentParser
+from parlab.i18n.args import ArgumentParser
 from parlab.i18n import _, language, normalize, use_language
 from parlab.course.grader.collect import Submission, collect, released_exercises, restore
 

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import nbformat
 
-from parlab.args import ArgumentParser
+from parlab.i18n.args import ArgumentParser
 from parlab.i18n import _
 
 __all__ = ["grade_notebook", "main", "TAMPER_PROBE", "tampered_names", "tampered_message"]

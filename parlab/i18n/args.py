@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from parlab.i18n import _
+from parlab.i18n.catalogue import _
 
 __all__ = ["ArgumentParser"]
 
