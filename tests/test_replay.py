@@ -91,6 +91,8 @@ def test_replayed_ring_all_reduce_is_the_alpha_beta_formula(n, group_nodes):
     tr = Trace([coll(r, 0.0, range(n), X) for r in range(n)])
     out = replay(tr, AB, compute_time=lambda e: 0.0)
     bw, hop = (AB.inter_bw, AB.inter_latency) if group_nodes > 1 else (AB.intra_bw, AB.intra_latency)
+    if group_nodes > 1:   # 4 ranks on each node: one ring per network card, 4 cards in parallel (< NVLink's 1 GB/s)
+        bw = 4 * AB.inter_bw
     ring = AB.base_latency + 2 * (n - 1) * hop + 2 * (n - 1) / n * X / bw   # alpha-beta, ring
     if group_nodes == 1:
         expected = ring
@@ -100,6 +102,28 @@ def test_replayed_ring_all_reduce_is_the_alpha_beta_formula(n, group_nodes):
         assert AB.collective_time("all_reduce", X, n, True, 2, algorithm="ring") == pytest.approx(ring, rel=1e-12)
     for e in out.events:   # every member starts at 0 and ends together; rel 1e-12: float rounding only
         assert e.start == 0.0 and e.end == pytest.approx(expected, rel=1e-12)
+
+
+@pytest.mark.parametrize("hw, per_node", [("dgx-a100", 8), ("dgx-h100", 8), ("dgx-a100", 2), ("dgx-h100", 1)])
+@pytest.mark.parametrize("nics", [None, 4])
+def test_a_group_with_several_ranks_per_node_crosses_nodes_on_all_their_network_cards(hw, per_node, nics):
+    # NCCL gives every channel its own NIC, so a ring over whole nodes (FSDP, DP over nodes) moves its bytes across
+    # the cards of its per_node GPUs at once, up to NVLink's rate inside the node (A100: 8 x 25 = 200 of NVLink's
+    # 240 GB/s; H100: 8 x 50 = 400 over NVLink's 371, which bounds it); one rank per node gets its GPU's share
+    h = preset(hw).with_(base_latency=0.0, inter_latency=0.0, intra_latency=0.0, nics_per_node=nics)
+    X, nodes = 1e9, 4
+    n, share = per_node * nodes, (nics or 8) / 8
+    rs = min(per_node * share * h.inter_bw, h.intra_bw * h.intra_efficiency) if per_node > 1 else share * h.inter_bw
+    factor = (n - 1) / n
+    # rel 1e-9: float rounding only
+    assert h.collective_time("reduce_scatter", X, n, True, nodes) == pytest.approx(factor * X / rs, rel=1e-9)
+    # an all-to-all sends each rank's own bytes through its own share of the cards: no sum over rails
+    assert h.collective_time("all_to_all", X, n, True, nodes) == pytest.approx(factor * X / (share * h.inter_bw),
+                                                                               rel=1e-9)
+    if per_node == 8 and nics is None:
+        assert rs / h.inter_bw == pytest.approx(8.0 if hw == "dgx-a100" else 18 * 20.6 / 50)
+    with pytest.raises(ValueError, match="nics_per_node must be a positive integer"):
+        h.with_(nics_per_node=0)
 
 
 def test_other_collectives_use_their_ring_factors():

@@ -53,6 +53,9 @@ A `Hardware` is a few numbers per GPU (plain data, JSON in and out), enough for 
   nodes); `collective_time` has the factors and steps of each op, ring and (for all-reduce across nodes) tree.
   Inside a node a transfer sustains ``intra_bw x intra_efficiency``: the presets take NCCL's own planning figure
   for an NVLink link (20 of its 25 GB/s on A100), since nccl-tests never reach the datasheet's rate.
+  Across nodes a group with k ranks on each node uses the network cards of all k GPUs at once (NCCL gives each
+  ring or tree channel its own card), so a ring over whole nodes (FSDP, DP over nodes) gets k x inter_bw, up to
+  NVLink's rate, while one rank per node (DP beside TP 8) gets one card; `inter_bandwidth`, `nics_per_node`.
 * matrix products by shape (`gemm_time`, with `sms`): a GEMM runs in waves of output tiles, one tile per SM at
   a time, so a product whose tiles leave the last wave part-empty costs more than its FLOPs say (module
   constant GEMM_TILE; NVIDIA's "Matrix Multiplication Background" guide, section 3).
@@ -110,7 +113,7 @@ class Hardware:
     peak_flops: float               # dense 16-bit matrix FLOP/s
     mem_bw: float                   # memory bandwidth, bytes/s
     intra_bw: float                 # bytes/s per GPU and direction inside a node (NVLink)
-    inter_bw: float                 # bytes/s per GPU and direction between nodes (one NIC per GPU)
+    inter_bw: float                 # bytes/s per direction of one network card (NIC) between nodes
     gpus_per_node: int = 8
     efficiency: float = 0.8         # kernel level: fraction of peak_flops that large matrix products sustain
     mem_efficiency: float = 0.8     # fraction of mem_bw that memory-bound kernels sustain
@@ -137,6 +140,7 @@ class Hardware:
     precision_flops: dict | None = field(default=None, hash=False)
     sms: int | None = None          # streaming multiprocessors: GEMMs are timed by waves of tiles (`gemm_time`)
     intra_efficiency: float = 1.0   # fraction of intra_bw a transfer inside a node sustains (NCCL's own figure)
+    nics_per_node: int | None = None  # network cards (rails) per node; None: one per GPU (`inter_bandwidth`)
 
     def __post_init__(self) -> None:
         check(self)
@@ -236,11 +240,27 @@ class Hardware:
         return waves * self.sms * 2.0 * tm * tn * k / rate
 
     def link(self, crosses_nodes: bool) -> tuple[float, float]:
-        """(bandwidth in bytes/s, latency per step in s) of the slowest link a group uses; inside a node the
-        bandwidth a transfer sustains, intra_bw x intra_efficiency."""
+        """(bandwidth in bytes/s, latency per step in s) of the slowest link a group uses, for one rank on each
+        node; inside a node the bandwidth a transfer sustains, intra_bw x intra_efficiency."""
         if crosses_nodes:
-            return self.inter_bw, self.inter_latency
+            return self.inter_bandwidth("send", 1), self.inter_latency
         return self.intra_bw * self.intra_efficiency, self.intra_latency
+
+    def inter_bandwidth(self, op: str, per_node: int) -> float:
+        """Bytes/s a collective of `op` gets across nodes when its group holds `per_node` ranks on each node.
+
+        The group's GPUs own per_node x nics_per_node / gpus_per_node of each node's network cards (every group
+        of the same kind runs at once, sharing them). NCCL gives each channel (ring or tree) its own card:
+        channels are assigned the node's NICs in turn (src/graph/search.cc, ``nets[(nChannels + i) % netCount]``)
+        and a ring's bus bandwidth is channels x one card's (src/graph/tuning.cc, ``busBw = nChannels * bw``).
+        A ring or tree crosses each node boundary once per channel, so its bytes cross at all those cards at once,
+        up to what NVLink carries inside the node: min(cards x inter_bw, intra_bw x intra_efficiency). An
+        all-to-all sends each rank's own bytes through its own share of the cards: no such sum."""
+        nics = self.gpus_per_node if self.nics_per_node is None else self.nics_per_node
+        cards = max(1, per_node) * nics / self.gpus_per_node
+        if op in ("all_to_all", "send", "recv") or per_node <= 1:
+            return self.inter_bw * nics / self.gpus_per_node
+        return min(cards * self.inter_bw, self.intra_bw * self.intra_efficiency)
 
     def collective_time(self, op: str, nbytes: float, n: int, crosses_nodes: bool = False, nodes: int = 1,
                         algorithm: str = "auto") -> float:
@@ -261,6 +281,8 @@ class Hardware:
         if algorithm not in ("auto", "ring", "tree"):
             raise ValueError(f"algorithm must be 'auto', 'ring' or 'tree', got {algorithm!r}")
         bw, hop = self.link(crosses_nodes)
+        if crosses_nodes and op not in ("send", "recv"):
+            bw = self.inter_bandwidth(op, n // max(nodes, 1))
         if op in ("send", "recv"):
             if self.p2p_bw is not None:
                 bw = min(bw, self.p2p_bw)

@@ -16,6 +16,10 @@ def check(hw) -> None:
     if isinstance(hw.gpus_per_node, bool) or not isinstance(hw.gpus_per_node, int) or hw.gpus_per_node < 1:
         raise ValueError(f"hardware {hw.name!r}: gpus_per_node must be a positive integer, "
                          f"got {hw.gpus_per_node!r}")
+    nics = hw.nics_per_node
+    if nics is not None and (isinstance(nics, bool) or not isinstance(nics, int) or nics < 1):
+        raise ValueError(f"hardware {hw.name!r}: nics_per_node must be a positive integer (network cards per "
+                         f"node) or None for one per GPU, got {nics!r}")
     for k in ("peak_flops", "mem_bw", "intra_bw", "inter_bw"):
         v = getattr(hw, k)
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0 or math.isnan(v):
