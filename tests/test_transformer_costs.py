@@ -98,3 +98,50 @@ def test_first_stage_holds_l_layers_and_more_when_interleaved(pp, virtual, facto
 def test_bad_input_says_what_is_allowed(call, says):
     with pytest.raises(ValueError, match=f"^{says.replace('(', '[(]').replace(')', '[)]')}"):
         call(KORTHIKANTI_MODELS["22B"][0])
+
+
+# ---------------------------------------------------------------------- the attention kernel
+def test_a_fused_attention_kernel_stores_no_scores_moves_no_score_bytes_and_recomputes_them_in_its_backward():
+    from parlab.cluster.costs import preset as model_preset
+    from parlab.cluster.hardware import preset as hw_preset
+    from parlab.cluster.step_costs import Layout, StepCosts, attention_core_bytes
+    model, a100 = model_preset("gpt3-175b"), hw_preset("dgx-a100")
+    s, h, a = model.seq, model.hidden, model.heads
+    # memory: the 5 a s / h of the scores go; the log-sum-exp (fp32 per head and token) stays, whatever recomputes
+    mat = T.activation_bytes_per_layer(model, 1, 8, True, "none")
+    fused = T.activation_bytes_per_layer(model, 1, 8, True, "none", attention="fused")
+    assert mat - fused == pytest.approx(s * h * (5 * a * s / h - 4 * a / h) / 8, rel=REL)
+    assert fused == pytest.approx(T.activation_bytes_per_layer(model, 1, 8, True, "selective", attention="fused"))
+    # bytes: Q, K, V read and O written (16-bit) instead of softmax 4A and its dropout 5A
+    assert attention_core_bytes(model, 1, 8, fused=True) == 4 * 2 * s * h / 8
+    assert attention_core_bytes(model, 1, 8) == 9 * a * s * s / 8
+    # time: the backward gains the scores product once more (5 products against the forward's 2) and selective
+    # recomputation has nothing left to redo
+    lay = dict(tp=8, pp=8, dp=1, sequence_parallel=True)
+    cm, cf = (StepCosts(model, a100, Layout(**lay, attention=k), 8) for k in ("materialised", "fused"))
+    scores = [g for g in T.layer_gemms(model, 1, 8) if g[0] == "scores"][0]
+    assert cf.t_dgrad - cm.t_dgrad == pytest.approx(a100.gemm_time(*scores[1:]), rel=REL)
+    sel = StepCosts(model, a100, Layout(**lay, recompute="selective", attention="fused"), 8)
+    assert sel.action("backward", 3) == pytest.approx(cf.action("backward", 3), rel=REL)
+    assert cf.action("forward", 3) < cm.action("forward", 3)       # 9 A bytes of scores are gone
+    with pytest.raises(ValueError, match="attention is the attention kernel"):
+        Layout(attention="flash")
+
+
+def test_the_planner_takes_the_attention_kernel_in_memory_and_time():
+    from parlab.cluster.costs import preset as model_preset
+    from parlab.cluster.hardware import preset as hw_preset
+    from parlab.cluster.planner import cluster_for, estimate
+    from parlab.cluster.step_costs import Layout, StepCosts
+    model, h100 = model_preset("gpt3-175b"), hw_preset("dgx-h100")
+    cluster = cluster_for(h100, 64)
+    kw = dict(tp=8, pp=8, recompute="selective", hardware=h100)
+    mat, fused = (estimate(model, cluster, 64, **kw, attention=k) for k in ("materialised", "fused"))
+    assert fused.layout.endswith(" fused") and not mat.layout.endswith(" fused")
+    plain = [estimate(model, cluster, 64, tp=8, pp=8, attention=k).activation_bytes for k in ("materialised", "fused")]
+    assert plain[1] < plain[0] / 2          # without recomputation the scores were most of the activations
+    terms = StepCosts(model, h100, Layout(tp=8, pp=8, recompute="selective", sequence_parallel=True,
+                                          attention="fused"), 8).step_terms(64)
+    assert fused.compute_s == pytest.approx(terms["compute"] + terms["optimizer"], rel=REL)
+    with pytest.raises(ValueError, match="attention is the attention kernel"):
+        estimate(model, cluster, 64, tp=8, pp=8, attention="flash")

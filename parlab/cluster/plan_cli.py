@@ -40,6 +40,9 @@ def main(argv=None) -> int:
     p.add_argument("--precision", default="bf16", metavar="FORMAT",
                    help=_("number format of the products: bf16 (default), or fp8 where the hardware lists its rate "
                           "(dgx-h100); needs --hardware"))
+    p.add_argument("--attention", choices=T.ATTENTION, default="materialised",
+                   help=_("attention kernel: materialised (default; the scores written to memory, Megatron 2022) or "
+                          "fused (FlashAttention: no scores stored, the backward recomputes them)"))
     p.add_argument("--global-batch", type=int, default=None, help=_("sequences per step (default 2 x GPUs)"))
     p.add_argument("--recompute", nargs="+", choices=T.RECOMPUTE, default=list(T.RECOMPUTE),
                    help=_("activation recomputation settings to try (rc column: n, s, y)"))
@@ -81,7 +84,7 @@ def main(argv=None) -> int:
         if any(v < 1 for v in a.virtual):
             p.error(_("--virtual takes positive chunk counts, got {virtual}").format(virtual=a.virtual))
         options = dict(recompute=tuple(dict.fromkeys(a.recompute)), sequence_parallel=not a.no_sp, hardware=hw,
-                       virtual=tuple(dict.fromkeys(a.virtual)), precision=a.precision)
+                       virtual=tuple(dict.fromkeys(a.virtual)), precision=a.precision, attention=a.attention)
         every = enumerate_layouts(model, cluster, batch, **options)
         ranked = plan(model, cluster, batch, **options)
     except ValueError as err:

@@ -114,6 +114,7 @@ class Estimate:
     virtual: int = 1          # model chunks per pipeline rank (interleaved 1F1B [3] section 2.2.2; 1: plain 1F1B)
     schedule: str = "1f1b"    # the pipeline schedule: 1f1b (interleaved when virtual > 1), gpipe or zb-h1
     precision: str = "bf16"   # the number format of the products (the hardware's rate for it; memory unchanged)
+    attention: str = "materialised"   # the attention kernel (`transformer.ATTENTION`): "fused" stores no scores
 
     @property
     def layout(self) -> str:
@@ -121,7 +122,8 @@ class Estimate:
                 f"{f' v{self.virtual}' if self.virtual > 1 else ''}{'' if self.schedule == '1f1b' else ' ' + self.schedule}"
                 f" Z{self.zero}{' rc' if self.recompute else ''}{' sel' if self.selective else ''}"
                 f"{'' if self.sequence_parallel or self.tp == 1 else ' no-sp'}"
-                f"{'' if self.precision == 'bf16' else ' ' + self.precision}")
+                f"{'' if self.precision == 'bf16' else ' ' + self.precision}"
+                f"{' fused' if self.attention == 'fused' else ''}")
 
     @property
     def recomputation(self) -> str:
@@ -142,7 +144,8 @@ def crossing(world: int, tp: int, pp: int, cp: int, gpus_per_node: int) -> dict[
 def estimate(model: ModelSpec, cluster: Cluster, global_batch: int, *, tp: int = 1, pp: int = 1, cp: int = 1,
              micro_batch: int = 1, zero: int = 0, recompute: bool | str = False,
              sequence_parallel: bool = True, virtual: int = 1, hardware=None, tp_overlap: bool = False,
-             dp_overlap: bool = False, schedule: str = "1f1b", precision: str = "bf16") -> Estimate:
+             dp_overlap: bool = False, schedule: str = "1f1b", precision: str = "bf16",
+             attention: str = "materialised") -> Estimate:
     """Memory and step time of one layout (see the module docstring for every formula). `recompute`: False or
     "none", "selective", True or "full"; `sequence_parallel`: Megatron's SP with tensor parallelism [2];
     `virtual`: chunks per pipeline rank of the interleaved schedule [3] (1: plain 1F1B). `hardware`: a
@@ -154,7 +157,8 @@ def estimate(model: ModelSpec, cluster: Cluster, global_batch: int, *, tp: int =
     bubble) or "zb-h1" (Qi et al.: 1F1B's memory, the bubble (pp - 1)(F + B_input - W)). `precision`: the number
     format the products run in ("bf16", or "fp8" where the hardware lists its rate), as `step_costs.Layout`'s; an
     option of the replay's cost model, so it needs `hardware` too. The memory counted is the same (bf16 weights and
-    activations, fp32 Adam states) in either."""
+    activations, fp32 Adam states) in either. `attention`: the attention kernel, "materialised" or "fused"
+    (FlashAttention: no a s^2 scores kept, `transformer.activation_bytes_per_layer`; timed as `step_costs` says)."""
     for name, v in (("tp", tp), ("pp", pp), ("cp", cp), ("micro_batch", micro_batch)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f"{name} must be a positive integer, got {v!r}")
@@ -169,6 +173,7 @@ def estimate(model: ModelSpec, cluster: Cluster, global_batch: int, *, tp: int =
         raise ValueError("tp_overlap, dp_overlap and precision are options of the replay's cost model: give "
                          "hardware= too (e.g. parlab.cluster.hardware.preset('dgx-h100'))")
     rc = T.recompute_mode(recompute)
+    T.check_attention(attention)
     world = cluster.world
     dp, rest = divmod(world, tp * pp * cp)
     if rest:
@@ -193,11 +198,11 @@ def estimate(model: ModelSpec, cluster: Cluster, global_batch: int, *, tp: int =
     layers = max(len(r) for r in split_layers(model.layers, pp))   # the fullest stage's layers (L / pp if pp | L)
     # min(pp, m) micro-batches in flight, (1 + (pp - 1)/(pp v)) times more when interleaved ([2] eq. 6)
     act = T.first_stage_activation_bytes(model, micro_batch, tp, pp, virtual, m, sequence_parallel, rc, cp,
-                                         stage_layers=layers)
+                                         stage_layers=layers, attention=attention)
     if schedule == "gpipe":            # all m micro-batches' activations live until the first backward
         act *= m / min(pp, m)
     if rc == "full":   # the layer being recomputed holds its full set for a moment
-        act += T.activation_bytes_per_layer(model, micro_batch, tp, sequence_parallel, "none", cp)
+        act += T.activation_bytes_per_layer(model, micro_batch, tp, sequence_parallel, "none", cp, attention)
     buffers = 2 * BYTES_16BIT * model.layer_params(tp) if zero == 3 else 0.0
     total = states["total"] + act + buffers
     fits = total <= cluster.mem_bytes
@@ -224,13 +229,13 @@ def estimate(model: ModelSpec, cluster: Cluster, global_batch: int, *, tp: int =
     if hardware is not None:           # the replay's cost model in closed form (step_costs.StepCosts.step_terms)
         compute, bubble, t["tp"], t["cp"], t["pp"], dp_exposed, t["dp"] = _closed_form(
             model, hardware, tp, pp, dp, cp, micro_batch, m, zero, rc, sequence_parallel, virtual, tp_overlap,
-            dp_overlap, schedule, precision)
+            dp_overlap, schedule, precision, attention)
     step = compute + bubble + t["tp"] + t["cp"] + dp_exposed + t["pp"]
     return Estimate(tp, pp, dp, cp, micro_batch, m, zero, rc == "full", states["params"], states["grads"],
                     states["optimizer"], act, buffers, total, compute, bubble, t["tp"], t["cp"], dp_exposed,
                     t["dp"], t["pp"], step, vol, cross, fits, reason, tokens / step,
                     T.model_flops(model, global_batch) / step / world / 1e12, rc == "selective", sequence_parallel,
-                    virtual, schedule, precision)
+                    virtual, schedule, precision, attention)
 
 
 def cluster_for(hardware, gpus: int, gpu_mem_gb: float = 80.0) -> Cluster:
@@ -243,12 +248,13 @@ def cluster_for(hardware, gpus: int, gpu_mem_gb: float = 80.0) -> Cluster:
 
 
 def _closed_form(model, hardware, tp, pp, dp, cp, b, m, zero, rc, sp, virtual, tp_overlap, dp_overlap,
-                 schedule, precision) -> tuple:
+                 schedule, precision, attention) -> tuple:
     """(compute incl. Adam, bubble, tp, cp, pp, dp exposed, dp total) from `StepCosts.step_terms`, ZeRO stage
     included (its per micro-batch traffic beside the compute it overlaps)."""
     from parlab.cluster.step_costs import Layout, StepCosts
     layout = Layout(tp=tp, pp=pp, dp=dp, cp=cp, micro_batch=b, recompute=rc, sequence_parallel=sp and tp > 1,
-                    virtual=virtual, zero=zero, tp_overlap=tp_overlap, dp_overlap=dp_overlap, precision=precision)
+                    virtual=virtual, zero=zero, tp_overlap=tp_overlap, dp_overlap=dp_overlap, precision=precision,
+                    attention=attention)
     terms = StepCosts(model, hardware, layout, pp * virtual).step_terms(m, schedule)
     return (terms["compute"] + terms["optimizer"], terms["bubble"], terms["tp"], terms["cp"], terms["pp"], terms["dp"],
             terms["dp_traffic"])
@@ -261,12 +267,13 @@ def _divisors(n: int) -> list[int]:
 def enumerate_layouts(model: ModelSpec, cluster: Cluster, global_batch: int, *, micro_batches=(1, 2, 4, 8),
                       zero_stages=(0, 1, 2, 3), recompute=(False, True), cp_max: int = 8,
                       min_cp_chunk: int = 4096, sequence_parallel: bool = True, hardware=None,
-                      virtual=(1,), precision: str = "bf16") -> list[Estimate]:
+                      virtual=(1,), precision: str = "bf16", attention: str = "materialised") -> list[Estimate]:
     """Every valid layout with its estimate, fitting or not (see `plan` for the ranked fitting ones).
     `recompute`: the recomputation settings tried (False / "none", "selective", True / "full"); `hardware`:
     time every layout with the replay's cost model in closed form (`estimate`); `virtual`: the interleaving chunks
     per pipeline rank tried (v > 1 where the interleaved schedule applies: pp >= 2, pp dividing the micro-batches
-    and pp x v the layers); `precision`: the number format of every layout's products (needs `hardware`).
+    and pp x v the layers); `precision`: the number format of every layout's products (needs `hardware`);
+    `attention`: the attention kernel of every layout ("materialised" or "fused").
 
     Context parallelism (cp > 1) is tried only while each rank keeps at least `min_cp_chunk` tokens of
     the sequence: the cost model charges CP for its K/V ring (less traffic than TP's all-reduces) but
@@ -301,7 +308,7 @@ def enumerate_layouts(model: ModelSpec, cluster: Cluster, global_batch: int, *, 
                                 out.append(estimate(model, cluster, global_batch, tp=tp, pp=pp, cp=cp,
                                                     micro_batch=b, zero=z, recompute=rc, virtual=v,
                                                     sequence_parallel=sequence_parallel, hardware=hardware,
-                                                    precision=precision))
+                                                    precision=precision, attention=attention))
     if not out:
         raise ValueError(
             f"no valid layout for {model.name} on {world} GPUs with global batch {global_batch}: the batch must be "

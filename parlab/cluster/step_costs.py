@@ -54,6 +54,12 @@ Data parallelism and the optimizer (the gradient sync of each ZeRO stage, ZeRO-2
 Adam step): `parlab.cluster.sync_costs.SyncCosts` (`StepCosts.sync`); ZeRO-2/3's per micro-batch traffic runs
 beside the action it belongs to and only what exceeds that action's compute is charged to it.
 
+Attention kernel: `attention` "materialised" (the default; Megatron's kernels of 2022, which the table 5 runs
+used) costs the scores as above; "fused" (FlashAttention, cuDNN: training runs from 2022 on) never writes them:
+the scores' bytes become Q, K, V read and O written (`attention_core_bytes`), the backward recomputes Q K^T
+(FlashAttention-2 section 4.1: 5 products against the forward's 2), and selective recomputation has nothing left
+to redo.
+
 Number format: `precision` "bf16" (the default: the hardware's peak_flops) or another the hardware lists
 (`Hardware.at`, e.g. "fp8" on H100) for the matrix products; activations and messages stay 16-bit.
 Pure Python: no torch.
@@ -94,6 +100,7 @@ class Layout:
     tp_overlap: bool = False         # the backward's TP communication hidden behind weight-gradient GEMMs
     dp_overlap: bool = False         # the gradient sync beside the rank's last backward
     precision: str = "bf16"
+    attention: str = "materialised"  # the attention kernel: "materialised" scores or "fused" (FlashAttention)
 
     def __post_init__(self):
         for k in ("tp", "pp", "dp", "cp", "micro_batch", "virtual"):
@@ -110,6 +117,7 @@ class Layout:
                 raise ValueError(f"layout {k} must be True or False, got {getattr(self, k)!r}")
         if not isinstance(self.precision, str) or not self.precision:
             raise ValueError(f"precision names a number format such as 'bf16' or 'fp8', got {self.precision!r}")
+        T.check_attention(self.attention)
         if self.virtual > 1 and self.pp < 2:
             raise ValueError(f"virtual={self.virtual} interleaves model chunks over pipeline ranks: it needs pp >= 2")
 
@@ -124,15 +132,20 @@ def layer_forward_flops(m: ModelSpec, b: int, tp: int = 1, cp: int = 1) -> float
     return sum(2.0 * mm * n * k * batch for _, mm, n, k, batch in T.layer_gemms(m, b, tp, cp))
 
 
-def attention_core_bytes(m: ModelSpec, b: int, tp: int = 1, cp: int = 1, dropout: bool = True) -> float:
+def attention_core_bytes(m: ModelSpec, b: int, tp: int = 1, cp: int = 1, dropout: bool = True,
+                         fused: bool = False) -> float:
     """Forward bytes of one layer's attention-score ops (softmax 4A, its dropout 5A; module docstring) on one of
-    tp x cp GPUs for b sequences: A = a b s^2 / (tp cp) elements."""
+    tp x cp GPUs for b sequences: A = a b s^2 / (tp cp) elements. A `fused` kernel (FlashAttention) keeps the
+    scores in on-chip memory: it reads Q, K, V and writes O, 4 x 2 b s h / (tp cp) bytes, and draws its dropout
+    mask from the seed (Dao et al. 2022, sections 3.1-3.2)."""
+    if fused:
+        return 4 * BYTES_16BIT * b * m.seq * m.hidden / (tp * cp)     # Q, K, V in, O out  # (b, s/cp, h/tp) each
     A = m.heads * b * m.seq * m.seq / (tp * cp)
     return 2 * BYTES_16BIT * A + ((2 * BYTES_16BIT + _MASK_BYTES) * A if dropout else 0.0)
 
 
 def layer_forward_bytes(m: ModelSpec, b: int, tp: int = 1, cp: int = 1, sequence_parallel: bool = False,
-                        dropout: bool = True) -> float:
+                        dropout: bool = True, fused: bool = False) -> float:
     """Forward bytes of one layer's memory-bound ops (norms, residual adds, dropouts, softmax, GeLU / SwiGLU;
     module docstring) on one of tp x cp GPUs for b sequences."""
     E = b * m.seq * m.hidden / (cp * (tp if sequence_parallel else 1))     # one hidden state (b, s/cp, h)
@@ -141,7 +154,7 @@ def layer_forward_bytes(m: ModelSpec, b: int, tp: int = 1, cp: int = 1, sequence
     residual = 2 * (3 * BYTES_16BIT * E)
     drops = 2 * ((2 * BYTES_16BIT + _MASK_BYTES) * E) if dropout else 0.0
     act = (5 if m.swiglu else 2) * BYTES_16BIT * F
-    return norms + residual + drops + act + attention_core_bytes(m, b, tp, cp, dropout)
+    return norms + residual + drops + act + attention_core_bytes(m, b, tp, cp, dropout, fused)
 
 
 def check_inputs(model, hardware, layout) -> None:
@@ -195,13 +208,16 @@ class StepCosts:
         self.t_wgrad = t(g for g in bwd if g[0].endswith("wgrad") and g[0].split()[0] in _WEIGHTS)
         self.t_dgrad = t(bwd) - self.t_wgrad
         self.t_core = t(g for g in gemms if g[0] not in _WEIGHTS)          # the scores and values products
+        fused = layout.attention == "fused"
+        if fused:   # FlashAttention's backward recomputes the scores Q K^T: 5 products against the forward's 2
+            self.t_dgrad += t(g for g in gemms if g[0] == "scores")
         head = T.head_gemms(model, b, tp, cp)
         self.t_head_fwd = t(head)
         self.t_head_wgrad = t(g for g in T.backward_gemms(head) if g[0].endswith("wgrad"))
         self.t_head_dgrad = t(T.backward_gemms(head)) - self.t_head_wgrad
         mem = self.hw.mem_bw * self.hw.mem_efficiency
-        self.t_mem = layer_forward_bytes(model, b, tp, cp, sp, dropout) / mem if memory_ops else 0.0
-        self.t_mem_core = attention_core_bytes(model, b, tp, cp, dropout) / mem if memory_ops else 0.0
+        self.t_mem = layer_forward_bytes(model, b, tp, cp, sp, dropout, fused) / mem if memory_ops else 0.0
+        self.t_mem_core = attention_core_bytes(model, b, tp, cp, dropout, fused) / mem if memory_ops else 0.0
         # the last stage: final norm (4E) and the logits' softmax, (b, s/cp, V/tp) read and written
         self.t_mem_head = (2 * BYTES_16BIT * b * s * h / (cp * (tp if sp else 1))
                            + 2 * BYTES_16BIT * b * s * model.vocab / (tp * cp)) / mem if memory_ops else 0.0
@@ -260,8 +276,10 @@ class StepCosts:
         fwd = n * (self.t_fwd_gemm + self.t_mem) + self.comm_part("forward", stage) + head_fwd
         if op == "forward":
             return fwd + self._zero_exposed(op, stage, fwd)
-        redo = {"none": 0.0, "full": n * (self.t_fwd_gemm + self.t_mem),
-                "selective": n * (self.t_core + self.t_mem_core)}[rc]
+        # selective recomputation redoes the materialised scores; a fused kernel stores none to redo (its own
+        # recomputation is in its backward, t_dgrad)
+        selective = 0.0 if self.layout.attention == "fused" else n * (self.t_core + self.t_mem_core)
+        redo = {"none": 0.0, "full": n * (self.t_fwd_gemm + self.t_mem), "selective": selective}[rc]
         t_in = (n * (self.t_dgrad + self.t_mem) + self.comm_part("backward" if op == "backward" else "backward_input",
                                                                  stage)
                 + (self.t_head_dgrad + self.t_mem_head if last else 0.0))
@@ -292,7 +310,8 @@ class StepCosts:
         bwd = (tp_bwd if tp else 0.0) + (self.cp_exposed("backward") if cp else 0.0)
         # full recomputation runs the forward again, its communication with it; selective recomputes the
         # attention core, which under context parallelism needs the K/V blocks around the ring once more
-        redo = {"full": fwd, "selective": self.cp_exposed("forward") if cp else 0.0}.get(self.layout.recompute, 0.0)
+        again = cp and self.layout.attention != "fused"          # a fused kernel stores no scores to recompute
+        redo = {"full": fwd, "selective": self.cp_exposed("forward") if again else 0.0}.get(self.layout.recompute, 0.0)
         return n * (bwd + redo)
 
     def cp_exposed(self, op: str) -> float:

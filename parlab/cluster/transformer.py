@@ -38,6 +38,8 @@ Activation memory of one layer and micro-batch of b sequences, 16-bit, in bytes 
   and MLP 2 + 2, their dropout masks 1 + 1) and 24 that it shards (Q, K, V 6, the projection's input 2, the
   MLP's f-wide input and output of GELU 8 + 8; `activation_bytes_per_layer` for any MLP). Sequence parallelism
   shards the 10 too; selective recomputation drops the 5 a s / h (the softmax, its dropout mask and output).
+  A fused attention kernel [5] never stores them either: it keeps the softmax's log-sum-exp, one fp32 value per
+  head and token, 4 a / h (/ tp), and regenerates its dropout mask from the random seed.
   The first pipeline stage holds l activations of a layer under 1F1B (p micro-batches in flight, l / p layers
   each), x (1 + (p - 1) / (p v)) with v interleaved chunks ([2] eq. 6 and section 4.2.3).
 
@@ -48,15 +50,30 @@ References
         arXiv:2205.05198, sections 4 (table 2, eqs. 5-6), 6 (eqs. 7-8), tables 3 and 5.
     [3] J. Kaplan et al., "Scaling Laws for Neural Language Models", arXiv:2001.08361, section 2.1.
     [4] A. Chowdhery et al., "PaLM: Scaling Language Modeling with Pathways", arXiv:2204.02311, appendix B.
+    [5] T. Dao et al., "FlashAttention: Fast and Memory-Efficient Exact Attention with IO-Awareness", NeurIPS 2022,
+        arXiv:2205.14135, sections 3.1 (no s x s matrix stored; the backward recomputes it from Q, K and the
+        softmax statistics) and 3.2; T. Dao, "FlashAttention-2", arXiv:2307.08691, section 4.1 (the backward's
+        5 products against the forward's 2).
 """
 from __future__ import annotations
 
-__all__ = ["RECOMPUTE", "recompute_mode", "params", "model_flops", "hardware_flops", "training_flops_6nd", "mfu", "hfu",
+__all__ = ["RECOMPUTE", "ATTENTION", "recompute_mode", "check_attention", "params", "model_flops", "hardware_flops", "training_flops_6nd", "mfu", "hfu",
            "activation_bytes_per_layer", "first_stage_activation_bytes", "layer_gemms", "head_gemms", "backward_gemms",
            "BYTES_16BIT"]
 
 BYTES_16BIT = 2
 RECOMPUTE = ("none", "selective", "full")
+#: attention kernels: "materialised" writes the a s^2 scores (softmax, dropout) to memory, as Megatron did in 2022
+#: ([2]); "fused" (FlashAttention [5], cuDNN's fused attention; the default of training runs from 2022 on) never does
+ATTENTION = ("materialised", "fused")
+
+
+def check_attention(attention) -> str:
+    """`attention` if it names a kernel of ATTENTION, else a ValueError saying which there are."""
+    if attention not in ATTENTION:
+        raise ValueError(f"attention is the attention kernel, 'materialised' (the scores written to memory, "
+                         f"Megatron 2022) or 'fused' (FlashAttention), got {attention!r}")
+    return attention
 
 
 def recompute_mode(recompute) -> str:
@@ -159,14 +176,15 @@ def hfu(model, batch: int, step_s: float, gpus: int, peak_flops: float, recomput
 
 
 def activation_bytes_per_layer(model, micro_batch: int, tp: int = 1, sequence_parallel: bool = False,
-                               recompute="none", cp: int = 1) -> float:
+                               recompute="none", cp: int = 1, attention: str = "materialised") -> float:
     """Bytes one layer keeps for the backward pass of one micro-batch ([2] table 2, any MLP width).
 
     whole   = 4 (LayerNorm inputs) + 2 + 1 (attention input, dropout mask) + 2 + 1 (MLP input, dropout mask;
               SwiGLU, as in LLaMA, has no MLP dropout): 10 for GPT; / tp only with sequence parallelism
     sharded = 6 + 2 (Q, K, V; projection input) + 4 f / h (GELU: input and output of the f-wide MLP) or
               8 f / h (SwiGLU: gate, up, silu(gate), their product): 24 for GPT; / tp
-    scores  = 5 a s / h (softmax output 2, its dropout mask 1 and output 2, per head): / tp; 0 with selective
+    scores  = 5 a s / h (softmax output 2, its dropout mask 1 and output 2, per head): / tp; 0 with selective;
+              4 a / h with a fused `attention` kernel (its log-sum-exp statistics, fp32), whatever the recompute
     all in units of s b h, / cp (each context-parallel rank holds s / cp tokens). Full recomputation keeps the
     layer's input alone: 2 s b h (/ tp with sequence parallelism)."""
     rc = recompute_mode(recompute)
@@ -175,14 +193,18 @@ def activation_bytes_per_layer(model, micro_batch: int, tp: int = 1, sequence_pa
         return BYTES_16BIT * s * b * h / ((tp if sequence_parallel else 1) * cp)
     whole = 10 - (1 if model.swiglu else 0)
     sharded = 8 + (8 if model.swiglu else 4) * f / h
-    scores = 0.0 if rc == "selective" else 5 * a * s / h
+    if check_attention(attention) == "fused":
+        scores = 4 * a / h                        # log-sum-exp: 4 bytes per head and token  # (b, a/tp, s) fp32
+    else:
+        scores = 0.0 if rc == "selective" else 5 * a * s / h
     per = (whole / tp if sequence_parallel else whole) + (sharded + scores) / tp
     return s * b * h * per / cp
 
 
 def first_stage_activation_bytes(model, micro_batch: int, tp: int = 1, pp: int = 1, virtual: int = 1,
                                  micro_batches: int | None = None, sequence_parallel: bool = False,
-                                 recompute="none", cp: int = 1, stage_layers: int | None = None) -> float:
+                                 recompute="none", cp: int = 1, stage_layers: int | None = None,
+                                 attention: str = "materialised") -> float:
     """Activations the first pipeline stage holds at its peak ([2] section 4.2.3): 1F1B keeps min(p, m)
     micro-batches in flight on l / p layers, so about l layers' worth when m >= p; the interleaved schedule with
     v chunks per rank keeps (1 + (p - 1) / (p v)) times that ([2] eq. 6). Layers only: the embedding's
@@ -191,7 +213,7 @@ def first_stage_activation_bytes(model, micro_batch: int, tp: int = 1, pp: int =
     if pp < 1 or virtual < 1:
         raise ValueError(f"pp ({pp}) and virtual ({virtual}) must be at least 1")
     m = pp if micro_batches is None else micro_batches
-    per_layer = activation_bytes_per_layer(model, micro_batch, tp, sequence_parallel, recompute, cp)
+    per_layer = activation_bytes_per_layer(model, micro_batch, tp, sequence_parallel, recompute, cp, attention)
     stage = model.layers / pp if stage_layers is None else stage_layers
     factor = 1 + (pp - 1) / (pp * virtual) if virtual > 1 else 1.0    # [2] eq. 6 holds for interleaving only
     return stage * min(pp, m) * per_layer * factor
