@@ -145,3 +145,22 @@ def test_the_planner_takes_the_attention_kernel_in_memory_and_time():
     assert fused.compute_s == pytest.approx(terms["compute"] + terms["optimizer"], rel=REL)
     with pytest.raises(ValueError, match="attention is the attention kernel"):
         estimate(model, cluster, 64, tp=8, pp=8, attention="flash")
+
+
+def test_grouped_query_attention_narrows_the_keys_and_values_in_parameters_flops_and_memory():
+    # Llama 3 405B (Dubey et al. 2024, table 3): 126 layers, h 16384, 128 heads, 8 key/value heads, FFN 53248
+    llama = ModelSpec("llama3-405b", 126, 16384, 128, 128256, 8192, ffn=53248, swiglu=True, bias=False, tied=False,
+                      learned_pos=False, dropout=False, kv_heads=8)
+    mha = ModelSpec(**{**llama.__dict__, "kv_heads": None})
+    h, kv = 16384, 8 * 128                                    # keys and values: 8 heads of 128 channels
+    assert llama.kv_width == kv and mha.kv_width == h
+    assert mha.layer_params() - llama.layer_params() == 2 * h * (h - kv)
+    assert round(llama.param_count() / 1e9) == 406            # the paper's "405B"
+    qkv = [g for g in T.layer_gemms(llama, 1, 8) if g[0] == "qkv"][0]
+    assert qkv[2] == (h + 2 * kv) // 8
+    s = llama.seq
+    assert T.model_flops(mha, 1) - T.model_flops(llama, 1) == pytest.approx(3 * 126 * 4 * s * h * (h - kv), rel=REL)
+    per = lambda m: T.activation_bytes_per_layer(m, 1, 8, True, "selective")        # noqa: E731
+    assert per(mha) - per(llama) == pytest.approx(s * h * 4 * (h - kv) / h / 8, rel=REL)
+    with pytest.raises(ValueError, match="kv_heads must be a positive integer dividing the 128 heads"):
+        ModelSpec(**{**llama.__dict__, "kv_heads": 3})

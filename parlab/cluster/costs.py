@@ -62,6 +62,7 @@ class ModelSpec:
     tied: bool = True               # output head shares the embedding matrix
     learned_pos: bool = True        # a learned s x h position table (GPT); False for RoPE (LLaMA)
     dropout: bool = True            # trains with dropout (GPT-3, Megatron's GPTs); LLaMA does not
+    kv_heads: int | None = None     # key/value heads (grouped-query attention, Ainslie et al. 2023); None: = heads
 
     def __post_init__(self) -> None:
         for k in ("layers", "hidden", "heads", "vocab", "seq"):
@@ -73,15 +74,26 @@ class ModelSpec:
                              f"every head gets hidden // heads channels")
         if self.ffn is None:
             object.__setattr__(self, "ffn", 4 * self.hidden)
+        if self.kv_heads is None:
+            object.__setattr__(self, "kv_heads", self.heads)
+        kv = self.kv_heads
+        if isinstance(kv, bool) or not isinstance(kv, int) or kv < 1 or self.heads % kv:
+            raise ValueError(f"model {self.name!r}: kv_heads must be a positive integer dividing the {self.heads} "
+                             f"heads (each key/value head serves heads / kv_heads query heads), got {kv!r}")
+
+    @property
+    def kv_width(self) -> int:
+        """Channels of the keys (and of the values): kv_heads x h / a; h without grouped-query attention."""
+        return self.kv_heads * (self.hidden // self.heads)
 
     # ------------------------------------------------------------ parameters
     def layer_params(self, tp: int = 1) -> float:
         """Parameters of one transformer layer held by one of tp ranks (sharded / tp + replicated)."""
-        h, f = self.hidden, self.ffn
-        sharded = 4 * h * h + (3 if self.swiglu else 2) * h * f
+        h, f, kv = self.hidden, self.ffn, self.kv_width
+        sharded = 2 * h * h + 2 * h * kv + (3 if self.swiglu else 2) * h * f      # q, o; k, v; the MLP
         replicated = 2 * (2 * h if self.bias else h)                 # two norms
         if self.bias:
-            sharded += 3 * h + (0 if self.swiglu else f)                 # q, k, v and fc biases (column-parallel)
+            sharded += h + 2 * kv + (0 if self.swiglu else f)            # q, k, v and fc biases (column-parallel)
             replicated += h + (0 if self.swiglu else h)                 # proj biases (row-parallel: kept whole)
         return sharded / tp + replicated
 

@@ -164,9 +164,9 @@ def estimate(model: ModelSpec, cluster: Cluster, global_batch: int, *, tp: int =
             raise ValueError(f"{name} must be a positive integer, got {v!r}")
     if type(zero) is not int or zero not in (0, 1, 2, 3):
         raise ValueError(f"zero is a ZeRO stage 0, 1, 2 or 3, got {zero!r}")
-    if model.heads % tp:
-        raise ValueError(f"tp={tp} must divide {model.name}'s {model.heads} heads (each tensor-parallel rank "
-                         f"computes whole heads)")
+    if model.heads % tp or model.kv_heads % tp:
+        raise ValueError(f"tp={tp} must divide {model.name}'s {model.heads} heads and {model.kv_heads} key/value "
+                         f"heads (each tensor-parallel rank computes whole heads)")
     if model.seq % cp:
         raise ValueError(f"cp={cp} must divide the sequence of {model.seq} tokens")
     if hardware is None and (tp_overlap or dp_overlap or precision != "bf16"):
@@ -288,7 +288,7 @@ def enumerate_layouts(model: ModelSpec, cluster: Cluster, global_batch: int, *, 
     world = cluster.world
     out = []
     for tp in _divisors(world):
-        if model.heads % tp:
+        if model.heads % tp or model.kv_heads % tp:
             continue
         for pp in _divisors(world // tp):
             if model.layers % pp:

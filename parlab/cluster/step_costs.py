@@ -139,7 +139,8 @@ def attention_core_bytes(m: ModelSpec, b: int, tp: int = 1, cp: int = 1, dropout
     scores in on-chip memory: it reads Q, K, V and writes O, 4 x 2 b s h / (tp cp) bytes, and draws its dropout
     mask from the seed (Dao et al. 2022, sections 3.1-3.2)."""
     if fused:
-        return 4 * BYTES_16BIT * b * m.seq * m.hidden / (tp * cp)     # Q, K, V in, O out  # (b, s/cp, h/tp) each
+        width = 2 * m.hidden + 2 * m.kv_width                         # Q and O (b, s/cp, h/tp), K and V narrower
+        return BYTES_16BIT * b * m.seq * width / (tp * cp)            # with grouped-query attention
     A = m.heads * b * m.seq * m.seq / (tp * cp)
     return 2 * BYTES_16BIT * A + ((2 * BYTES_16BIT + _MASK_BYTES) * A if dropout else 0.0)
 
@@ -168,9 +169,9 @@ def check_inputs(model, hardware, layout) -> None:
                          f"'dgx-a100')), got {type(hardware).__name__}")
     if not isinstance(layout, Layout):
         raise ValueError(f"layout must be a parlab.cluster.step_costs.Layout, got {type(layout).__name__}")
-    if model.heads % layout.tp or model.ffn % layout.tp:
-        raise ValueError(f"tp={layout.tp} must divide {model.name}'s {model.heads} heads and its MLP width "
-                         f"{model.ffn} (tensor parallelism splits both)")
+    if model.heads % layout.tp or model.ffn % layout.tp or model.kv_heads % layout.tp:
+        raise ValueError(f"tp={layout.tp} must divide {model.name}'s {model.heads} heads, its {model.kv_heads} "
+                         f"key/value heads and its MLP width {model.ffn} (tensor parallelism splits all three)")
     if model.seq % layout.cp:
         raise ValueError(f"cp={layout.cp} must divide the sequence of {model.seq} tokens")
 

@@ -100,8 +100,9 @@ def params(model, position_table: bool | None = None, final_norm: bool = False) 
 
 def _layer_terms(model) -> tuple[float, float, float]:
     """Per-layer forward FLOPs per sequence, split: (dense products, attention scores, logits)."""
-    l, h, s, f = model.layers, model.hidden, model.seq, model.ffn
-    dense = 8 * s * h * h + (6 if model.swiglu else 4) * s * h * f       # QKV + proj, MLP (24 s h^2 at f = 4h)
+    l, h, s, f, kv = model.layers, model.hidden, model.seq, model.ffn, model.kv_width
+    # Q and the projection 2 s h h each, K and V 2 s h kv each (kv = h without grouped-query attention), the MLP
+    dense = 4 * s * h * h + 4 * s * h * kv + (6 if model.swiglu else 4) * s * h * f   # 24 s h^2 at f = 4h, kv = h
     return dense, 4 * s * s * h, 2 * s * h * model.vocab / l
 
 
@@ -110,9 +111,10 @@ def layer_gemms(model, b: int, tp: int = 1, cp: int = 1) -> list[tuple[str, int,
     batch): `batch` products (m x k) @ (k x n). T = b s / cp tokens; a / tp heads of d = h / a channels each
     (Megatron's column-parallel QKV and MLP-in, row-parallel projection and MLP-out):
 
-        qkv     T x h     @ h x 3h/tp          scores  (b a/tp) x  s/cp x d  @ d x s
+        qkv     T x h     @ h x (h+2kv)/tp     scores  (b a/tp) x  s/cp x d  @ d x s
         proj    T x h/tp  @ h/tp x h           values  (b a/tp) x  s/cp x s  @ s x d
-        mlp_in  T x h     @ h x kf/tp  (k = 1 GELU, 2 SwiGLU: gate and up)
+        mlp_in  T x h     @ h x kf/tp  (k = 1 GELU, 2 SwiGLU: gate and up; kv = h, or the keys' width with
+                                        grouped-query attention, `ModelSpec.kv_width`)
         mlp_out T x f/tp  @ f/tp x h
 
     2 m n k batch summed over them is 2 T (4 h^2 + (k + 1) h f) / tp + 4 b s^2 h / (tp cp): the layer FLOPs of
@@ -121,7 +123,7 @@ def layer_gemms(model, b: int, tp: int = 1, cp: int = 1) -> list[tuple[str, int,
     T, d = b * s // cp, h // a
     heads = b * a // tp
     gate = 2 if model.swiglu else 1
-    return [("qkv", T, 3 * h // tp, h, 1), ("scores", s // cp, s, d, heads), ("values", s // cp, d, s, heads),
+    return [("qkv", T, (h + 2 * model.kv_width) // tp, h, 1), ("scores", s // cp, s, d, heads), ("values", s // cp, d, s, heads),
             ("proj", T, h, h // tp, 1), ("mlp_in", T, gate * f // tp, h, 1), ("mlp_out", T, h, f // tp, 1)]
 
 
@@ -192,7 +194,7 @@ def activation_bytes_per_layer(model, micro_batch: int, tp: int = 1, sequence_pa
     if rc == "full":
         return BYTES_16BIT * s * b * h / ((tp if sequence_parallel else 1) * cp)
     whole = 10 - (1 if model.swiglu else 0)
-    sharded = 8 + (8 if model.swiglu else 4) * f / h
+    sharded = 4 + 4 * model.kv_width / h + (8 if model.swiglu else 4) * f / h   # Q, O; K, V (GQA: narrower)
     if check_attention(attention) == "fused":
         scores = 4 * a / h                        # log-sum-exp: 4 bytes per head and token  # (b, a/tp, s) fp32
     else:
