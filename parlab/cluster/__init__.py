@@ -25,6 +25,8 @@ Read in this order:
                      matrix products of a layer by shape.
 * ``costs.py``      `ModelSpec` and `Cluster`: the model and cluster presets the estimates take (GPT-3, LLaMA; A100, H100).
 * ``published.py``  published training runs as data (Korthikanti et al. tables 3 and 5) to hold the estimates to.
+* ``validation.py`` a wider set of published runs (other papers, GPU generations and frameworks), each with its
+                     stated layout, measured throughput and what we had to assume, replayed with nothing fitted.
 * ``planner.py``    the layout search over (dp, tp, pp, cp, micro-batches, ZeRO stage, recomputation, schedule).
 * ``plan_report.py`` the planner's answers as text: the ranked table, bytes per dimension, why the best is best.
 * ``plan_cli.py``   ``parlab plan``: the planner on the command line.

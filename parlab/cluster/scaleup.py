@@ -146,7 +146,7 @@ def compare(program: Trace | Schedule, model: ModelSpec, hardware: Hardware, lay
                    micro_batch=layout.micro_batch, zero=layout.zero,
                    recompute=layout.recompute, sequence_parallel=layout.sequence_parallel, virtual=layout.virtual,
                    hardware=hardware, tp_overlap=layout.tp_overlap, dp_overlap=layout.dp_overlap, schedule=schedule,
-                   precision=layout.precision)
+                   precision=layout.precision, attention=layout.attention)
     out = {"replay_s": rep, "planner_s": est.step_s}
     if published_s is not None:
         out.update(published_s=published_s, replay_error=rep / published_s - 1, planner_error=est.step_s / published_s - 1)
