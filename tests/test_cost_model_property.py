@@ -1,0 +1,48 @@
+"""Every Layout field through both paths of the one cost model, the replay of a built program and the planner's
+closed form, on random valid layouts: no field raises on either path, and they agree (exactly without a pipeline)."""
+import random
+
+import pytest
+
+from parlab.cluster.costs import ModelSpec
+from parlab.cluster.hardware import preset
+from parlab.cluster.scaleup import compare
+from parlab.cluster.step_costs import Layout
+from parlab.parallel import pipeline as sch
+
+
+def _case(rng: random.Random):
+    """A random valid (model, hardware, schedule, layout, global batch): every Layout field drawn."""
+    hw = rng.choice(["dgx-a100", "dgx-h100"])
+    pp, v = rng.choice([(1, 1), (2, 1), (2, 2), (4, 1), (4, 2)])
+    tp, cp, dp = rng.choice([1, 2, 8]), rng.choice([1, 2]), rng.choice([1, 2, 4])
+    model = ModelSpec("m", layers=pp * v * rng.choice([1, 2]), hidden=1024, heads=16, vocab=32000, seq=2048,
+                      tied=rng.random() < 0.5, dropout=rng.random() < 0.5, kv_heads=rng.choice([16, 8]),
+                      swiglu=rng.random() < 0.3)
+    name = "1f1b" if v > 1 else rng.choice(["1f1b", "gpipe", "zb-h1"])
+    m = pp * rng.choice([1, 2])
+    schedule = (sch.interleaved_1f1b(pp, m, v) if v > 1 else
+                {"1f1b": sch.one_f_one_b, "gpipe": sch.gpipe, "zb-h1": sch.zero_bubble_h1}[name](pp, m))
+    layout = Layout(tp=tp, pp=pp, dp=dp, cp=cp, micro_batch=rng.choice([1, 2]),
+                    recompute=rng.choice(["none", "selective", "full"]), sequence_parallel=tp > 1 and rng.random() < 0.5,
+                    virtual=v, zero=rng.choice([0, 1, 2, 3]) if dp * cp > 1 else 0, tp_overlap=rng.random() < 0.5,
+                    dp_overlap=rng.random() < 0.5, precision="fp8" if hw == "dgx-h100" and rng.random() < 0.5 else "bf16",
+                    attention=rng.choice(["materialised", "fused"]))
+    return model, preset(hw), schedule, layout, dp * layout.micro_batch * m
+
+
+@pytest.mark.parametrize("seed", range(24))
+def test_the_planner_reads_every_layout_field_as_the_replay_does(seed):
+    model, hw, schedule, layout, batch = _case(random.Random(seed))
+    res = compare(schedule, model, hw, layout, batch)
+    assert res["replay_s"] > 0 and res["planner_s"] > 0
+    if layout.pp == 1:
+        # no pipeline: one rank's actions in a row, so the closed form is the replay's sum (float rounding only);
+        # any field one path ignored would show here
+        assert res["planner_s"] == pytest.approx(res["replay_s"], rel=1e-9), layout
+    else:
+        # with a pipeline the closed form takes the slowest stage's steady state plus fill and drain; on these
+        # small models with one or two layers per stage the logits make the last stage far slower than the others,
+        # and it is off by up to 13.1% (200 random layouts, worst at m = p; 5.3% at m = 8p), against 0.1-0.4% on
+        # Korthikanti's runs. Issue 40 asks for 1%: the gap is open, this bound only guards it from growing
+        assert res["planner_s"] == pytest.approx(res["replay_s"], rel=0.15), (layout, schedule.name)
