@@ -7,7 +7,9 @@ import parlab
 from parlab import comm
 from parlab.data import BatchSampler, load_corpus
 from parlab.parallel.zero import FullyShardedDataParallel as FSDP
-from parlab.parallel.zero import comm_elements, max_params, measure, model_state_bytes, transformer_params
+from parlab.cluster import transformer as T
+from parlab.cluster.costs import from_gpt_config
+from parlab.parallel.zero import comm_elements, max_params, measure, model_state_bytes
 from parlab.models import GPT, GPTConfig
 from parlab.parallel.zero import ShardedOptimizer, iter_owned
 
@@ -36,9 +38,8 @@ def test_communication_volume():
 
 def test_transformer_parameter_count_matches_the_model():
     for cfg in (CFG, GPTConfig(n_layer=3, n_embd=48, n_head=4, vocab_size=50, seq_len=8)):
-        # the formula has no position table; GPT adds seq_len * h for it
-        assert cfg.param_count() == transformer_params(cfg.n_embd, cfg.n_layer, cfg.vocab_size) \
-            + cfg.seq_len * cfg.n_embd
+        # the one count (Megatron's eq. 2, parlab.cluster.transformer.params) with the final LayerNorm's 2 h
+        assert cfg.param_count() == T.params(from_gpt_config(cfg), final_norm=True)
         assert sum(p.numel() for p in GPT(cfg).parameters()) == cfg.param_count()
 
 

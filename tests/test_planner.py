@@ -6,7 +6,7 @@ import torch
 
 from parlab.cluster import transformer as T
 from parlab.cluster.costs import Cluster, ModelSpec, from_gpt_config, preset
-from parlab.parallel.zero import measure, transformer_params
+from parlab.parallel.zero import measure
 from parlab.models import GPT, GPTConfig
 from parlab.cluster.plan_cli import main
 from parlab.cluster.planner import enumerate_layouts, estimate, explain, format_table, plan, tiny_state_bytes, \
@@ -19,8 +19,9 @@ MEGATRON = Cluster(nodes=128)           # 128 DGX A100 80 GB nodes = 1024 GPUs, 
 
 
 def test_parameter_counts_match_the_closed_forms_and_the_papers():
-    # GPT-3: 12 h^2 + 13 h per layer + V h + 2 h (memory.transformer_params) + the s x h position table
-    assert GPT3.param_count() == transformer_params(12288, 96, 50257) + 2048 * 12288
+    # GPT-3: 12 h^2 + 13 h per layer + V h + s h (Megatron's eq. 2) + the final LayerNorm's 2 h
+    assert GPT3.param_count() == 12 * 96 * 12288**2 + 13 * 96 * 12288 + 50257 * 12288 + 2048 * 12288 + 2 * 12288
+    assert GPT3.param_count() == T.params(GPT3, final_norm=True)
     assert GPT3.param_count() / 1e9 == pytest.approx(174.6, abs=0.05)
     # LLaMA (SwiGLU, untied head, RMSNorm): 6.74B, 13.0B, 65.3B as released
     for name, billions in (("llama-7b", 6.74), ("llama-13b", 13.02), ("llama-65b", 65.29)):

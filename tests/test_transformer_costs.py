@@ -8,7 +8,6 @@ from parlab.cluster import transformer as T
 from parlab.cluster.costs import ModelSpec, from_gpt_config, preset
 from parlab.cluster.published import KORTHIKANTI, KORTHIKANTI_MODELS, SELENE_PEAK_FLOPS
 from parlab.models import GPTConfig
-from parlab.parallel.zero.memory import transformer_params
 
 MODELS = list(KORTHIKANTI_MODELS)
 REL = 1e-12          # float rounding only: both sides are the same arithmetic in another order
@@ -73,11 +72,12 @@ def test_6nd_leaves_out_the_attention_scores():
                                     GPTConfig(tie_embeddings=False, vocab_size=96, seq_len=40)])
 def test_one_parameter_count(config):
     """The three counts agree where they describe the same model: the tiny GPT's own (exact), the cost model's,
-    and ZeRO's formula h V + L (12 h^2 + 13 h) + 2 h (a GPT with tied embeddings and no position table)."""
+    and Megatron's eq. 2 (`transformer.params`, the one closed form; ZeRO's lesson uses it too)."""
     assert from_gpt_config(config).param_count() == config.param_count()
     gpt3 = preset("gpt3-175b")
     no_positions = ModelSpec("g", gpt3.layers, gpt3.hidden, gpt3.heads, gpt3.vocab, gpt3.seq, learned_pos=False)
-    assert transformer_params(gpt3.hidden, gpt3.layers, gpt3.vocab) == no_positions.param_count()
+    assert T.params(no_positions, final_norm=True) == no_positions.param_count()
+    assert T.params(gpt3, final_norm=True) == gpt3.param_count()
 
 
 @pytest.mark.parametrize("pp,virtual,factor", [(8, 1, 1.0), (8, 2, 1 + 7 / 16), (64, 4, 1 + 63 / 256)])

@@ -22,10 +22,10 @@ Lesson 03 (and 08's resumed training); exercises 03 and 09.
 from parlab.parallel.zero.checkpoint import CheckpointError
 from parlab.parallel.zero.fsdp import FullyShardedDataParallel
 from parlab.parallel.zero.memory import (STAGES, comm_elements, gathered_timeline, max_params, measure, min_dp_size,
-                                         model_state_bytes, transformer_params)
+                                         model_state_bytes)
 from parlab.parallel.zero.mixed_precision import LossScaler
 from parlab.parallel.zero.optimizer import ShardedOptimizer, iter_owned, partition_parameters
 
 __all__ = ["ShardedOptimizer", "FullyShardedDataParallel", "LossScaler", "CheckpointError", "partition_parameters",
-           "iter_owned", "STAGES", "model_state_bytes", "comm_elements", "transformer_params", "max_params",
+           "iter_owned", "STAGES", "model_state_bytes", "comm_elements", "max_params",
            "measure", "gathered_timeline", "min_dp_size"]

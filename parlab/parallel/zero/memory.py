@@ -43,7 +43,7 @@ import torch
 
 from parlab.trace.wire import ring_factor
 
-__all__ = ["model_state_bytes", "comm_elements", "transformer_params", "max_params", "measure",
+__all__ = ["model_state_bytes", "comm_elements", "max_params", "measure",
            "gathered_timeline", "min_dp_size", "STAGES"]
 
 STAGES = {0: "DP", 1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3"}
@@ -73,14 +73,6 @@ def comm_elements(psi: float, stage: int, nd: int | None = None) -> float:
     _check(stage, nd or 1)
     ring = ring_factor("all_gather", nd) if nd else 1.0     # all-gather and reduce-scatter: (nd - 1) / nd
     return (3 if stage == 3 else 2) * psi * ring
-
-
-def transformer_params(h: int, n_layer: int, vocab: int) -> int:
-    """psi ~ h V + L (12 h^2 + 13 h) + 2 h for a dense GPT with tied embeddings (no position table): the course's
-    formula for the ZeRO lesson. The same count as `parlab.cluster.costs.ModelSpec.param_count` for that model
-    (tests/test_transformer_costs.py), which also counts position tables, untied heads and SwiGLU MLPs; Megatron's
-    eq. 2 (`parlab.cluster.transformer.params`) is this with the position table and without the final 2 h."""
-    return h * vocab + n_layer * (12 * h * h + 13 * h) + 2 * h
 
 
 def max_params(gpu_bytes: float, nd: int, stage: int, param_bytes: float = 2, grad_bytes: float = 2,
