@@ -12,7 +12,8 @@ from parlab.cluster.pipeline_program import pipeline_trace
 from parlab.cluster.published import KORTHIKANTI
 from parlab.cluster.replay import step_time
 from parlab.cluster.scaleup import Layout, scaleup
-from parlab.cluster.step_costs import StepCosts
+from parlab.cluster import transformer as T
+from parlab.cluster.step_costs import StepCosts, fp8_cast_bytes
 from parlab.cluster.sync_costs import OPTIMIZER_BYTES_PER_PARAM
 from parlab.models import GPT, GPTConfig
 from parlab.parallel import pipeline as sch
@@ -118,7 +119,20 @@ def test_layout_options_change_the_costs_they_name():
     h100 = preset("dgx-h100")
     fp8 = StepCosts(model, h100, Layout(tp=8, pp=2, precision="fp8"), 2)
     bf16 = StepCosts(model, h100, Layout(tp=8, pp=2), 2)
-    assert fp8.t_fwd_gemm == pytest.approx(bf16.t_fwd_gemm * 989 / 1979, rel=1e-12)   # dense TFLOP/s (datasheet)
+    # fp8 as Transformer Engine runs it: the four weight GEMMs at the fp8 rate (989 -> 1,979 dense TFLOP/s, the
+    # datasheet's), the attention products and the logits in bf16, the operands' casts as memory traffic
+    weights = [g for g in T.layer_gemms(model, 1, 8) if g[0] in ("qkv", "proj", "mlp_in", "mlp_out")]
+    core = [g for g in T.layer_gemms(model, 1, 8) if g not in weights]
+    time_of = lambda hw_, gs: sum(hw_.gemm_time(*g[1:]) for g in gs)          # noqa: E731
+    assert fp8.t_fwd_gemm == pytest.approx(time_of(h100.at("fp8"), weights) + time_of(h100, core), rel=1e-12)
+    assert bf16.t_fwd_gemm == pytest.approx(time_of(h100, weights + core), rel=1e-12)
+    assert fp8.t_head_fwd == bf16.t_head_fwd
+    fwd_cast, bwd_cast = fp8_cast_bytes(T.layer_gemms(model, 1, 8))
+    T_, h, f = model.seq, model.hidden, model.ffn
+    # inputs (T x h, T x h/8, T x h, T x f/8) and weights, 3 bytes each element (read 16 bits, write 8)
+    assert fwd_cast == 3 * (T_ * h * 2 + T_ * h / 8 + T_ * f / 8 + 4 * h * h / 8 + 2 * h * f / 8)
+    assert bwd_cast == 3 * T_ * (3 * h / 8 + h + f / 8 + h)                      # the output gradients
+    assert fp8.action("forward", 0) < bf16.action("forward", 0)
     with pytest.raises(ValueError, match="DGX A100 has no 'fp8' rate"):
         StepCosts(model, hw, Layout(tp=8, pp=2, precision="fp8"), 2)
     for bad, msg in ((dict(virtual=0), "virtual must be a positive integer"),

@@ -61,7 +61,10 @@ the scores' bytes become Q, K, V read and O written (`attention_core_bytes`), th
 to redo.
 
 Number format: `precision` "bf16" (the default: the hardware's peak_flops) or another the hardware lists
-(`Hardware.at`, e.g. "fp8" on H100) for the matrix products; activations and messages stay 16-bit.
+(`Hardware.at`) for the matrix products; activations and messages stay 16-bit. "fp8" is mixed as Transformer
+Engine runs it: only the four weight GEMMs of a layer (QKV, projection, the MLP's two; forward, input and weight
+gradients) at the fp8 rate, the attention products and the logits in bf16, plus the casts of their operands to
+8 bits (`fp8_cast_bytes`); any other format runs every product.
 Pure Python: no torch.
 """
 from __future__ import annotations
@@ -76,7 +79,7 @@ from parlab.cluster.sync_costs import SyncCosts
 from parlab.parallel.pipeline.schedules import split_layers
 
 __all__ = ["Layout", "StepCosts", "check_inputs", "layer_forward_flops", "layer_forward_bytes",
-           "attention_core_bytes"]
+           "attention_core_bytes", "fp8_cast_bytes"]
 
 _MASK_BYTES = 1                      # a dropout mask element (Korthikanti et al. 2022, section 4.1)
 _WEIGHTS = ("qkv", "proj", "mlp_in", "mlp_out")   # the layer's products with a weight matrix (`transformer.layer_gemms`)
@@ -158,6 +161,18 @@ def layer_forward_bytes(m: ModelSpec, b: int, tp: int = 1, cp: int = 1, sequence
     return norms + residual + drops + act + attention_core_bytes(m, b, tp, cp, dropout, fused)
 
 
+def fp8_cast_bytes(gemms) -> tuple[float, float]:
+    """(forward, backward) bytes one layer's fp8 casts move (Transformer Engine's delayed scaling: every weight
+    GEMM's operands are cast to 8 bits with a per-tensor scale; "Using FP8 with Transformer Engine", TE user
+    guide): the forward casts each weight GEMM's input (m x k) and its weight (k x n), the backward the output
+    gradient (m x n) its input- and weight-gradient products take. A cast reads 2 bytes and writes 1 per element;
+    the amax reductions (one value per tensor) are left out. `gemms`: `transformer.layer_gemms`."""
+    cast = BYTES_16BIT + 1
+    linear = [(m, n, k, batch) for name, m, n, k, batch in gemms if name in _WEIGHTS]
+    return (cast * sum((m * k + k * n) * batch for m, n, k, batch in linear),
+            cast * sum(m * n * batch for m, n, k, batch in linear))
+
+
 def check_inputs(model, hardware, layout) -> None:
     """What a big model's layout must satisfy before it can be costed: the right types, tp dividing the heads and
     the MLP width (Megatron splits both), cp dividing the sequence."""
@@ -195,13 +210,17 @@ class StepCosts:
                              f"{layout.virtual} = {layout.pp * layout.virtual}")
         dropout = model.dropout if dropout is None else dropout
         self.model, self.layout, self.stages = model, layout, stages
-        self.hw = hardware if layout.precision == "bf16" else hardware.at(layout.precision)
+        # fp8 runs the weight GEMMs only (Transformer Engine, module docstring); another format runs every product
+        fp8 = layout.precision == "fp8"
+        self.hw = hardware if layout.precision in ("bf16", "fp8") else hardware.at(layout.precision)
+        linear = hardware.at("fp8") if fp8 else self.hw
         self.layers = [len(r) for r in split_layers(model.layers, stages)]
         b, tp, cp, sp = layout.micro_batch, layout.tp, layout.cp, layout.sequence_parallel
         s, h = model.seq, model.hidden
         self.act_bytes = BYTES_16BIT * b * s * h / cp                 # one micro-batch's (b, s/cp, h) on a CP rank
         gemms = T.layer_gemms(model, b, tp, cp)
-        t = lambda gs: sum(self.hw.gemm_time(*g[1:]) for g in gs)            # noqa: E731  seconds of products
+        def t(gs) -> float:                                                   # seconds of products
+            return sum((linear if g[0].split()[0] in _WEIGHTS else self.hw).gemm_time(*g[1:]) for g in gs)
         self.t_fwd_gemm = t(gemms)
         bwd = T.backward_gemms(gemms)
         # the weight gradients of the four weight matrices; every other backward product (an attention
@@ -218,6 +237,7 @@ class StepCosts:
         self.t_head_dgrad = t(T.backward_gemms(head)) - self.t_head_wgrad
         mem = self.hw.mem_bw * self.hw.mem_efficiency
         self.t_mem = layer_forward_bytes(model, b, tp, cp, sp, dropout, fused) / mem if memory_ops else 0.0
+        self.t_cast = tuple(c / mem for c in fp8_cast_bytes(gemms)) if fp8 and memory_ops else (0.0, 0.0)
         self.t_mem_core = attention_core_bytes(model, b, tp, cp, dropout, fused) / mem if memory_ops else 0.0
         # the last stage: final norm (4E) and the logits' softmax, (b, s/cp, V/tp) read and written
         self.t_mem_head = (2 * BYTES_16BIT * b * s * h / (cp * (tp if sp else 1))
@@ -274,14 +294,15 @@ class StepCosts:
         n, last = self.layers[stage], stage == self.stages - 1
         rc = self.layout.recompute
         head_fwd = self.t_head_fwd + self.t_mem_head if last else 0.0
-        fwd = n * (self.t_fwd_gemm + self.t_mem) + self.comm_part("forward", stage) + head_fwd
+        cast_f, cast_b = self.t_cast
+        fwd = n * (self.t_fwd_gemm + self.t_mem + cast_f) + self.comm_part("forward", stage) + head_fwd
         if op == "forward":
             return fwd + self._zero_exposed(op, stage, fwd)
         # selective recomputation redoes the materialised scores; a fused kernel stores none to redo (its own
         # recomputation is in its backward, t_dgrad)
         selective = 0.0 if self.layout.attention == "fused" else n * (self.t_core + self.t_mem_core)
-        redo = {"none": 0.0, "full": n * (self.t_fwd_gemm + self.t_mem), "selective": selective}[rc]
-        t_in = (n * (self.t_dgrad + self.t_mem) + self.comm_part("backward" if op == "backward" else "backward_input",
+        redo = {"none": 0.0, "full": n * (self.t_fwd_gemm + self.t_mem + cast_f), "selective": selective}[rc]
+        t_in = (n * (self.t_dgrad + self.t_mem + cast_b) + self.comm_part("backward" if op == "backward" else "backward_input",
                                                                  stage)
                 + (self.t_head_dgrad + self.t_mem_head if last else 0.0))
         t_w = n * self.t_wgrad + (self.t_head_wgrad if last else 0.0)
