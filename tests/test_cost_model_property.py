@@ -41,8 +41,11 @@ def test_the_planner_reads_every_layout_field_as_the_replay_does(seed):
         # any field one path ignored would show here
         assert res["planner_s"] == pytest.approx(res["replay_s"], rel=1e-9), layout
     else:
-        # with a pipeline the closed form takes the slowest stage's steady state plus fill and drain; on these
-        # small models with one or two layers per stage the logits make the last stage far slower than the others,
-        # and it is off by up to 13.1% (200 random layouts, worst at m = p; 5.3% at m = 8p), against 0.1-0.4% on
-        # Korthikanti's runs. Issue 40 asks for 1%: the gap is open, this bound only guards it from growing
-        assert res["planner_s"] == pytest.approx(res["replay_s"], rel=0.15), (layout, schedule.name)
+        # with a pipeline the closed form takes the slowest rank's steady state plus the others' fill and drain; on
+        # these small models with one or two layers per stage the logits make the last stage far slower than the
+        # others, and the ranks' waits in such a steady state are left out. Measured over 200 random layouts
+        # (m = p and 2p): at most 2.5% (1F1B), 3.2% (GPipe), 6.3% (ZB-H1), 11.0% (interleaved, with ZeRO-3's
+        # gathers exposed on the embedding's rank); before the closed form summed the ranks' fill (Σ W - max W)
+        # it was 7.3%, 11.4%, 14.1% and 9.5%. Issue 40 asks for 1%: the gap is open, these bounds guard it
+        bound = {"1f1b": 0.03, "gpipe": 0.04, "zb-h1": 0.07}.get(schedule.name, 0.12)
+        assert res["planner_s"] == pytest.approx(res["replay_s"], rel=bound), (layout, schedule.name)
