@@ -219,3 +219,26 @@ def test_each_readme_has_a_current_chinese_twin_with_the_same_commands(english):
     zh_blocks = [b.replace('-e ".[zh]" && .venv/bin/parlab course open --lang zh', '-e . && .venv/bin/parlab course open')
                  for b in _blocks(zh)]
     assert zh_blocks == _blocks(en)
+
+
+# ---------------------------------------------------------------------- text tables
+def test_pad_counts_a_chinese_character_as_two_columns():
+    from parlab.i18n.columns import pad, width
+    assert (width("abc"), width("交错 v=2（Megatron）"), width("e\u0301")) == (3, 20, 1)
+    assert pad("气泡", 6) == "气泡  " and pad("气泡", 6, ">") == "  气泡" and pad("气泡", 7, "^") == " 气泡  "
+    assert pad("a longer text", 4) == "a longer text" and pad(0.25, 6, ">") == "  0.25"
+
+
+def test_lesson_05_peak_table_lines_up_in_chinese(capsys):
+    """Cell dac3e443 prints schedules with their peaks and bubbles: in Chinese (labels of Chinese characters, each two
+    columns wide) every '|' still sits in the same display column of every line, and the header is Chinese."""
+    from parlab.i18n.columns import width
+    from parlab.parallel import pipeline as sch
+    lesson = translated.translated_lesson(ROOT / "lessons" / "05_pipeline_parallel.ipynb", "zh_CN", ROOT)
+    source = next(c.source for c in lesson.cells if c.id == "dac3e443")
+    quiet = type("Viz", (), {"schedules_figure": staticmethod(lambda *a, **k: None)})
+    exec(source, {"sch": sch, "P": 4, "M": 8, "V": 2, "one_f_one_b": sch.one_f_one_b(4, 8), "vp": quiet})
+    lines = capsys.readouterr().out.splitlines()
+    bars = {tuple(width(line[:i]) for i, c in enumerate(line) if c == "|") for line in lines}
+    assert len(lines) == 4 and len(bars) == 1 and len(bars.pop()) == 2, "\n".join(lines)
+    assert re.search(r"[\u4e00-\u9fff]", lines[0]) and "schedule" not in lines[0], lines[0]
