@@ -219,3 +219,56 @@ def test_each_readme_has_a_current_chinese_twin_with_the_same_commands(english):
     zh_blocks = [b.replace('-e ".[zh]" && .venv/bin/parlab course open --lang zh', '-e . && .venv/bin/parlab course open')
                  for b in _blocks(zh)]
     assert zh_blocks == _blocks(en)
+
+
+# ---------------------------------------------------------------------- text tables
+def test_pad_counts_a_chinese_character_as_two_columns():
+    from parlab.i18n.columns import pad, width
+    assert (width("abc"), width("交错 v=2（Megatron）"), width("e\u0301")) == (3, 20, 1)
+    assert pad("气泡", 6) == "气泡  " and pad("气泡", 6, ">") == "  气泡" and pad("气泡", 7, "^") == " 气泡  "
+    assert pad("a longer text", 4) == "a longer text" and pad(0.25, 6, ">") == "  0.25"
+
+
+def test_lesson_05_peak_table_lines_up_in_chinese(capsys):
+    """Cell dac3e443 prints schedules with their peaks and bubbles: in Chinese (labels of Chinese characters, each two
+    columns wide) every '|' still sits in the same display column of every line, and the header is Chinese."""
+    from parlab.i18n.columns import width
+    from parlab.parallel import pipeline as sch
+    lesson = translated.translated_lesson(ROOT / "lessons" / "05_pipeline_parallel.ipynb", "zh_CN", ROOT)
+    source = next(c.source for c in lesson.cells if c.id == "dac3e443")
+    quiet = type("Viz", (), {"schedules_figure": staticmethod(lambda *a, **k: None)})
+    exec(source, {"sch": sch, "P": 4, "M": 8, "V": 2, "one_f_one_b": sch.one_f_one_b(4, 8), "vp": quiet})
+    lines = capsys.readouterr().out.splitlines()
+    bars = {tuple(width(line[:i]) for i, c in enumerate(line) if c == "|") for line in lines}
+    assert len(lines) == 4 and len(bars) == 1 and len(bars.pop()) == 2, "\n".join(lines)
+    assert re.search(r"[\u4e00-\u9fff]", lines[0]) and "schedule" not in lines[0], lines[0]
+
+
+def test_lesson_02_figures_name_the_course_labels_in_chinese():
+    """The phases, memory categories and DDP spans the course's own code labels (lesson 02's legends and bars) are
+    drawn in Chinese; a label the student wrote stays as written, and the figure keeps its English key."""
+    from parlab.trace import Event, Trace
+    from parlab.viz import data_parallel as dpviz
+    from parlab.viz.timeline import timeline
+    spans = [Event(rank=0, kind="compute", op="backward", start=0.0, end=1.0, label="until bucket 3 ready"),
+             Event(rank=0, kind="compute", op="grad sync", start=1.0, end=2.0, label="wait for buckets"),
+             Event(rank=0, kind="compute", op="forward", start=2.0, end=3.0, label="my own span")]
+    with use_language("zh_CN"):
+        phases = dpviz.phase_bars({"naive": {"scatter inputs": {0: 1.0}, "grad bucket": {0: 2.0}}})
+        memory = dpviz.memory_bars({"naive": [{"optimizer state": 1, "output grads": 2}]})
+        bars = timeline(Trace(spans), show_labels=True)
+    assert [t.name for t in phases.data] == ["切分输入", "梯度桶"]
+    assert [t.name for t in memory.data] == ["优化器状态", "输出梯度"]
+    assert [t.legendgroup for t in phases.data] == ["scatter inputs", "grad bucket"]
+    drawn = [text for t in bars.data for text in (t.text or ())]
+    assert sorted(drawn) == sorted(["直到桶 3 就绪", "等待梯度桶", "my own span"]), drawn
+
+
+def test_exercise_05_prints_the_simulation_in_chinese():
+    """Exercise 05 prints `Simulation.summary()` (its code cells cannot be translated): Chinese, numbers kept."""
+    from parlab.parallel import pipeline as sch
+    sim = sch.simulate(sch.one_f_one_b(4, 6))
+    with use_language("zh_CN"):
+        text = sim.summary()
+    assert "0.333" in text and "0.500" in text and "[4, 3, 2, 1]" in text
+    assert [w for w in re.findall(r"[A-Za-z]{3,}", text) if w != "rank"] == [], text   # rank: the glossary keeps it

@@ -1,6 +1,8 @@
 """The layout planner: closed-form memory numbers, monotonicity, placement, clear errors, and its choice for
 Megatron's published GPT-3 175B run (Narayanan et al., arXiv:2104.04473, table 1: t = 8, p = 8 on 1024 A100
 80 GB GPUs with a global batch of 1536 sequences). Pure arithmetic: the whole file runs in about a second."""
+import re
+
 import pytest
 import torch
 
@@ -9,8 +11,10 @@ from parlab.cluster.costs import Cluster, ModelSpec, from_gpt_config, preset
 from parlab.parallel.zero import measure
 from parlab.models import GPT, GPTConfig
 from parlab.cluster.plan_cli import main
-from parlab.cluster.planner import enumerate_layouts, estimate, explain, format_table, plan, tiny_state_bytes, \
-    volume_table
+from parlab.cluster.planner import enumerate_layouts, estimate, explain, format_table, format_volume_table, plan, \
+    tiny_state_bytes, volume_table
+from parlab.i18n import use_language
+from parlab.i18n.columns import width
 from parlab.parallel.topology import ParallelGrid
 
 GB = 1e9
@@ -284,3 +288,39 @@ def test_every_plan_option_says_what_it_is(capsys):
             if line.startswith("  -") and "  " not in line.strip()                      # the option alone ...
             and not (k + 1 < len(lines) and lines[k + 1].startswith(" " * 10))]        # ... with nothing below
     assert bare == [], f"options without help: {bare}"
+
+
+def _english_words(text: str, layouts) -> list[str]:
+    """ASCII words of 3+ letters in `text` that are neither a layout's (or model's) name nor a term the Chinese keeps
+    (units, hardware, collective names, Python's True/False)."""
+    for layout in sorted(layouts, key=len, reverse=True):
+        text = text.replace(layout, " ")
+    text = re.sub(r"all-reduce|all-gather|reduce-scatter|TFLOP/s|TF/GPU|GB/GPU", " ", text)
+    return [w for w in re.findall(r"[A-Za-z]{3,}", text) if w not in ("GPU", "GPUs", "ZeRO", "True", "False")]
+
+
+def test_the_plan_report_speaks_chinese_and_its_tables_line_up():
+    """Lesson 07 prints the planner's table, its explanation and the volume table: in Chinese no English word is
+    left, and every header column starts where its numbers do (a Chinese character takes two columns)."""
+    small = Cluster(nodes=1, gpus_per_node=8, gpu_mem_gb=40)
+    with use_language("zh_CN"):
+        every = enumerate_layouts(GPT3, MEGATRON, 1536)
+        ranked = plan(GPT3, MEGATRON, 1536)
+        crowded = enumerate_layouts(preset("llama-7b"), small, 64)
+        tight = plan(preset("llama-7b"), Cluster(nodes=1, gpus_per_node=8, gpu_mem_gb=16), 64)
+        table = format_table(ranked, 5) + "\n" + format_table([e for e in crowded if not e.fits][:2], None)
+        text = "\n".join([table, explain(ranked, every), explain(tight, tight),
+                          format_volume_table(volume_table(preset("llama-7b"), ParallelGrid(16, tp=2, pp=4, gpus_per_node=8),
+                                                              64))])
+        with pytest.raises(ValueError) as nothing_fits:
+            plan(preset("llama-65b"), small, 64)
+        text += "\n" + str(nothing_fits.value)
+    layouts = {e.layout for e in every + crowded + tight} | {"llama-65b"}
+    assert _english_words(text, layouts) == [], text
+    assert "最优" in text and "放不下" in text
+    for lang in ("en", "zh_CN"):
+        with use_language(lang):
+            head, _, *rows = format_table(ranked, 5).splitlines()[:-1]
+        bars = {tuple(i for i in range(len(line)) if line[i] == "|") for line in rows}
+        assert len(bars) == 1
+        assert tuple(width(head[:i]) for i, c in enumerate(head) if c == "|") == bars.pop(), head

@@ -8,6 +8,9 @@ formatting of estimates: it computes nothing (``parlab plan`` prints all three).
 """
 from __future__ import annotations
 
+from parlab.i18n import _
+from parlab.i18n.columns import pad, width
+
 __all__ = ["explain", "format_table", "format_volume_table", "DIMS", "GB", "RC_MARK"]
 
 GB = 1e9
@@ -17,50 +20,65 @@ RC_MARK = {"none": "n", "selective": "s", "full": "y"}      # the table's rc col
 
 def _dominant(a, b) -> str:
     """The cost term that differs most between two estimates, as words."""
-    terms = {"bubble_s": "pipeline bubble", "tp_s": "TP communication", "dp_s": "exposed DP communication",
-             "pp_s": "PP communication", "cp_s": "CP communication", "compute_s": "compute (recomputation)"}
+    terms = {"bubble_s": _("pipeline bubble"), "tp_s": _("TP communication"), "dp_s": _("exposed DP communication"),
+             "pp_s": _("PP communication"), "cp_s": _("CP communication"),
+             "compute_s": _("compute (recomputation)")}
     k = max(terms, key=lambda k: abs(getattr(b, k) - getattr(a, k)))
-    return f"{terms[k]} {getattr(b, k):.2f} s vs {getattr(a, k):.2f} s"
+    return _("{term} {theirs:.2f} s vs {ours:.2f} s").format(term=terms[k], theirs=getattr(b, k), ours=getattr(a, k))
+
+
+def _link(size: int, crosses: bool) -> str:
+    """Where a dimension's groups run, as words."""
+    return _("no group") if size == 1 else _("crosses nodes") if crosses else _("inside a node")
 
 
 def explain(ranked: list, every: list | None = None, gpus_per_node: int | None = None) -> str:
     """Why the first layout of `ranked` has its tp, pp, dp (and the rest): the best alternative for each."""
     top = ranked[0]
     every = every or ranked
-    lines = [f"Best: {top.layout}: {top.step_s:.2f} s/step, {top.total_bytes / GB:.1f} GB per GPU, "
-             f"{top.achieved_tflops:.0f} TFLOP/s per GPU."]
-    size = {"tp": top.tp, "cp": top.cp, "dp": top.dp, "pp": top.pp}
-    where = {d: "no group" if size[d] == 1 else "crosses nodes" if top.crosses[d] else "inside a node" for d in DIMS}
-    lines.append(f"  tp={top.tp} ({where['tp']}), pp={top.pp} ({where['pp']}), dp={top.dp} ({where['dp']}); "
-                 f"per GPU and step TP sends {top.volume['tp'] / GB:.1f} GB, DP {top.volume['dp'] / GB:.1f} GB, "
-                 f"PP {top.volume['pp'] / GB:.2f} GB.")
-    for dim, attr in (("tp", "tp"), ("pp", "pp"), ("dp", "dp"), ("ZeRO stage", "zero"),
-                      ("recomputation", "recompute"), ("micro-batch", "micro_batch")):
+    lines = [_("Best: {layout}: {step:.2f} s/step, {gb:.1f} GB per GPU, {tflops:.0f} TFLOP/s per GPU.").format(
+        layout=top.layout, step=top.step_s, gb=top.total_bytes / GB, tflops=top.achieved_tflops)]
+    where = {d: _link(getattr(top, d), top.crosses[d]) for d in DIMS}
+    lines.append("  " + _("tp={tp} ({tp_link}), pp={pp} ({pp_link}), dp={dp} ({dp_link}); per GPU and step TP sends "
+                          "{tp_gb:.1f} GB, DP {dp_gb:.1f} GB, PP {pp_gb:.2f} GB.").format(
+        tp=top.tp, pp=top.pp, dp=top.dp, tp_link=where["tp"], pp_link=where["pp"], dp_link=where["dp"],
+        tp_gb=top.volume["tp"] / GB, dp_gb=top.volume["dp"] / GB, pp_gb=top.volume["pp"] / GB))
+    for dim, attr in (("tp", "tp"), ("pp", "pp"), ("dp", "dp"), (_("ZeRO stage"), "zero"),
+                      (_("recomputation"), "recompute"), (_("micro-batch"), "micro_batch")):
         others = [e for e in every if getattr(e, attr) != getattr(top, attr)]
         fitting = [e for e in others if e.fits]
+        ours = getattr(top, attr)
         if fitting:
             alt = min(fitting, key=lambda e: (e.step_s, e.total_bytes))
+            fields = dict(dim=dim, ours=ours, theirs=getattr(alt, attr), layout=alt.layout, step=alt.step_s,
+                          gb=alt.total_bytes / GB)
             if alt.step_s - top.step_s < 0.005 * top.step_s:
-                lines.append(f"  {dim}={getattr(top, attr)} or {getattr(alt, attr)}: a tie within 0.5% "
-                             f"({alt.layout}: {alt.step_s:.2f} s, {alt.total_bytes / GB:.1f} GB): closer than this "
-                             f"model can tell apart; either is a sound choice.")
+                lines.append("  " + _("{dim}={ours} or {theirs}: a tie within 0.5% ({layout}: {step:.2f} s, {gb:.1f} "
+                                      "GB): closer than this model can tell apart; either is a sound choice.").format(
+                    **fields))
                 continue
-            lines.append(f"  {dim}={getattr(top, attr)} rather than {getattr(alt, attr)}: the best such layout "
-                         f"({alt.layout}) takes {alt.step_s:.2f} s (+{100 * (alt.step_s / top.step_s - 1):.0f}%), "
-                         f"mostly {_dominant(top, alt)}.")
+            lines.append("  " + _("{dim}={ours} rather than {theirs}: the best such layout ({layout}) takes {step:.2f} "
+                                  "s (+{more:.0f}%), mostly {term}.").format(
+                **fields, more=100 * (alt.step_s / top.step_s - 1), term=_dominant(top, alt)))
         elif others:
             alt = min(others, key=lambda e: e.total_bytes)
-            lines.append(f"  {dim}={getattr(top, attr)}: no layout with another {dim} fits "
-                         f"(smallest {alt.layout} {alt.reason}).")
+            lines.append("  " + _("{dim}={ours}: no layout with another {dim} fits (smallest {layout} {reason}).").format(
+                dim=dim, ours=ours, layout=alt.layout, reason=alt.reason))
     return "\n".join(lines)
 
 
 def format_table(estimates: list, top: int | None = 10) -> str:
-    """A fixed-width text table: layout, memory split, time split, step time, throughput."""
+    """A fixed-width text table: layout, memory split, time split, step time, throughput (columns padded by
+    display width, so that they line up in Chinese too)."""
+    words = {k: pad(v, n, ">") for k, v, n in (("states", _("states"), 7), ("act", _("act"), 6),
+                                               ("total", _("total GB"), 8), ("compute", _("compute"), 7),
+                                               ("bubble", _("bubble"), 6), ("step", _("step s"), 7))}
+    note = _("note")
     head = (f"{'#':>3} {'tp':>3} {'pp':>3} {'v':>1} {'dp':>4} {'cp':>2} {'b':>2} {'m':>4} {'Z':>1} {'rc':>2} | "
-            f"{'states':>7} {'act':>6} {'total GB':>8} | {'compute':>7} {'bubble':>6} {'TP':>6} {'DP':>6} "
-            f"{'PP':>6} {'CP':>6} {'step s':>7} {'TF/GPU':>6} {'note':<4}")
-    rows = [head, "-" * len(head)]
+            f"{words['states']} {words['act']} {words['total']} | {words['compute']} {words['bubble']} {'TP':>6} "
+            f"{'DP':>6} {'PP':>6} {'CP':>6} {words['step']} {'TF/GPU':>6} {note}")
+    rows = [head, "-" * width(head)]
+    no = _("NO: {reason}")
     for i, e in enumerate(estimates[:top] if top else estimates, 1):
         states = e.params_bytes + e.grads_bytes + e.optimizer_bytes
         x = {d: "*" if e.crosses[d] and e.volume[d] else " " for d in DIMS}
@@ -69,14 +87,16 @@ def format_table(estimates: list, top: int | None = 10) -> str:
                     f"{e.activation_bytes / GB:>6.1f} {e.total_bytes / GB:>8.1f} | {e.compute_s:>7.2f} "
                     f"{e.bubble_s:>6.2f} {e.tp_s:>5.2f}{x['tp']} {e.dp_s:>5.2f}{x['dp']} {e.pp_s:>5.2f}{x['pp']} "
                     f"{e.cp_s:>5.2f}{x['cp']} {e.step_s:>7.2f} {e.achieved_tflops:>6.0f} "
-                    f"{'' if e.fits else 'NO: ' + e.reason}")
-    rows.append("(times in s per step; * = that dimension's groups cross nodes; DP = exposed part)")
+                    f"{'' if e.fits else no.format(reason=e.reason)}")
+    rows.append(_("(times in s per step; * = that dimension's groups cross nodes; DP = exposed part)"))
     return "\n".join(rows)
 
 
 def format_volume_table(rows: list[dict]) -> str:
-    out = [f"{'dim':<4} {'size':>4} {'GB/GPU/step':>12} {'link':<10} what"]
+    """`planner.volume_table`'s rows as a text table: dimension, size, GB per GPU and step, link, what is sent."""
+    dim, size, gb, link, what = _("dim"), _("size"), _("GB/GPU/step"), _("link"), _("what")
+    out = [f"{pad(dim, 4)} {pad(size, 4, '>')} {pad(gb, 12, '>')} {pad(link, 10)} {what}"]
     for r in rows:
-        link = "-" if r["size"] == 1 else "inter-node" if r["crosses_nodes"] else "intra-node"
-        out.append(f"{r['dim']:<4} {r['size']:>4} {r['bytes'] / GB:>12.3f} {link:<10} {r['what']}")
+        where = "-" if r["size"] == 1 else _("inter-node") if r["crosses_nodes"] else _("intra-node")
+        out.append(f"{r['dim']:<4} {r['size']:>4} {r['bytes'] / GB:>12.3f} {pad(where, 10)} {r['what']}")
     return "\n".join(out)

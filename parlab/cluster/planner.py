@@ -67,6 +67,7 @@ from parlab.parallel.zero import model_state_bytes
 from parlab.parallel.pipeline import bubble_formula, split_layers
 from parlab.parallel.topology import ParallelGrid
 from parlab.trace.wire import wire_bytes
+from parlab.i18n import _
 
 __all__ = ["Estimate", "estimate", "enumerate_layouts", "plan", "explain", "format_table", "volume_table",
            "format_volume_table", "tiny_state_bytes", "cluster_for", "ModelSpec", "Cluster", "PRESETS", "CLUSTERS",
@@ -161,35 +162,41 @@ def estimate(model: ModelSpec, cluster: Cluster, global_batch: int, *, tp: int =
     (FlashAttention: no a s^2 scores kept, `transformer.activation_bytes_per_layer`; timed as `step_costs` says)."""
     for name, v in (("tp", tp), ("pp", pp), ("cp", cp), ("micro_batch", micro_batch)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"{name} must be a positive integer, got {v!r}")
+            raise ValueError(_("{name} must be a positive integer, got {value!r}").format(name=name, value=v))
     if type(zero) is not int or zero not in (0, 1, 2, 3):
-        raise ValueError(f"zero is a ZeRO stage 0, 1, 2 or 3, got {zero!r}")
+        raise ValueError(_("zero is a ZeRO stage 0, 1, 2 or 3, got {value!r}").format(value=zero))
     if model.heads % tp or model.kv_heads % tp:
-        raise ValueError(f"tp={tp} must divide {model.name}'s {model.heads} heads and {model.kv_heads} key/value "
-                         f"heads (each tensor-parallel rank computes whole heads)")
+        raise ValueError(_("tp={tp} must divide {model}'s {heads} heads and {kv} key/value heads (each "
+                           "tensor-parallel rank computes whole heads)").format(tp=tp, model=model.name,
+                                                                               heads=model.heads, kv=model.kv_heads))
     if model.seq % cp:
-        raise ValueError(f"cp={cp} must divide the sequence of {model.seq} tokens")
+        raise ValueError(_("cp={cp} must divide the sequence of {seq} tokens").format(cp=cp, seq=model.seq))
     if hardware is None and (tp_overlap or dp_overlap or precision != "bf16"):
-        raise ValueError("tp_overlap, dp_overlap and precision are options of the replay's cost model: give "
-                         "hardware= too (e.g. parlab.cluster.hardware.preset('dgx-h100'))")
+        raise ValueError(_("tp_overlap, dp_overlap and precision are options of the replay's cost model: give "
+                           "hardware= too (e.g. parlab.cluster.hardware.preset('dgx-h100'))"))
     rc = T.recompute_mode(recompute)
     T.check_attention(attention)
     world = cluster.world
     dp, rest = divmod(world, tp * pp * cp)
     if rest:
-        raise ValueError(f"tp*pp*cp = {tp * pp * cp} does not divide the {world} GPUs")
+        raise ValueError(_("tp*pp*cp = {n} does not divide the {world} GPUs").format(n=tp * pp * cp, world=world))
     m, rest = divmod(global_batch, dp * micro_batch)
     if rest or m < 1:
-        raise ValueError(f"global batch {global_batch} is not divisible by dp * micro_batch = {dp * micro_batch}")
+        raise ValueError(_("global batch {batch} is not divisible by dp * micro_batch = {n}").format(
+            batch=global_batch, n=dp * micro_batch))
     if schedule not in ("1f1b", "gpipe", "zb-h1"):
-        raise ValueError(f"schedule must be '1f1b' (interleaved with virtual > 1), 'gpipe' or 'zb-h1', got {schedule!r}")
+        raise ValueError(_("schedule must be '1f1b' (interleaved with virtual > 1), 'gpipe' or 'zb-h1', got "
+                           "{schedule!r}").format(schedule=schedule))
     if schedule != "1f1b" and virtual != 1:
-        raise ValueError(f"virtual={virtual} interleaves 1F1B; {schedule} runs one chunk per rank (virtual=1)")
+        raise ValueError(_("virtual={virtual} interleaves 1F1B; {schedule} runs one chunk per rank (virtual=1)").format(
+            virtual=virtual, schedule=schedule))
     if isinstance(virtual, bool) or not isinstance(virtual, int) or virtual < 1:
-        raise ValueError(f"virtual must be a positive integer (model chunks per pipeline rank), got {virtual!r}")
+        raise ValueError(_("virtual must be a positive integer (model chunks per pipeline rank), got "
+                           "{virtual!r}").format(virtual=virtual))
     if virtual > 1 and (pp < 2 or m % pp or model.layers % (pp * virtual)):
-        raise ValueError(f"the interleaved schedule needs pp >= 2, micro-batches divisible by pp and layers divisible "
-                         f"by pp * virtual: pp {pp}, {m} micro-batches, {model.layers} layers, virtual {virtual}")
+        raise ValueError(_("the interleaved schedule needs pp >= 2, micro-batches divisible by pp and layers divisible "
+                           "by pp * virtual: pp {pp}, {m} micro-batches, {layers} layers, virtual {virtual}").format(
+            pp=pp, m=m, layers=model.layers, virtual=virtual))
     s, h, nd = model.seq, model.hidden, dp * cp
     cross = crossing(world, tp, pp, cp, cluster.gpus_per_node)
     # ---- memory of the first stage (the fullest: embedding + the most micro-batches in flight)
@@ -206,8 +213,9 @@ def estimate(model: ModelSpec, cluster: Cluster, global_batch: int, *, tp: int =
     buffers = 2 * BYTES_16BIT * model.layer_params(tp) if zero == 3 else 0.0
     total = states["total"] + act + buffers
     fits = total <= cluster.mem_bytes
-    reason = "" if fits else (f"needs {total / GB:.1f} GB > {cluster.mem_bytes / GB:.1f} GB usable "
-                              f"(states {states['total'] / GB:.1f}, activations {act / GB:.1f})")
+    reason = "" if fits else _("needs {total:.1f} GB > {usable:.1f} GB usable (states {states:.1f}, activations "
+                               "{act:.1f})").format(total=total / GB, usable=cluster.mem_bytes / GB,
+                                                    states=states["total"] / GB, act=act / GB)
     # ---- time
     tokens = global_batch * s
     flops = T.hardware_flops(model, global_batch, rc)          # what the GPUs execute, recomputation included
@@ -280,11 +288,12 @@ def enumerate_layouts(model: ModelSpec, cluster: Cluster, global_batch: int, *, 
     not for the smaller matrix multiplications and attention blocks it leaves each GPU, so it would
     overrate CP on short sequences (Megatron-Core recommends CP for long contexts). Pass 1 to try all."""
     if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
-        raise ValueError(f"global batch must be a positive number of sequences, got {global_batch!r}")
+        raise ValueError(_("global batch must be a positive number of sequences, got {batch!r}").format(
+            batch=global_batch))
     virtual = (virtual,) if isinstance(virtual, int) and not isinstance(virtual, bool) else tuple(virtual)
     if not virtual or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in virtual):
-        raise ValueError(f"virtual lists the interleaving chunks to try, positive integers such as (1, 2, 4); "
-                         f"got {virtual!r}")
+        raise ValueError(_("virtual lists the interleaving chunks to try, positive integers such as (1, 2, 4); "
+                           "got {virtual!r}").format(virtual=virtual))
     world = cluster.world
     out = []
     for tp in _divisors(world):
@@ -310,10 +319,11 @@ def enumerate_layouts(model: ModelSpec, cluster: Cluster, global_batch: int, *, 
                                                     sequence_parallel=sequence_parallel, hardware=hardware,
                                                     precision=precision, attention=attention))
     if not out:
-        raise ValueError(
-            f"no valid layout for {model.name} on {world} GPUs with global batch {global_batch}: the batch must be "
-            f"a multiple of dp * micro_batch, tp must divide the {model.heads} heads and pp the {model.layers} "
-            f"layers; try a global batch that is a multiple of {world}, or another number of GPUs")
+        raise ValueError(_(
+            "no valid layout for {model} on {world} GPUs with global batch {batch}: the batch must be a multiple of "
+            "dp * micro_batch, tp must divide the {heads} heads and pp the {layers} layers; try a global batch that "
+            "is a multiple of {world}, or another number of GPUs").format(
+            model=model.name, world=world, batch=global_batch, heads=model.heads, layers=model.layers))
     return out
 
 
@@ -323,9 +333,10 @@ def plan(model: ModelSpec, cluster: Cluster, global_batch: int, **kw) -> list[Es
     ok = sorted((e for e in allk if e.fits), key=lambda e: (e.step_s, e.total_bytes))
     if not ok:
         best = min(allk, key=lambda e: e.total_bytes)
-        raise ValueError(f"no layout of {model.name} ({model.param_count() / 1e9:.1f}B parameters) fits on "
-                         f"{cluster.world} GPUs of {cluster.gpu_mem_gb:g} GB: the smallest, {best.layout}, "
-                         f"{best.reason}; use more GPUs, GPUs with more memory, or a smaller model")
+        raise ValueError(_("no layout of {model} ({params:.1f}B parameters) fits on {world} GPUs of {mem:g} GB: the "
+                           "smallest, {layout}, {reason}; use more GPUs, GPUs with more memory, or a smaller "
+                           "model").format(model=model.name, params=model.param_count() / 1e9, world=cluster.world,
+                                           mem=cluster.gpu_mem_gb, layout=best.layout, reason=best.reason))
     return ok
 
 
@@ -337,10 +348,10 @@ def volume_table(model: ModelSpec, grid: ParallelGrid, global_batch: int, micro_
     cluster = Cluster(nodes=grid.num_nodes, gpus_per_node=grid.gpus_per_node)
     e = estimate(model, cluster, global_batch, tp=grid.tp, pp=grid.pp, cp=grid.cp, micro_batch=micro_batch,
                  zero=zero, recompute=recompute)
-    what = {"tp": "4 all-reduces of activations per layer and micro-batch",
-            "cp": "K/V blocks around the ring, per layer and micro-batch",
-            "dp": "gradient all-reduce once per step" if zero < 3 else "ZeRO-3 gathers + reduce-scatters",
-            "pp": "activation + gradient per micro-batch at each stage boundary"}
+    what = {"tp": _("4 all-reduces of activations per layer and micro-batch"),
+            "cp": _("K/V blocks around the ring, per layer and micro-batch"),
+            "dp": _("gradient all-reduce once per step") if zero < 3 else _("ZeRO-3 gathers + reduce-scatters"),
+            "pp": _("activation + gradient per micro-batch at each stage boundary")}
     return [{"dim": d, "size": grid.sizes[d], "bytes": e.volume[d], "crosses_nodes": bool(e.crosses[d]),
              "what": what[d]} for d in sorted(DIMS, key=lambda d: -e.volume[d])]
 

@@ -16,6 +16,8 @@ and compiles them; Poedit and Weblate open them):
                    kept as ``#| msgid`` for the translator) until it is redone. Code cells are never duplicated:
                    a lesson's Chinese copy changes only the string literals its PO file lists (printed sentences,
                    figure titles), each checked to keep the f-string's fields.
+    columns.py     text tables that line up in Chinese too: `pad` fills to a display width (a Chinese character
+                   takes two columns of a monospaced font; format widths such as ``:<34`` count it as one)
     checks.py      what a translation must keep: every number of the English, no English sentence left
     args.py        the argument parser of every parlab command line (``parlab``, the labs, ``parlab grade``): the
                    error first, in the language in force, then where the usage is

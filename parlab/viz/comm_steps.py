@@ -224,7 +224,7 @@ def step_title(step: Step, per_call: bool = True) -> str:
     frame's arrows then carry a chunk, and the call's total must not read as an arrow's). Where the arrows or
     the ranks differ it says so: "12 B to 40 B per arrow" (an uneven all-to-all), "3.2 MB sent by each of ranks
     0, 1, 2 in all, rank 3 sends nothing" (a chain broadcast: the last rank only receives)."""
-    label, edges = (f" '{step.label}'" if step.label else ""), step_edges(step)
+    label, edges = (f" '{style.event_label(step.label)}'" if step.label else ""), step_edges(step)
     root = _(" (root {root})").format(root=step.root) if step.root is not None else ""
     sizes = sorted({e.nbytes for e in step.events}) or [step.nbytes]     # an uneven all-to-all: one per rank
     payload = style.human_bytes(sizes[0]) if len(sizes) == 1 else _("{low} to {high}").format(

@@ -25,6 +25,7 @@ from plotly.subplots import make_subplots
 
 from parlab.i18n import _
 from parlab.trace import Event, Trace
+from parlab.viz import style
 from parlab.viz.timeline import as_trace
 
 __all__ = ["split_steps", "ddp_overlap", "phase_bars", "memory_bars"]
@@ -96,9 +97,10 @@ def _stacked_panels(panels: Mapping[str, Mapping[str, Mapping[int, float]]], tit
             ys = [per_rank.get(r, 0) / scale for r in ranks]
             if not any(ys):
                 continue
-            fig.add_trace(go.Bar(x=[f"rank {r}" for r in ranks], y=ys, name=cat, marker_color=colour[cat],
+            name = style.event_label(cat)
+            fig.add_trace(go.Bar(x=[f"rank {r}" for r in ranks], y=ys, name=name, marker_color=colour[cat],
                                  legendgroup=cat, showlegend=cat not in shown,
-                                 hovertemplate=f"<b>{cat}</b><br>%{{x}}: %{{y:.3f}} {unit}<extra></extra>"),
+                                 hovertemplate=f"<b>{name}</b><br>%{{x}}: %{{y:.3f}} {unit}<extra></extra>"),
                           row=1, col=col)
             shown.add(cat)
     fig.update_layout(title=title, barmode="stack", template="plotly_white", height=420)

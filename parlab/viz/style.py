@@ -15,13 +15,14 @@ Pure Python: no plotly, no torch.
 """
 from __future__ import annotations
 
+import re
 import zlib
 
 from parlab.i18n import _
 from parlab.trace import format_bytes
 
 __all__ = ["COMPUTE_COLORS", "COLLECTIVE_COLORS", "P2P_COLORS", "MARK_COLOR", "OTHER_COLOR", "KIND_ORDER",
-           "color", "colors", "human_bytes", "op_label"]
+           "color", "colors", "human_bytes", "op_label", "event_label"]
 
 COMPUTE_COLORS: dict[str, str] = {
     "forward": "#9ecae1",
@@ -97,3 +98,22 @@ def op_label(op: str) -> str:
     names = {"forward": _("forward"), "backward": _("backward"), "optimizer": _("optimizer"), "loss": _("loss"),
              "untraced": _("untraced"), "grad sync": _("grad sync"), "ring attention": _("ring attention")}
     return names.get(op, op)
+
+
+def event_label(label: str) -> str:
+    """A label the course's own code writes (a trace label such as "scatter inputs" or "grad bucket 3", a memory
+    category such as "optimizer state") in the language in force; any other label (one the student wrote) as it is."""
+    names = {"scatter inputs": _("scatter inputs"), "scatter inputs (shape)": _("scatter inputs (shape)"),
+             "replicate model": _("replicate model"), "gather outputs": _("gather outputs"),
+             "scatter output grads": _("scatter output grads"), "reduce grads": _("reduce grads"),
+             "grad bucket": _("grad bucket"), "wait for buckets": _("wait for buckets"),
+             "rest of backward": _("rest of backward"), "parameters": _("parameters"), "gradients": _("gradients"),
+             "optimizer state": _("optimizer state"), "inputs": _("inputs"), "activations": _("activations"),
+             "outputs": _("outputs"), "output grads": _("output grads"), "grad buckets": _("grad buckets")}
+    if label in names:
+        return names[label]
+    if m := re.fullmatch(r"grad bucket (\d+)", label):
+        return _("grad bucket {i}").format(i=m[1])
+    if m := re.fullmatch(r"until bucket (\d+) ready", label):
+        return _("until bucket {i} ready").format(i=m[1])
+    return label

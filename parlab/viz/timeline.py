@@ -133,7 +133,8 @@ def empty_figure(message: str, title: str | None = None) -> go.Figure:
 # ---------------------------------------------------------------------- hover text
 def hover_text(e: Event, t0: float, scale: float, unit: str) -> str:
     """Everything worth knowing about one event, as plotly hover HTML."""
-    lines = [f"<b>{e.op}</b>" + (f" · {e.label}" if e.label else ""),
+    op = style.op_label(e.op) if e.kind == "compute" else e.op
+    lines = [f"<b>{op}</b>" + (f" · {style.event_label(e.label)}" if e.label else ""),
              f"rank {e.rank} · {e.kind}" + (" · " + _("async") if e.asynchronous else ""),
              _("start {start:.4g} {unit} · duration {duration:.4g} {unit}").format(
                  start=(e.start - t0) * scale, duration=e.duration * scale, unit=unit)]
@@ -190,7 +191,7 @@ def timeline(trace: Any, title: str | None = None, ranks: Sequence[int] | None =
         if kind == "mark":
             fig.add_trace(go.Scatter(
                 x=[(e.start - t0) * scale for e in evs], y=[lane_of[e.rank] for e in evs],
-                mode="markers+text" if show_labels else "markers", text=[e.label or e.op for e in evs],
+                mode="markers+text" if show_labels else "markers", text=[style.event_label(e.label) or e.op for e in evs],
                 textposition="top center", marker=dict(symbol="diamond", size=10, color=style.MARK_COLOR),
                 **common))
             continue
@@ -203,7 +204,7 @@ def timeline(trace: Any, title: str | None = None, ranks: Sequence[int] | None =
             width=[ASYNC_WIDTH if e.asynchronous else SYNC_WIDTH for e in evs],
             # a 1-px outline in the bar's own colour keeps microsecond calls visible on a long axis
             marker=dict(color=colour, line=dict(color=colour, width=1)),
-            text=[e.label for e in evs] if show_labels else None, textposition="inside",
+            text=[style.event_label(e.label) for e in evs] if show_labels else None, textposition="inside",
             insidetextanchor="middle", textfont=dict(size=12), **common))
 
     fig.update_layout(
@@ -235,7 +236,7 @@ def bytes_bars(trace: Any, by: str = "op", title: str | None = None) -> go.Figur
     ranks = tr.ranks
     sent: dict[str, dict[int, float]] = {}
     for e in tr.events:
-        key = e.op if by == "op" else label_prefix(e)
+        key = e.op if by == "op" else style.event_label(label_prefix(e))
         sent.setdefault(key, dict.fromkeys(ranks, 0.0))[e.rank] += e.wire_bytes
     fig = go.Figure()
     for key in sorted(k for k in sent if any(sent[k].values())):   # recv and barrier send nothing

@@ -102,6 +102,14 @@ class Simulation:
         ideal = max(self.busy)
         return (self.makespan - ideal) / ideal
 
+    def summary(self, peaks: bool = True) -> str:
+        """The bubble in both conventions (and, with `peaks`, the activations each rank holds at most), as a
+        sentence in the language in force: what a notebook prints after simulating a schedule."""
+        text = _("simulated: bubble {of_step:.3f} of the step, {over_ideal:.3f} over the ideal").format(
+            of_step=self.bubble_fraction, over_ideal=self.bubble_over_ideal)
+        return text + (_("; peak micro-batches alive per rank: {peak}").format(peak=self.peak_in_flight) if peaks
+                       else "")
+
     def timeline(self) -> list[dict]:
         """One dict per action, ready for a timeline figure (rank, start, end, stage, kind, mb, label)."""
         return [{"rank": r, "start": t0, "end": t1, "stage": a.stage, "kind": a.kind, "mb": a.mb,
