@@ -63,6 +63,7 @@ from dataclasses import dataclass
 from parlab.cluster import transformer as T
 from parlab.cluster.costs import BYTES_16BIT, CLUSTERS, PRESETS, Cluster, ModelSpec, from_gpt_config, preset
 from parlab.cluster.plan_report import DIMS, GB, explain, format_table, format_volume_table
+from parlab.i18n import _
 from parlab.parallel.zero import model_state_bytes
 from parlab.parallel.pipeline import bubble_formula, split_layers
 from parlab.parallel.topology import ParallelGrid
@@ -161,10 +162,10 @@ def estimate(model: ModelSpec, cluster: Cluster, global_batch: int, *, tp: int =
     if type(zero) is not int or zero not in (0, 1, 2, 3):
         raise ValueError(f"zero is a ZeRO stage 0, 1, 2 or 3, got {zero!r}")
     if model.heads % tp:
-        raise ValueError(f"tp={tp} must divide {model.name}'s {model.heads} heads (each tensor-parallel rank "
-                         f"computes whole heads)")
+        raise ValueError(_("tp={tp} must divide {model}'s {heads} heads (each tensor-parallel rank computes whole "
+                           "heads)").format(tp=tp, model=model.name, heads=model.heads))
     if model.seq % cp:
-        raise ValueError(f"cp={cp} must divide the sequence of {model.seq} tokens")
+        raise ValueError(_("cp={cp} must divide the sequence of {seq} tokens").format(cp=cp, seq=model.seq))
     if hardware is None and (tp_overlap or dp_overlap or precision != "bf16"):
         raise ValueError("tp_overlap, dp_overlap and precision are options of the replay's cost model: give "
                          "hardware= too (e.g. parlab.cluster.hardware.preset('dgx-h100'))")
@@ -172,10 +173,11 @@ def estimate(model: ModelSpec, cluster: Cluster, global_batch: int, *, tp: int =
     world = cluster.world
     dp, rest = divmod(world, tp * pp * cp)
     if rest:
-        raise ValueError(f"tp*pp*cp = {tp * pp * cp} does not divide the {world} GPUs")
+        raise ValueError(_("tp*pp*cp = {n} does not divide the {world} GPUs").format(n=tp * pp * cp, world=world))
     m, rest = divmod(global_batch, dp * micro_batch)
     if rest or m < 1:
-        raise ValueError(f"global batch {global_batch} is not divisible by dp * micro_batch = {dp * micro_batch}")
+        raise ValueError(_("global batch {batch} is not divisible by dp * micro_batch = {n}").format(
+            batch=global_batch, n=dp * micro_batch))
     if schedule not in ("1f1b", "gpipe", "zb-h1"):
         raise ValueError(f"schedule must be '1f1b' (interleaved with virtual > 1), 'gpipe' or 'zb-h1', got {schedule!r}")
     if schedule != "1f1b" and virtual != 1:
@@ -183,8 +185,9 @@ def estimate(model: ModelSpec, cluster: Cluster, global_batch: int, *, tp: int =
     if isinstance(virtual, bool) or not isinstance(virtual, int) or virtual < 1:
         raise ValueError(f"virtual must be a positive integer (model chunks per pipeline rank), got {virtual!r}")
     if virtual > 1 and (pp < 2 or m % pp or model.layers % (pp * virtual)):
-        raise ValueError(f"the interleaved schedule needs pp >= 2, micro-batches divisible by pp and layers divisible "
-                         f"by pp * virtual: pp {pp}, {m} micro-batches, {model.layers} layers, virtual {virtual}")
+        raise ValueError(_("the interleaved schedule needs pp >= 2, micro-batches divisible by pp and layers "
+                           "divisible by pp * virtual: pp {pp}, {m} micro-batches, {layers} layers, virtual {virtual}"
+                           ).format(pp=pp, m=m, layers=model.layers, virtual=virtual))
     s, h, nd = model.seq, model.hidden, dp * cp
     cross = crossing(world, tp, pp, cp, cluster.gpus_per_node)
     # ---- memory of the first stage (the fullest: embedding + the most micro-batches in flight)
