@@ -7,13 +7,16 @@
 * no notebook is marked modified by opening it (the tab's dot): not START, not a lesson, not an exercise, once
   each has its kernel running (JupyterLab writes the kernel's metadata into a notebook when the kernel starts;
   the copies carry it already, `parlab.course.workspace.kernel_metadata`);
-* lesson 07's layout explorer, run in the page: every control is drawn, and moving one (tp 8 -> 4) redraws the
-  figure for the new layout. The checkout's lesson 07 holds only its import cell and the explorer's two cells
-  (`_explorer_only`): the whole lesson runs once in the suite, in tests/test_viz_browser.py;
+* lesson 07's layout explorer, run in the page: every control is drawn, the controls and the memory figure fit one
+  1440x900 screen, and moving them redraws the figure for the new layout: tp 8 -> 4; no recomputation (past the
+  80 GB line, whose labels stay off the bars); the H100 in fp8 (faster than in bf16); fp8 on the A100, which says
+  in the output that the A100 has no fp8 instead of raising. The checkout's lesson 07 holds only its import cell
+  and the explorer's two cells (`_explorer_only`): the whole lesson runs once in the suite, in
+  tests/test_viz_browser.py;
 * nothing is written into the tracked notebooks.
 
 Screenshots are left in the test's temporary folder (``start.png``, ``lesson.png``, ``exercise.png``,
-``explorer.png``, ``explorer-tp4.png``).
+``explorer.png``, ``explorer-tp4.png``, ``explorer-no-rc.png``, ``explorer-fp8.png``).
 """
 import os
 import re
@@ -32,8 +35,8 @@ from parlab.course.figcheck import CHROMIUM_ARGS, chromium_path
 
 ROOT = Path(__file__).resolve().parents[1]
 LESSON, EXERCISE = "lessons/07_hybrid_4d.ipynb", "exercises/05_pipeline_schedules.ipynb"
-EXPLORER_CONTROLS = ("model", "GPU", "GPUs", "tp", "pp", "cp", "batch", "micro-batch", "schedule", "chunks v", "recompute",
-                     "ZeRO")
+EXPLORER_CONTROLS = ("model", "GPU", "GPUs", "number format", "tp", "pp", "cp", "ZeRO", "global batch", "micro-batch",
+                     "schedule", "chunks v", "recompute", "SP")
 
 pytestmark = pytest.mark.skipif(chromium_path() is None, reason="needs Debian's chromium: apt-get install chromium")
 
@@ -157,13 +160,14 @@ def test_start_opens_first_no_notebook_is_modified_on_open_and_the_explorer_redr
 
 
 def _explorer_redraws(page, lesson_url: str, tmp) -> None:
-    """Run lesson 07 in the page (Run > Run All Cells), then move the explorer's tp from 8 to 4."""
+    """Run lesson 07 in the page (Run > Run All Cells), then move the explorer's controls."""
+    page.set_viewport_size({"width": 1440, "height": 900})
     page.goto(lesson_url)                                                     # lesson 07's tab again
     page.wait_for_selector(".jp-NotebookPanel", state="attached", timeout=90_000)
     _kernel_idle(page)
     page.click(".lm-MenuBar-itemLabel:text-is('Run')")
     page.click(".lm-Menu-itemLabel:text-is('Run All Cells')")
-    title = "#jp-main-dock-panel .jp-NotebookPanel:not(.lm-mod-hidden) .js-plotly-plot .gtitle"
+    title = "#jp-main-dock-panel .jp-NotebookPanel:not(.lm-mod-hidden) .parlab-explorer .js-plotly-plot .gtitle"
 
     def explorer_title():
         texts = [t for t in page.eval_on_selector_all(title, "els => els.map(e => e.textContent)")
@@ -173,19 +177,51 @@ def _explorer_redraws(page, lesson_url: str, tmp) -> None:
     while explorer_title() is None and time.monotonic() < deadline:
         time.sleep(0.5)
     before = explorer_title()
-    explorer = page.locator(".widget-interact", has=page.locator(".gtitle", has_text=" per GPU (")).first
+    explorer = page.locator(".parlab-explorer").first
     if before:
         explorer.screenshot(path=str(tmp / "explorer.png"))
     else:
         page.screenshot(path=str(tmp / "explorer.png"))
     assert before and before.startswith("tp8 pp8 "), before
-    labels = page.eval_on_selector_all(".widget-interact .widget-label, .widget-interact .widget-label-basic",
+    labels = page.eval_on_selector_all(".parlab-explorer .widget-label, .parlab-explorer .widget-label-basic",
                                        "els => els.map(e => e.textContent.trim())")
     assert [c for c in EXPLORER_CONTROLS if c not in labels] == [], labels          # every control drawn
-    tp = page.locator(".widget-interact .widget-dropdown", has=page.locator("label", has_text="tp")).first
-    tp.locator("select").select_option("4")
-    while explorer_title() == before and time.monotonic() < deadline:
-        time.sleep(0.3)
-    after = explorer_title()
+    explorer.evaluate("e => e.scrollIntoView({block: 'start'})")
+    memory = explorer.locator(".js-plotly-plot").first.bounding_box()
+    assert memory["y"] >= 0 and memory["y"] + memory["height"] <= 900, memory       # controls + figure: one screen
+
+    def choose(label, option):
+        """Pick `option` in the dropdown labelled `label`; the explorer's title once it changed (None: gone)."""
+        shown = explorer_title()
+        named = page.locator("label", has_text=re.compile(f"^{re.escape(label)}$"))
+        explorer.locator(".widget-dropdown", has=named).locator("select").select_option(option)
+        end = time.monotonic() + 60
+        while explorer_title() == shown and time.monotonic() < end:
+            time.sleep(0.3)
+        time.sleep(0.5)                                                   # plotly finishes drawing
+        return explorer_title()
+
+    after = choose("tp", "4")
     assert after and after.startswith("tp4 pp8 "), (before, after)
     explorer.screenshot(path=str(tmp / "explorer-tp4.png"))
+    full = choose("recompute", "none")                                    # every activation kept: past 80 GB
+    assert full and "(does not fit)" in full and not re.search(r" sel[: ]", full), full
+    explorer.screenshot(path=str(tmp / "explorer-no-rc.png"))
+    boxes = explorer.evaluate("""e => {
+        const box = x => { const r = x.getBoundingClientRect(); return [r.left, r.top, r.right, r.bottom]; };
+        const plot = e.querySelector('.js-plotly-plot');
+        return {bars: [...plot.querySelectorAll('.barlayer .point path')].map(box),
+                labels: [...plot.querySelectorAll('.annotation')].filter(
+                    a => ['80 GB GPU', 'usable'].includes(a.textContent.trim())).map(box)}; }""")
+    assert len(boxes["labels"]) == 2 and boxes["bars"], boxes
+    over = [(lb, b) for lb in boxes["labels"] for b in boxes["bars"]
+            if lb[0] < b[2] and b[0] < lb[2] and lb[1] < b[3] and b[1] < lb[3]]
+    assert over == [], f"the capacity lines' labels overlap a bar: {over}"
+    bf16 = choose("GPU", "h100-80gb")
+    fp8 = choose("number format", "fp8")
+    step = [float(re.search(r"([\d.]+) s per step", t).group(1)) for t in (bf16, fp8)]
+    assert " fp8:" in fp8 and " fp8" not in bf16 and step[1] < step[0], (bf16, fp8)
+    explorer.screenshot(path=str(tmp / "explorer-fp8.png"))
+    assert choose("GPU", "a100-80gb") is None                             # no figure for fp8 on the A100 ...
+    text = explorer.inner_text()
+    assert "DGX A100 cannot compute in fp8" in text and "Traceback" not in text, text[-500:]   # ... but a message

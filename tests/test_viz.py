@@ -377,3 +377,51 @@ def test_animation_heading_gives_a_calls_total_per_rank_not_per_arrow():
     assert step_title(chain, per_call=False).endswith("16 B sent by each of ranks 0, 1, 2 in all, rank 3 sends nothing")
     scatter = Step("scatter", "collective", "", (0, 1, 2, 3), 16, root=0)
     assert step_title(scatter, per_call=False).endswith("12 B sent by rank 0 in all, ranks 1, 2, 3 send nothing")
+
+
+def test_explorer_controls_speak_the_course_language_and_keep_their_values():
+    """Lesson 07's explorer: each control labelled in the language in force, the recomputation modes' words
+    translated while the values the explorer receives stay the code's; 14 controls laid out in 4 rows."""
+    import ipywidgets
+
+    from parlab.i18n import use_language
+    from parlab.viz.explorer import CONTROLS, explorer_controls, explorer_panel
+    settings = dict(model=(["gpt-175b"], "gpt-175b"), gpu=(["a100-80gb", "h100-80gb"], "a100-80gb"),
+                    gpus=([8, 64], 64), precision=(["bf16", "fp8"], "bf16"), tp=([4, 8], 8), pp=([8], 8),
+                    cp=([1], 1), zero=([0, 1], 0), batch=([64], 64), micro=([1], 1), schedule=(["1f1b"], "1f1b"),
+                    v=([1, 3], 3), recompute=(["none", "selective", "full"], "selective"), sp=True)
+    with use_language("en"):
+        en = explorer_controls(**settings)
+    with use_language("zh_CN"):
+        zh = explorer_controls(**settings)
+    assert list(en) == list(CONTROLS)                                   # laid out in CONTROLS' order
+    assert [en[k].description for k in ("precision", "recompute", "batch")] == ["number format", "recompute",
+                                                                                "global batch"]
+    assert [zh[k].description for k in ("precision", "recompute", "batch")] == ["数值格式", "重计算", "全局批量"]
+    assert zh["recompute"].options == (("无", "none"), ("选择性", "selective"), ("完全", "full"))
+    assert zh["recompute"].value == "selective" and zh["sp"].value is True and zh["sp"].description == "序列并行 SP"
+    grid = explorer_panel(en, ipywidgets.Output()).children[0]
+    assert grid.layout.grid_template_rows == "repeat(4, auto)" and len(grid.children) == 14
+    with pytest.raises(ValueError, match="no explorer control"):
+        explorer_controls(precison=(["bf16"], "bf16"))
+    with pytest.raises(ValueError, match="not one of its options"):
+        explorer_controls(precision=(["bf16", "fp8"], "fp16"))
+
+
+def test_explorer_capacity_labels_sit_beside_the_memory_plot():
+    """Past 80 GB the stacked bar reaches the GPU's line: its label and the usable part's are placed right of the
+    memory plot (x domain > 1), the GPU's above its line and the usable part's below its own, never on a bar."""
+    import dataclasses
+    from parlab.cluster.costs import CLUSTERS, preset
+    from parlab.cluster.planner import estimate
+    from parlab.viz.explorer import layout_figure
+    cluster = dataclasses.replace(CLUSTERS["a100-80gb"], nodes=8)
+    est = estimate(preset("gpt3-175b"), cluster, 64, tp=8, pp=8, micro_batch=2, recompute="none")
+    assert est.total_bytes / 1e9 > 80                                   # the bar runs past both lines
+    fig = layout_figure(est, cluster)
+    labels = {a.text: a for a in fig.layout.annotations if a.text in ("80 GB GPU", "usable")}
+    assert set(labels) == {"80 GB GPU", "usable"}
+    for a in labels.values():
+        assert a.xref == "x domain" and a.x >= 1 and a.xanchor == "left", a
+    assert labels["80 GB GPU"].yanchor == "bottom" and labels["usable"].yanchor == "top"
+    assert labels["usable"].y < labels["80 GB GPU"].y == 80

@@ -106,6 +106,28 @@ def test_animations_have_a_frame_per_algorithm_step_and_stay_legible(tmp_path):
     assert check._animation_problems(spec) == ["animation has 3 frames, its algorithm 14 steps"]
 
 
+@pytest.mark.parametrize("lang", ["en", "zh_CN"])
+def test_explorer_figure_past_the_gpu_memory_passes_in_chromium(tmp_path, lang):
+    """Lesson 07's explorer figure where the bar runs past 80 GB (GPT-3 175B without recomputation) and far past it
+    (the same without tp and pp: the 80 GB and usable lines a few pixels apart), in both languages, at the lesson's
+    height: nothing overlaps or is cut (the capacity labels beside the plot, the tick labels of the time plot)."""
+    import dataclasses
+
+    from parlab.cluster.costs import CLUSTERS, preset
+    from parlab.cluster.hardware import preset as hardware
+    from parlab.cluster.planner import estimate
+    from parlab.i18n import use_language
+    from parlab.viz.explorer import layout_figure
+    cluster = dataclasses.replace(CLUSTERS["h100-80gb"], nodes=8)
+    with use_language(lang):
+        figs = [layout_figure(estimate(preset("gpt3-175b"), cluster, 128, tp=tp, pp=pp, micro_batch=2,
+                                       recompute="none", hardware=hardware("dgx-h100"), precision="fp8"), cluster,
+                              height=390) for tp, pp in ((8, 8), (1, 1))]
+    assert [f.layout.yaxis.range[1] for f in figs][1] > 1000                 # the lines 8 GB apart on a 1 TB axis
+    problems, _ = _problems(tmp_path, *figs)
+    assert problems == [[], []], problems
+
+
 LESSONS = sorted(p.stem for p in (ROOT / "lessons").glob("[0-9][0-9]_*.ipynb"))   # every lesson, every figure
 
 

@@ -63,6 +63,7 @@ from dataclasses import dataclass
 from parlab.cluster import transformer as T
 from parlab.cluster.costs import BYTES_16BIT, CLUSTERS, PRESETS, Cluster, ModelSpec, from_gpt_config, preset
 from parlab.cluster.plan_report import DIMS, GB, explain, format_table, format_volume_table
+from parlab.i18n import _
 from parlab.parallel.zero import model_state_bytes
 from parlab.parallel.pipeline import bubble_formula, split_layers
 from parlab.parallel.topology import ParallelGrid

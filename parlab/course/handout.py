@@ -49,7 +49,8 @@ def offline_mathjax(out: str | Path) -> str:
 def _describe(m: dict) -> str | None:
     """'microbatches = 8 (1 to 32)' for a control's saved state; None for containers and outputs."""
     name, st = m["model_name"], m["state"]
-    if name in ("OutputModel", "VBoxModel", "HBoxModel", "BoxModel", "LayoutModel") or name.endswith("StyleModel"):
+    if name in ("OutputModel", "VBoxModel", "HBoxModel", "GridBoxModel", "BoxModel", "LayoutModel") \
+            or name.endswith("StyleModel"):
         return None
     label = st.get("description") or name.removesuffix("Model")
     if "_options_labels" in st:

@@ -122,10 +122,10 @@ def schedule_timeline(spans, title: str | None = None, scale: float = 1.0, time_
 
 
 def schedules_figure(panels: Mapping[str, object], title: str | None = None, scale: float | Mapping = 1.0,
-                     time_unit: str | None = None, ranks: int | None = None) -> go.Figure:
+                     time_unit: str | None = None, ranks: int | None = None, lane_px: int = 32) -> go.Figure:
     """Several schedules stacked, one panel each (name -> spans), on a shared time axis: the bubbles line up.
     `scale` is one factor for all panels or a mapping name -> factor; `time_unit` (the x axis's title) defaults
-    to "unit time"."""
+    to "unit time"; `lane_px`, the height of a rank's lane (lesson 07's explorer: 24, to fit a screen)."""
     names = list(panels)
     fig = make_subplots(rows=len(names), cols=1, shared_xaxes=True, subplot_titles=names, vertical_spacing=0.06)
     seen: set = set()
@@ -136,7 +136,7 @@ def schedules_figure(panels: Mapping[str, object], title: str | None = None, sca
         lanes = _lanes(sp)
         fig.update_yaxes(categoryorder="array", categoryarray=lanes[::-1], row=i, col=1)
     lanes_total = sum(len(_rows(panels[n])) for n in names)
-    height = 140 + 32 * lanes_total + 30 * len(names)   # 4 panels of 4 ranks + the replay toggle fit 900 px
+    height = 140 + lane_px * lanes_total + 30 * len(names)   # 4 panels of 4 ranks + the replay toggle fit 900 px
     fig.update_layout(title=title, barmode="overlay", height=height, template="plotly_white", bargap=0.1,
                       uniformtext=dict(minsize=10, mode="show"),   # micro-batch numbers never under 10 px
                       legend=dict(orientation="h", y=-75 / (height - 160)))   # below the x-axis title

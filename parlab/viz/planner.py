@@ -43,7 +43,7 @@ TERMS = (("compute_s", "compute", "#4c78a8"), ("bubble_s", "pipeline bubble", "#
 def terms() -> tuple[tuple[str, str, str], ...]:
     """`TERMS` with their names in the language in force (what a legend shows)."""
     names = {"compute": _("compute"), "pipeline bubble": _("pipeline bubble"), "TP all-reduces": _("TP all-reduces"),
-             "CP ring": _("CP ring"), "DP (exposed)": _("DP (exposed)")}
+             "CP ring": _("CP ring"), "DP (exposed)": _("DP (exposed)"), "PP send/recv": _("PP send/recv")}
     return tuple((attr, names.get(name, name), colour) for attr, name, colour in TERMS)
 
 
