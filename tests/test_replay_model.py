@@ -203,6 +203,20 @@ def test_scale_work_keeps_the_split_consistent_and_drops_the_size_classes():
     assert [e.duration for e in replay(big, hw).events if e.op == "step"] == pytest.approx([12 + 80, 18 + 120])
 
 
+def test_scale_work_scales_the_optimizers_bytes_by_the_parameters_not_the_tokens():
+    # lesson 02's 1.3B replay: activation traffic grows with tokens x layers x h, the optimizer's with parameters
+    from parlab.cluster.scaleup import scale_work
+    fwd = Event(0, "compute", "forward", 0.0, 1.0, flops=10.0, nbytes=100)
+    opt = Event(0, "compute", "optimizer", 1.0, 2.0, flops=1.0, nbytes=50)
+    big = {e.op: e for e in scale_work(Trace([fwd, opt]), flops=3.0, mem_bytes=2.0, optimizer_bytes=7.0).events}
+    assert (big["forward"].nbytes, big["optimizer"].nbytes) == (200, 350)
+    assert big["optimizer"].flops == 3.0
+    same = {e.op: e for e in scale_work(Trace([fwd, opt]), flops=3.0, mem_bytes=2.0).events}
+    assert same["optimizer"].nbytes == 100                    # without it, the one factor as before
+    with pytest.raises(ValueError, match="optimizer_bytes must be a positive factor"):
+        scale_work(Trace([fwd, opt]), optimizer_bytes=0)
+
+
 # ---------------------------------------------------------------------- work outside every region
 def _work_between_regions(n_in, n_out):
     """On every rank: a product in a region, another outside any region, then an all-reduce and a wait."""

@@ -153,11 +153,16 @@ def compare(program: Trace | Schedule, model: ModelSpec, hardware: Hardware, lay
     return out
 
 
-def scale_work(trace: Trace, flops: float = 1.0, comm_bytes: float = 1.0, mem_bytes: float | None = None) -> Trace:
+def scale_work(trace: Trace, flops: float = 1.0, comm_bytes: float = 1.0, mem_bytes: float | None = None,
+               optimizer_bytes: float | None = None) -> Trace:
     """A copy of `trace` whose compute spans do `flops` times the work (memory-bound bytes times `mem_bytes`,
     default the same factor; kernels unchanged) and whose communication moves `comm_bytes` times the bytes.
-    For replaying a small run as a bigger one of the same program (`parlab.cluster.replay.replay` the result)."""
-    for name, k in (("flops", flops), ("comm_bytes", comm_bytes), ("mem_bytes", mem_bytes)):
+    Spans named "optimizer" (`parlab.trace.region("optimizer")`: the optimizer step, whose traffic is per
+    parameter, not per token) scale their bytes by `optimizer_bytes` instead, when given (e.g. the ratio of the
+    parameter counts). For replaying a small run as a bigger one of the same program (`parlab.cluster.replay.replay`
+    the result)."""
+    for name, k in (("flops", flops), ("comm_bytes", comm_bytes), ("mem_bytes", mem_bytes),
+                    ("optimizer_bytes", optimizer_bytes)):
         if k is not None and not (isinstance(k, (int, float)) and k > 0):
             raise ValueError(f"{name} must be a positive factor, got {k!r}")
     if not any(e.kind == "compute" and (e.flops or e.nbytes) for e in trace.events):
@@ -166,7 +171,7 @@ def scale_work(trace: Trace, flops: float = 1.0, comm_bytes: float = 1.0, mem_by
     mem = flops if mem_bytes is None else mem_bytes
     out = []
 
-    def scaled(t):
+    def scaled(t, mem=mem):
         # the meter's running totals are scaled alike (a replay splits spans by them); the size classes of the
         # memory-bound ops are dropped: the bigger model's ops do not fit any cache, every byte goes at mem_bw
         # (kernels, and the plain ones among them, are unchanged)
@@ -175,8 +180,9 @@ def scale_work(trace: Trace, flops: float = 1.0, comm_bytes: float = 1.0, mem_by
     for e in trace.events:
         at, waited = scaled(e.meter_at), scaled(e.meter_waited)
         if e.kind == "compute":
-            out.append(dataclasses.replace(e, flops=e.flops * flops, nbytes=round(e.nbytes * mem), mem_hist=(),
-                                           batched_flops=e.batched_flops * flops, special=e.special * mem,
+            k = optimizer_bytes if e.op == "optimizer" and optimizer_bytes is not None else mem
+            out.append(dataclasses.replace(e, flops=e.flops * flops, nbytes=round(e.nbytes * k), mem_hist=(),
+                                           batched_flops=e.batched_flops * flops, special=e.special * k,
                                            meter_at=at))
         elif e.kind in ("collective", "p2p"):
             out.append(dataclasses.replace(e, nbytes=round(e.nbytes * comm_bytes), numel=round(e.numel * comm_bytes),
