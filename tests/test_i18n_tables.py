@@ -148,3 +148,60 @@ def test_lesson_07_volume_bars_name_the_links_in_chinese(lesson_07):
         exec(cells["850eafca"], ns)
         fig = ns["volume_bars"]()
     assert list(fig.data[0].text) == ["节点内", "节点内", "跨节点", "规模 1"], fig.data[0].text
+
+
+# ---------------------------------------------------------------------- the exercises' locked demonstration cells
+#: exercise -> its locked cell that demonstrates the student's code (byte-identical in every language)
+DEMOS = {"00_ring_allreduce": "ex00-14", "03_zero": "5f813254", "04_tensor_parallel": "e78b8be3",
+         "06_ring_attention": "ef13699d", "08_ulysses": "c45356d3"}
+
+
+def _printed_literals(source: str) -> list[str]:
+    """The string literals (f-strings included) a cell passes to print() with a word of 3+ letters in them (a
+    subscript's key left out)."""
+    import ast
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "print":
+            for arg in node.args:
+                keys = {id(k) for sub in ast.walk(arg) if isinstance(sub, ast.Subscript) for k in ast.walk(sub.slice)}
+                for sub in ast.walk(arg):
+                    if id(sub) in keys:                 # rows["payload"]: a key, not a word shown
+                        continue
+                    text = sub.value if isinstance(sub, ast.Constant) and isinstance(sub.value, str) else ""
+                    if re.search(r"[A-Za-z]{3,}", text):
+                        out.append(text)
+    return out
+
+
+@pytest.mark.parametrize("exercise", sorted(DEMOS))
+def test_locked_demo_cells_print_no_english_of_their_own(exercise):
+    """A locked cell cannot be translated: what it prints comes from parlab (through gettext), never from an
+    English literal of its own, in the solution and in the student's copy alike."""
+    import nbformat
+    for path in (ROOT / "exercises" / "solutions" / f"{exercise}.ipynb", ROOT / "exercises" / f"{exercise}.ipynb"):
+        cell = next(c for c in nbformat.read(path, 4).cells if c.id == DEMOS[exercise])
+        assert cell.metadata["nbgrader"]["locked"] and not cell.metadata["nbgrader"]["grade"]
+        assert _printed_literals(cell.source) == [], f"{path.name}: {_printed_literals(cell.source)}"
+
+
+def test_what_the_demo_cells_print_reads_chinese():
+    """The reports those cells print (and `Trace.summary()`, which exercises 00 and 04 print) in Chinese: numbers
+    kept, no English word but identifiers (comm.all_reduce, all-to-all, MLP) and the glossary's rank."""
+    from parlab.course.grading import reports
+    from parlab.trace import Event, Trace
+    evs = [Event(rank=r, kind="collective", op="all_reduce", start=0.0, end=1.0, group=(0, 1), nbytes=4_000_000)
+           for r in (0, 1)]
+    with use_language("zh_CN"):
+        text = "\n".join([reports.ring_traffic(True, {0: 6e6, 1: 6e6}, 6e6), Trace(evs).summary(),
+                          reports.zero_fit("ZeRO-3", None, 1.4e9), reports.zero_fit("ZeRO-3", 64, 1.4e9),
+                          reports.same_as_dense(False), reports.causal_ring_report(1.2e-16, [([0, 7], [1.0, 0.5])]),
+                          reports.ulysses_traffic(1_048_576, 262_144)])
+    words = [w for w in re.findall(r"[A-Za-z][\w.\-]*", re.sub(r"comm\.all_reduce|all-to-all|all_reduce", "", text))
+             if len(re.sub(r"[^A-Za-z]", "", w)) >= 3 and w not in {"rank", "MLP", "ZeRO-3", "GPU", "size"}]
+    assert words == [], text
+    for number in ("6,000,000", "4.00 MB", "1.4 GB", "64", "1.2e-16", "[0, 7]", "[1.0, 0.5]", "1,048,576", "262,144"):
+        assert number in text, (number, text)
+    with use_language("zh_CN"):
+        lines = Trace(evs).summary().splitlines()
+    assert len({width(line) for line in lines}) == 1, "\n".join(lines)      # the Chinese header lines up
