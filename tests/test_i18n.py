@@ -232,12 +232,12 @@ def test_pad_counts_a_chinese_character_as_two_columns():
 def test_lesson_05_peak_table_lines_up_in_chinese(capsys):
     """Cell dac3e443 prints schedules with their peaks and bubbles: in Chinese (labels of Chinese characters, each two
     columns wide) every '|' still sits in the same display column of every line, and the header is Chinese."""
-    from parlab.i18n.columns import width
+    from parlab.i18n.columns import pad, width      # pad: imported by the lesson's first cell
     from parlab.parallel import pipeline as sch
     lesson = translated.translated_lesson(ROOT / "lessons" / "05_pipeline_parallel.ipynb", "zh_CN", ROOT)
     source = next(c.source for c in lesson.cells if c.id == "dac3e443")
     quiet = type("Viz", (), {"schedules_figure": staticmethod(lambda *a, **k: None)})
-    exec(source, {"sch": sch, "P": 4, "M": 8, "V": 2, "one_f_one_b": sch.one_f_one_b(4, 8), "vp": quiet})
+    exec(source, {"sch": sch, "P": 4, "M": 8, "V": 2, "one_f_one_b": sch.one_f_one_b(4, 8), "vp": quiet, "pad": pad})
     lines = capsys.readouterr().out.splitlines()
     bars = {tuple(width(line[:i]) for i, c in enumerate(line) if c == "|") for line in lines}
     assert len(lines) == 4 and len(bars) == 1 and len(bars.pop()) == 2, "\n".join(lines)

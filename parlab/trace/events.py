@@ -32,6 +32,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Iterable, Iterator
 
+from parlab.i18n import _
+from parlab.i18n.columns import pad
 from parlab.trace.clock import CLOCKS, DeviceClock, DeviceSpan, default_clock
 from parlab.trace.histogram import hist_sub
 from parlab.trace.wire import _chain_position, _recv_bytes, format_bytes, wire_bytes
@@ -319,8 +321,9 @@ class Trace:
         return len(self.filter(rank=rank, op=op, label=label).comm().events)
 
     def summary(self) -> str:
-        """A readable text table of `table()`."""
-        lines = [f"{'rank':>4} {'op':<15} {'calls':>5} {'payload':>12} {'sent':>12} {'recv':>12}"]
+        """A readable text table of `table()`, its header in the language in force (padded by display width)."""
+        words = [pad(w, n, ">") for w, n in ((_("calls"), 5), (_("payload"), 12), (_("sent"), 12), (_("recv"), 12))]
+        lines = [f"{'rank':>4} {'op':<15} " + " ".join(words)]
         for r in self.table():
             lines.append(f"{r['rank']:>4} {r['op']:<15} {r['calls']:>5} {_fmt(r['payload_bytes']):>12} "
                          f"{_fmt(r['sent_bytes']):>12} {_fmt(r['recv_bytes']):>12}")

@@ -19,6 +19,7 @@ Plotly only; never communicates.
 """
 from __future__ import annotations
 
+import re
 from typing import Mapping, Sequence
 
 import plotly.graph_objects as go
@@ -27,7 +28,8 @@ from plotly.subplots import make_subplots
 from parlab.i18n import _
 from parlab.viz import style
 
-__all__ = ["KIND_COLORS", "KIND_NAMES", "kind_names", "schedule_timeline", "schedules_figure", "peak_bars"]
+__all__ = ["KIND_COLORS", "KIND_NAMES", "kind_names", "schedule_label", "schedule_timeline", "schedules_figure",
+           "peak_bars"]
 
 KIND_COLORS = {"F": style.COMPUTE_COLORS["forward"], "B": style.COMPUTE_COLORS["backward"],
                "I": "#6a51a3", "W": "#a1d99b"}   # I purple: apart from B even two chunks darker
@@ -38,6 +40,19 @@ PATTERNS = ("", "/", "x", "\\", ".", "+")         # hatch of chunk 0, 1, 2, ... 
 def kind_names() -> dict[str, str]:
     """`KIND_NAMES` in the language in force: the legend's name of each kind of cell."""
     return {"F": _("F forward"), "B": _("B backward"), "I": _("I input grad"), "W": _("W weight grad")}
+
+
+def schedule_label(name: str) -> str:
+    """A schedule's name as the course's notebooks key it ("naive", "interleaved 1F1B (v=2)", ...) in the language
+    in force, for a title, a legend or a table; a name that is a name (GPipe, 1F1B, ZB-H1) or one the student
+    wrote stays as it is. The key itself never changes: cells look schedules up by it."""
+    names = {"naive": _("naive"), "interleaved": _("interleaved"),
+             "interleaved (memory-optimised)": _("interleaved (memory-optimised)")}
+    if name in names:
+        return names[name]
+    if m := re.fullmatch(r"interleaved 1F1B \(v=(\d+)\)", name):
+        return _("interleaved 1F1B (v={v})").format(v=m[1])
+    return name
 
 
 def _rows(spans) -> list[tuple[int, list]]:
@@ -123,11 +138,13 @@ def schedule_timeline(spans, title: str | None = None, scale: float = 1.0, time_
 
 def schedules_figure(panels: Mapping[str, object], title: str | None = None, scale: float | Mapping = 1.0,
                      time_unit: str | None = None, ranks: int | None = None, lane_px: int = 32) -> go.Figure:
-    """Several schedules stacked, one panel each (name -> spans), on a shared time axis: the bubbles line up.
+    """Several schedules stacked, one panel each (name -> spans, each titled by `schedule_label`), on a shared time
+    axis: the bubbles line up.
     `scale` is one factor for all panels or a mapping name -> factor; `time_unit` (the x axis's title) defaults
     to "unit time"; `lane_px`, the height of a rank's lane (lesson 07's explorer: 24, to fit a screen)."""
     names = list(panels)
-    fig = make_subplots(rows=len(names), cols=1, shared_xaxes=True, subplot_titles=names, vertical_spacing=0.06)
+    fig = make_subplots(rows=len(names), cols=1, shared_xaxes=True, vertical_spacing=0.06,
+                        subplot_titles=[schedule_label(n) for n in names])
     seen: set = set()
     for i, name in enumerate(names, start=1):
         sp = panels[name]
@@ -149,7 +166,7 @@ def peak_bars(peaks: Mapping[str, Sequence[int]], title: str | None = None,
     """Grouped bars: for each schedule (name -> per-rank peak), the peak activations in flight on each rank
     (`yaxis_title` defaults to "micro-batches of activations alive (peak)")."""
     yaxis_title = _("micro-batches of activations alive (peak)") if yaxis_title is None else yaxis_title
-    fig = go.Figure([go.Bar(name=name, x=[f"rank {r}" for r in range(len(v))], y=list(v), text=list(v),
-                            textposition="outside") for name, v in peaks.items()])
+    fig = go.Figure([go.Bar(name=schedule_label(name), x=[f"rank {r}" for r in range(len(v))], y=list(v),
+                            text=list(v), textposition="outside") for name, v in peaks.items()])
     fig.update_layout(title=title, barmode="group", yaxis_title=yaxis_title, height=360, template="plotly_white")
     return fig

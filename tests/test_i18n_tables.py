@@ -1,0 +1,207 @@
+"""What a Chinese student reads in the printed tables and schedule names of lessons 05 and 07: Chinese headers and
+names (no English word left but the names the glossary keeps), and columns that line up by display width (a
+Chinese character takes two columns) in both languages. Each test runs the lesson's own cell, as translated,
+with the inputs of its earlier cells made small or stubbed (a stub stands in only for what the table prints)."""
+import re
+import types
+from pathlib import Path
+
+import pytest
+
+from parlab.course import translated
+from parlab.i18n import use_language
+from parlab.i18n.columns import pad, width
+
+ROOT = Path(__file__).resolve().parents[1]
+#: English a Chinese table may keep: the glossary's rank, and names (GPipe, GPT)
+KEPT = {"rank", "GPipe", "GPT"}
+
+
+def _cells(lesson: str, lang: str) -> dict[str, str]:
+    path = ROOT / "lessons" / lesson
+    nb = translated.translated_lesson(path, lang, ROOT) if lang != "en" else __import__("nbformat").read(path, 4)
+    return {c.id: c.source for c in nb.cells}
+
+
+def _bars(lines: list[str]) -> set[tuple[int, ...]]:
+    """The display columns of the '|' of each line (one tuple per distinct layout)."""
+    return {tuple(width(line[:i]) for i, c in enumerate(line) if c == "|") for line in lines}
+
+
+def _right_edges(lines: list[str]) -> set[int]:
+    return {width(line.rstrip()) for line in lines}
+
+
+def _english(text: str) -> list[str]:
+    return [w for w in re.findall(r"[A-Za-z]{3,}", text) if w not in KEPT]
+
+
+def _lesson_05_inputs(P=4, M=8, V=2):
+    """What cells 875bc42c and 5348769c read from the cells before them, on simulated schedules: traces and
+    replays stubbed by simulations (F = 1, B = 2, ZB-H1's I = 1.2 and W = 0.8 as replayed on GPUs, the last
+    stage's F 2% longer)."""
+    from parlab.cluster.costs import preset as model_preset
+    from parlab.cluster.hardware import preset as hardware_preset
+    from parlab.cluster.scaleup import Layout
+    from parlab.parallel import pipeline as sch
+    from parlab.viz import pipeline as vp
+    schedules = {"naive": sch.naive(P, M), "GPipe": sch.gpipe(P, M), "1F1B": sch.one_f_one_b(P, M),
+                 "interleaved 1F1B (v=2)": sch.interleaved_1f1b(P, M, V), "ZB-H1": sch.zero_bubble_h1(P, M)}
+    sims = {k: sch.simulate(s) for k, s in schedules.items()}
+    sends = {k: 2 * (s.stages - 1) * M + 2 for k, s in schedules.items()}
+    runs = {k: {"trace": types.SimpleNamespace(count=lambda op, n=sends[k]: n, bubble=sims[k].bubble_fraction)}
+            for k in schedules}
+
+    def real(s):
+        base = {"F": 1.0, "B": 2.0, "I": 1.2, "W": 0.8}
+        return sch.simulate(s, costs=lambda a: base[a.kind] / s.chunks * (1.02 if a.kind == "F" and
+                                                                           a.stage == s.stages - 1 else 1))
+    return dict(P=P, M=M, V=V, sch=sch, vp=vp, pad=pad, SCHEDULES=schedules, runs=runs,
+                measured={k: None for k in schedules}, step_time={k: s.makespan for k, s in sims.items()},
+                measured_bubble=lambda t: t.bubble if isinstance(t, types.SimpleNamespace) else t.bubble_fraction,
+                PANELS=("GPipe", "1F1B", "interleaved 1F1B (v=2)", "ZB-H1"),
+                replayed={k: real(schedules[k]) for k in ("GPipe", "1F1B", "interleaved 1F1B (v=2)", "ZB-H1")},
+                measured_spans=lambda sim: dict(enumerate(sim.spans)), replayed_step=lambda sim: sim.makespan,
+                H100=hardware_preset("dgx-h100"), GPT3=model_preset("gpt3-175b"), LAYOUT=Layout(tp=8, pp=P))
+
+
+@pytest.mark.parametrize("lang", ["en", "zh_CN"])
+def test_lesson_05_tables_line_up_and_name_the_schedules_in_the_course_language(lang, capsys):
+    """Cells 875bc42c (measured and simulated bubbles), 5348769c (replayed bubbles) and 8066f7c6 (two conventions):
+    every '|' of a table in one display column, the right-aligned last column ending in one column; in Chinese
+    the headers and the schedules' names ("naive", "interleaved 1F1B (v=2)") are Chinese."""
+    cells, ns = _cells("05_pipeline_parallel.ipynb", lang), _lesson_05_inputs()
+    tables = {}
+    with use_language(lang):
+        for cid, first, last in (("875bc42c", 0, 6), ("5348769c", 1, 6), ("8066f7c6", 0, 7)):
+            exec(cells[cid], ns)
+            tables[cid] = capsys.readouterr().out.splitlines()[first:last]
+    for cid, lines in tables.items():
+        bars = _bars(lines)
+        assert len(bars) == 1 and len(bars.pop()) == (1 if cid == "5348769c" else 2), "\n".join(lines)
+        assert len(_right_edges(lines)) == 1, "\n".join(lines)
+    text = "\n".join(tables["875bc42c"] + tables["5348769c"] + tables["8066f7c6"][:1])
+    if lang == "zh_CN":
+        assert _english(text) == [], text
+        assert "朴素流水线" in text and "交错 1F1B (v=2)" in text, text
+    else:
+        assert "naive" in text and "interleaved 1F1B (v=2)" in text and "pipeline schedule" in text
+
+
+def test_lesson_05_figures_title_the_schedules_in_chinese_and_keep_their_keys():
+    """The subplot titles (figure annotations) of cells 73a84801 and 019d82cd and the peak bars' legend show the
+    schedules' Chinese names; the keys the cells look schedules up by stay English."""
+    from parlab.parallel import pipeline as sch
+    from parlab.viz import pipeline as vp
+    spans = sch.simulate(sch.one_f_one_b(2, 2)).spans
+    keys = ("naive", "interleaved 1F1B (v=2)", "1F1B", "my schedule")
+    with use_language("zh_CN"):
+        fig = vp.schedules_figure({k: spans for k in keys})
+        bars = vp.peak_bars({"naive": [1, 1], "GPipe": [2, 2]})
+    assert [a.text for a in fig.layout.annotations] == ["朴素流水线", "交错 1F1B (v=2)", "1F1B", "my schedule"]
+    assert [t.name for t in bars.data] == ["朴素流水线", "GPipe"]
+    assert [a.text for a in vp.schedules_figure({k: spans for k in keys}).layout.annotations] == list(keys)
+
+
+@pytest.fixture(scope="module")
+def lesson_07():
+    """Lesson 07's imports and its 8-rank hybrid run (cell 26cfc3ed's `res`, about 4 s): what the cells read."""
+    cells = {lang: _cells("07_hybrid_4d.ipynb", lang) for lang in ("en", "zh_CN")}
+    ns: dict = {}
+    exec(cells["en"]["7f30cb6f"], ns)
+    exec(cells["en"]["26cfc3ed"].split("\ndense = ")[0], ns)      # the run; not the one-process comparison
+    exec(cells["en"]["6261c0ab"], ns)                              # seed 000's grid
+    return cells, ns
+
+
+@pytest.mark.parametrize("lang", ["en", "zh_CN"])
+def test_lesson_07_traffic_tables_line_up_and_read_chinese(lesson_07, lang, capsys):
+    """Cells 2fb49810 (bytes per dimension, traced and by formula, and each dimension's link) and 7ae61743 (the
+    replayed placements): columns end in one display column in both languages; in Chinese no English word is
+    left (the links were "inter-node"/"intra-node", the placements "TP inside a node ..."). Cell 45c495c5 still
+    finds the rows the placements' names key."""
+    cells, ns = lesson_07[0][lang], dict(lesson_07[1])
+    with use_language(lang):
+        capsys.readouterr()
+        exec(cells["2fb49810"], ns)
+        traffic = capsys.readouterr().out.splitlines()[:4]
+        exec(cells["7ae61743"], ns)
+        places = capsys.readouterr().out.splitlines()
+        exec(cells["45c495c5"], ns)                                   # looks the rows up by the same names
+    link_column = {width(line) - width(re.split(r"\s{2,}", line)[-1]) for line in traffic}   # where the link starts
+    numbers_end = {width(line[:m.end()]) for line in traffic[1:] for m in [list(re.finditer(r"\d ", line))[-1]]}
+    assert len(link_column) == 1 and len(numbers_end) == 1, "\n".join(traffic)
+    assert width(traffic[0][:traffic[0].rindex(re.split(r"\s{2,}", traffic[0])[-1])].rstrip()) == min(numbers_end) - 1
+    assert len(places) == 5 and len(_right_edges(places)) == 1, "\n".join(places)
+    assert len({width(line[:line.index(" ms")]) for line in places[1:]}) == 1, "\n".join(places)
+    if lang == "zh_CN":
+        assert _english("\n".join(traffic + places)) == [], "\n".join(traffic + places)
+        assert {line.split()[-1] for line in traffic[1:]} <= {"跨节点", "节点内"}, traffic
+    else:
+        assert {line.split()[-1] for line in traffic[1:]} == {"node", "nodes"}, traffic
+
+
+def test_lesson_07_volume_bars_name_the_links_in_chinese(lesson_07):
+    """Cell 850eafca's bars ("Try it": GB per GPU along each dimension) say in Chinese which link each uses."""
+    cells, ns = lesson_07[0]["zh_CN"], dict(lesson_07[1])
+    with use_language("zh_CN"):
+        exec(cells["850eafca"], ns)
+        fig = ns["volume_bars"]()
+    assert list(fig.data[0].text) == ["节点内", "节点内", "跨节点", "规模 1"], fig.data[0].text
+
+
+# ---------------------------------------------------------------------- the exercises' locked demonstration cells
+#: exercise -> its locked cell that demonstrates the student's code (byte-identical in every language)
+DEMOS = {"00_ring_allreduce": "ex00-14", "03_zero": "5f813254", "04_tensor_parallel": "e78b8be3",
+         "06_ring_attention": "ef13699d", "08_ulysses": "c45356d3"}
+
+
+def _printed_literals(source: str) -> list[str]:
+    """The string literals (f-strings included) a cell passes to print() with a word of 3+ letters in them (a
+    subscript's key left out)."""
+    import ast
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "print":
+            for arg in node.args:
+                keys = {id(k) for sub in ast.walk(arg) if isinstance(sub, ast.Subscript) for k in ast.walk(sub.slice)}
+                for sub in ast.walk(arg):
+                    if id(sub) in keys:                 # rows["payload"]: a key, not a word shown
+                        continue
+                    text = sub.value if isinstance(sub, ast.Constant) and isinstance(sub.value, str) else ""
+                    if re.search(r"[A-Za-z]{3,}", text):
+                        out.append(text)
+    return out
+
+
+@pytest.mark.parametrize("exercise", sorted(DEMOS))
+def test_locked_demo_cells_print_no_english_of_their_own(exercise):
+    """A locked cell cannot be translated: what it prints comes from parlab (through gettext), never from an
+    English literal of its own, in the solution and in the student's copy alike."""
+    import nbformat
+    for path in (ROOT / "exercises" / "solutions" / f"{exercise}.ipynb", ROOT / "exercises" / f"{exercise}.ipynb"):
+        cell = next(c for c in nbformat.read(path, 4).cells if c.id == DEMOS[exercise])
+        assert cell.metadata["nbgrader"]["locked"] and not cell.metadata["nbgrader"]["grade"]
+        assert _printed_literals(cell.source) == [], f"{path.name}: {_printed_literals(cell.source)}"
+
+
+def test_what_the_demo_cells_print_reads_chinese():
+    """The reports those cells print (and `Trace.summary()`, which exercises 00 and 04 print) in Chinese: numbers
+    kept, no English word but identifiers (comm.all_reduce, all-to-all, MLP) and the glossary's rank."""
+    from parlab.course.grading import reports
+    from parlab.trace import Event, Trace
+    evs = [Event(rank=r, kind="collective", op="all_reduce", start=0.0, end=1.0, group=(0, 1), nbytes=4_000_000)
+           for r in (0, 1)]
+    with use_language("zh_CN"):
+        text = "\n".join([reports.ring_traffic(True, {0: 6e6, 1: 6e6}, 6e6), Trace(evs).summary(),
+                          reports.zero_fit("ZeRO-3", None, 1.4e9), reports.zero_fit("ZeRO-3", 64, 1.4e9),
+                          reports.same_as_dense(False), reports.causal_ring_report(1.2e-16, [([0, 7], [1.0, 0.5])]),
+                          reports.ulysses_traffic(1_048_576, 262_144)])
+    words = [w for w in re.findall(r"[A-Za-z][\w.\-]*", re.sub(r"comm\.all_reduce|all-to-all|all_reduce", "", text))
+             if len(re.sub(r"[^A-Za-z]", "", w)) >= 3 and w not in {"rank", "MLP", "ZeRO-3", "GPU", "size"}]
+    assert words == [], text
+    for number in ("6,000,000", "4.00 MB", "1.4 GB", "64", "1.2e-16", "[0, 7]", "[1.0, 0.5]", "1,048,576", "262,144"):
+        assert number in text, (number, text)
+    with use_language("zh_CN"):
+        lines = Trace(evs).summary().splitlines()
+    assert len({width(line) for line in lines}) == 1, "\n".join(lines)      # the Chinese header lines up
