@@ -272,8 +272,11 @@ def add_plan(sub) -> None:
 
 
 def add_grade(sub) -> None:
-    from parlab.course.grader import add_arguments, run_from_args
     p = sub.add_parser("grade", help=_("grade a folder of exercise submissions: gradebook, feedback, summary"))
+    try:
+        from parlab.course.grader import add_arguments, run_from_args
+    except ImportError:         # the library alone, without the course extra: _main says what to install
+        return
     add_arguments(p)
     p.set_defaults(func=run_from_args)
 
@@ -304,6 +307,19 @@ def main(argv: list[str] | None = None) -> int:
         return 141              # 128 + SIGPIPE, what a shell reports for a tool stopped by a closed pipe
 
 
+def _course_packages_missing() -> list[str]:
+    """The packages of the `course` extra that `parlab course` and `parlab grade` import and this environment
+    lacks (a cluster install has the library alone: pyproject.toml); those commands import them anyway."""
+    import importlib
+    missing = []
+    for name in ("nbformat", "nbclient", "plotly"):
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            missing.append(name)
+    return missing
+
+
 def _main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if os.environ.get("PARLAB_LANG"):           # a language the course does not have: say so, not English silently
@@ -319,6 +335,13 @@ def _main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["calibrate"]:  # the calibration owns its options (see parlab.cluster.calibrate.main)
         from parlab.cluster.calibrate import main as calibrate_main
         return calibrate_main(argv[1:])
+    missing = _course_packages_missing() if argv[:1] in (["course"], ["grade"]) else []
+    if missing:
+        print(_("parlab {command} needs the course's packages, and {missing} are not installed: pip install "
+                "'parlab[course]' (in a clone: pip install -e '.[course]')").format(command=argv[0],
+                                                                                     missing=", ".join(missing)),
+              file=sys.stderr)
+        return 2
     args = make_parser().parse_args(argv)
     if getattr(args, "lang", "unset") is None:
         from parlab.i18n import language

@@ -1,0 +1,62 @@
+"""The library a cluster user installs (pyproject.toml's dependencies) runs without the course's packages: the
+techniques, parlab.run, parlab plan and grid import none of JupyterLab, plotly, nbformat or pytest, and the course
+commands say which extra to install instead of failing inside an import."""
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+COURSE_ONLY = ["jupyterlab", "ipywidgets", "plotly", "nbval", "nbformat", "nbconvert", "nbclient", "playwright",
+               "jupyter_server", "pytest", "xdist"]
+
+# a meta path finder that refuses every course-only package, as an environment without them would
+BLOCK = f"""
+import sys
+class Block:
+    def find_spec(self, name, path=None, target=None):
+        if name.split('.')[0] in {COURSE_ONLY!r}:
+            raise ModuleNotFoundError(f"No module named {{name!r}}", name=name)
+sys.meta_path.insert(0, Block())
+"""
+
+
+def _run(code: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", BLOCK + code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+
+
+def test_the_core_dependencies_leave_the_course_and_the_tests_to_extras():
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    core = {d.split(">")[0].split("=")[0].split("[")[0].strip().lower() for d in project["dependencies"]}
+    assert core == {"torch", "numpy", "cloudpickle", "babel"}
+    extras = project["optional-dependencies"]
+    assert {"jupyterlab", "plotly>=5", "nbval"} <= set(extras["course"]) and "pytest" in extras["test"]
+    assert "parlab[course]" in extras["test"]
+
+
+def test_the_library_runs_ranks_and_plans_without_the_course_packages():
+    out = _run("""
+import parlab, torch
+from parlab import comm
+import parlab.parallel.data, parlab.parallel.zero, parlab.parallel.tensor, parlab.parallel.pipeline
+import parlab.parallel.context, parlab.parallel.expert, parlab.parallel.hybrid, parlab.labs, parlab.cluster.planner
+
+def work():
+    x = torch.ones(2) * (comm.get_rank() + 1)
+    comm.all_reduce(x)
+    return x.tolist()
+
+print(parlab.run(work, 2, echo=False).results)
+from parlab.cli import main
+assert main(["plan", "--model", "llama-7b", "--nodes", "1", "--top", "1"]) == 0
+assert main(["grid", "--world", "8", "--tp", "2"]) == 0
+""")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "[[3.0, 3.0], [3.0, 3.0]]" in out.stdout
+
+
+def test_the_course_commands_name_the_extra_to_install_when_its_packages_are_missing():
+    for command in ("course open --no-browser", "grade submissions"):
+        out = _run(f"from parlab.cli import main; raise SystemExit(main({command.split()!r}))")
+        assert out.returncode == 2, out.stderr[-2000:]
+        assert "pip install 'parlab[course]'" in out.stderr and "Traceback" not in out.stderr, out.stderr
