@@ -216,8 +216,8 @@ def test_each_readme_has_a_current_chinese_twin_with_the_same_commands(english):
     assert mark.group(2) == digest, (f"{zh_path.relative_to(ROOT)} is stale: {english} changed since it was "
                                      f"translated; update the translation and its mark to sha256:{digest}")
     assert "[English](README.md)" in zh and "[简体中文](README.zh-CN.md)" in en
-    zh_blocks = [b.replace('-e ".[zh]" && .venv/bin/parlab course open --lang zh', '-e . && .venv/bin/parlab course open')
-                 for b in _blocks(zh)]
+    zh_blocks = [b.replace('-e ".[course,zh]" && .venv/bin/parlab course open --lang zh',
+                           '-e ".[course]" && .venv/bin/parlab course open') for b in _blocks(zh)]
     assert zh_blocks == _blocks(en)
 
 
