@@ -95,6 +95,7 @@ def nbgrader_course(tmp_path_factory):
         shutil.copy(ROOT / "exercises" / "nbgrader_config.py", root / "nbgrader_config.py")   # as README says
         _nbgrader(root, "generate_assignment", "all")
         _nbgrader(root, "autograde", "all")
+        _nbgrader(root, "generate_feedback", "all")
         ours, ours_zh = ({r.student: {c["grade_id"]: c["points"] * c["passed"] for c in r.checks}
                           for r in grades.result()} for grades in (parlab_grades, parlab_grades_zh))
     theirs, theirs_zh = {}, {}
@@ -135,3 +136,20 @@ def test_nbgrader_autograde_scores_every_check_as_parlab_grade_does(nbgrader_cou
     # and the cell holding the two bubble functions passes their two checks only; the checks rebound to no-ops
     # earn nothing from either (nbgrader with the course's nbgrader_config.py: plain nbgrader gave it 5 of 5)
     assert total == {"solution": 5, "edited": 2, "cheat": 0}, total
+
+
+def test_nbgrader_feedback_loads_plotly_js_once_from_its_cdn_instead_of_a_copy_per_page(nbgrader_course):
+    # the notebook renderer puts the 4.8 MB plotly.js bundle into each notebook; the course's config makes each
+    # feedback page load it from plotly's CDN instead (parlab.course.grader.nbgrader_feedback; 5.0 MB before)
+    import plotly.offline
+    root = nbgrader_course[0]
+    pages = sorted((root / "feedback").glob("*/all/*.html"))
+    assert len(pages) == 6                                       # 3 hand-ins x 2 languages
+    cdn = f"cdn.plot.ly/plotly-{plotly.offline.get_plotlyjs_version()}.min.js"
+    for page in pages:
+        html = page.read_text(encoding="utf-8")
+        assert page.stat().st_size < 1_000_000, f"{page}: {page.stat().st_size} bytes"
+        assert "plotly.js v" not in html                          # no bundle left inline
+    # the pages whose notebook ran the renderer's set-up cell load plotly.js from the CDN instead
+    assert sum(cdn in page.read_text(encoding="utf-8") for page in pages) >= 2
+

@@ -29,7 +29,8 @@ Like otter-grader, grading runs the notebook afresh in a separate process; like 
 released cells, not the submitted ones. Run it in a throw-away container: a submission is arbitrary code.
 
 A course graded by nbgrader instead gets the same tamper check from `nbgrader_execute.GuardedExecute`, which the
-shipped ``exercises/nbgrader_config.py`` puts in place of nbgrader's Execute step.
+shipped ``exercises/nbgrader_config.py`` puts in place of nbgrader's Execute step, and feedback pages without a
+copy of plotly.js each from `nbgrader_feedback.PlotlyFromCDN`.
 """
 from __future__ import annotations
 
