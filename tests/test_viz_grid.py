@@ -10,7 +10,12 @@ SEED_000 = ParallelGrid(16, tp=2, pp=4, gpus_per_node=8)
 
 
 def visible_groups(fig):
-    return [t for t in fig.data[1:] if t.visible]
+    return [t for t in fig.data if t.visible and t.name != "GPU"]
+
+
+def gpu_trace(fig):
+    (gpus,) = [t for t in fig.data if t.name == "GPU"]
+    return gpus
 
 
 @pytest.mark.parametrize("dims, expected, dashed", [
@@ -35,7 +40,8 @@ def test_gpus_sit_in_their_node_boxes_with_labels_and_hover():
     fig = grid_figure(SEED_000)
     boxes = [s for s in fig.layout.shapes if s.type == "rect"]
     assert len(boxes) == 2 and [a.text for a in fig.layout.annotations] == ["<b>node 0</b>", "<b>node 1</b>"]
-    gpus = fig.data[0]
+    gpus = gpu_trace(fig)
+    assert fig.data[-1] is gpus                                           # drawn last: over the groups' lines
     assert len(gpus.x) == 16 and gpus.visible is not False
     for r, (x, y) in enumerate(zip(gpus.x, gpus.y)):
         box = boxes[SEED_000.node_of(r)]
@@ -52,8 +58,8 @@ def test_dropdown_switches_dimension_in_static_html():
     assert [b.label for b in menu.buttons] == list(HIGHLIGHTS)
     for b in menu.buttons:
         vis = b.args[0]["visible"]
-        assert len(vis) == len(fig.data) and vis[0]                       # GPUs always shown
-        chosen = [t.legendgroup for t, v in zip(fig.data[1:], vis[1:]) if v]
+        assert len(vis) == len(fig.data) and vis[-1]                      # GPUs always shown
+        chosen = [t.legendgroup for t, v in zip(fig.data[:-1], vis[:-1]) if v]
         assert chosen and set(chosen) == {b.label}
     html = pio.to_html(fig, include_plotlyjs=False, full_html=False)
     assert "updatemenus" in html and "crosses nodes" in html
@@ -89,6 +95,6 @@ def test_the_figure_gives_every_gpu_room_at_every_world_size():
         cols, rows = _layout_cols(gpn), -(-gpn // _layout_cols(gpn))
         assert min(npr, grid.num_nodes) * (cols + NODE_GAP) * unit <= PLOT_W + 1e-9          # fits the width
         assert (-(-grid.num_nodes // npr) * (rows + NODE_GAP) + 0.3) * unit <= PLOT_H + 1e-9   # and the height
-        size = grid_figure(grid).data[0].marker.size
+        size = gpu_trace(grid_figure(grid)).marker.size
         assert size == min(46, 0.7 * unit) and size >= 30, (world, size)                 # room, and legible
     assert _fit(ParallelGrid(16, tp=2, gpus_per_node=8), None, 46)[0] == 2               # two nodes side by side

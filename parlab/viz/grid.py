@@ -144,7 +144,17 @@ def grid_figure(grid: ParallelGrid, highlight: str = "tp", nodes_per_row: int | 
         fig.add_annotation(x=min(xs) - PAD, y=max(ys) + PAD + 0.25, text=_("<b>node {node}</b>").format(node=n),
                            showarrow=False,
                            xanchor="left", yanchor="bottom", font=dict(size=12))
-    # the GPUs: always visible
+    # every dimension's group traces; only the highlighted dimension's are visible. They go first, under the GPUs:
+    # a GPU's white square then hides the part of a group's line that would cross its label, and the line shows
+    # between the squares, with the group's open square as a ring around each member
+    owner: list[str | None] = []
+    for dims in HIGHLIGHTS:
+        traces = _group_traces(grid, dims, pos, gpu_size)
+        for t in traces:
+            t.visible = dims == highlight
+            fig.add_trace(t)
+        owner += [dims] * len(traces)
+    # the GPUs: always visible, on top
     ranks = list(range(grid.world_size))
     coords = [grid.coords(r) for r in ranks]
     fig.add_trace(go.Scatter(
@@ -153,14 +163,7 @@ def grid_figure(grid: ParallelGrid, highlight: str = "tp", nodes_per_row: int | 
         text=[f"<b>{r}</b><br>{c['tp']}{c['cp']}{c['dp']}{c['pp']}" for r, c in zip(ranks, coords)],
         textfont=dict(size=10), hovertext=[_memberships(grid, r) for r in ranks],
         hovertemplate="%{hovertext}<extra></extra>", showlegend=False))
-    # every dimension's group traces; only the highlighted dimension's are visible
-    owner: list[str | None] = [None]
-    for dims in HIGHLIGHTS:
-        traces = _group_traces(grid, dims, pos, gpu_size)
-        for t in traces:
-            t.visible = dims == highlight
-            fig.add_trace(t)
-        owner += [dims] * len(traces)
+    owner.append(None)
 
     def heading(dims: str) -> str:
         gs = grid.groups(dims)
