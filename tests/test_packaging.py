@@ -28,7 +28,7 @@ def _run(code: str) -> subprocess.CompletedProcess:
 def test_the_core_dependencies_leave_the_course_and_the_tests_to_extras():
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     core = {d.split(">")[0].split("=")[0].split("[")[0].strip().lower() for d in project["dependencies"]}
-    assert core == {"torch", "numpy", "cloudpickle", "babel"}
+    assert core == {"torch", "numpy", "cloudpickle", "babel", "tqdm"}
     extras = project["optional-dependencies"]
     assert {"jupyterlab", "plotly>=5", "nbval"} <= set(extras["course"]) and "pytest" in extras["test"]
     assert "parlab[course]" in extras["test"]
@@ -60,3 +60,25 @@ def test_the_course_commands_name_the_extra_to_install_when_its_packages_are_mis
         out = _run(f"from parlab.cli import main; raise SystemExit(main({command.split()!r}))")
         assert out.returncode == 2, out.stderr[-2000:]
         assert "pip install 'parlab[course]'" in out.stderr and "Traceback" not in out.stderr, out.stderr
+
+
+def test_every_package_the_library_imports_is_a_core_dependency():
+    # a static check of what the ranks, labs and cluster tools import (a lab's progress bar once needed tqdm, which
+    # the core did not list: every lab failed in a fresh install); the course's own modules may use the extra
+    import ast
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    core = {d.split(">")[0].split("=")[0].split("[")[0].strip().lower() for d in project["dependencies"]}
+    course_side = ("parlab/course/", "parlab/viz/", "parlab/i18n/notebooks.py", "parlab/i18n/review.py")
+    found = {}
+    for path in sorted((ROOT / "parlab").rglob("*.py")):
+        rel = path.relative_to(ROOT).as_posix()
+        if rel.startswith(course_side):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module] if isinstance(node, ast.ImportFrom) and node.module and not node.level else [])
+            for name in names:
+                top = name.split(".")[0]
+                if top not in sys.stdlib_module_names and top != "parlab":
+                    found.setdefault(top, rel)
+    assert set(found) <= core, {k: v for k, v in found.items() if k not in core}
