@@ -164,3 +164,28 @@ def test_grouped_query_attention_narrows_the_keys_and_values_in_parameters_flops
     assert per(mha) - per(llama) == pytest.approx(s * h * 4 * (h - kv) / h / 8, rel=REL)
     with pytest.raises(ValueError, match="kv_heads must be a positive integer dividing the 128 heads"):
         ModelSpec(**{**llama.__dict__, "kv_heads": 3})
+
+
+def test_a_mixture_of_experts_counts_every_expert_in_its_parameters_and_top_k_in_its_flops():
+    # Mixtral 8x7B (Jiang et al. 2024, arXiv:2401.04088, table 1 and section 2): 32 layers, h 4096, 32 heads, 8
+    # key/value heads, FFN 14336, vocabulary 32000, 8 experts in every layer, top-2; 46.7B parameters, 12.9B active
+    mixtral = ModelSpec("mixtral-8x7b", 32, 4096, 32, 32000, 4096, ffn=14336, swiglu=True, bias=False, tied=False,
+                        learned_pos=False, dropout=False, kv_heads=8, experts=8, top_k=2)
+    assert round(mixtral.param_count() / 1e9, 1) == 46.7 and round(mixtral.active_params() / 1e9, 1) == 12.9
+    dense = ModelSpec(**{**mixtral.__dict__, "experts": 0, "top_k": 1})
+    expert = 3 * 4096 * 14336
+    assert mixtral.param_count() - dense.param_count() == 32 * (7 * expert + 4096 * 8)     # 7 more MLPs, a router
+    # per token: one MLP more than dense (top-2: 2 FLOPs per weight) and the router, forward and backward (3 x)
+    tokens = mixtral.seq
+    assert T.model_flops(mixtral, 1) - T.model_flops(dense, 1) == pytest.approx(
+        3 * 32 * tokens * (2 * expert + 2 * 4096 * 8), rel=REL)
+    switch = ModelSpec(**{**mixtral.__dict__, "moe_every": 2})                  # experts in every other layer
+    assert switch.moe_layers == 16 and switch.param_count() == dense.param_count() + 16 * (7 * expert + 4096 * 8)
+    for bad, words in ((dict(experts=1), "at least 2 experts"), (dict(top_k=9), "top_k <= experts"),
+                       (dict(moe_every=0), "moe_every must be a positive integer")):
+        with pytest.raises(ValueError, match=words):
+            ModelSpec(**{**mixtral.__dict__, **bad})
+    from parlab.cluster.hardware import preset as hw_preset
+    from parlab.cluster.step_costs import Layout, StepCosts
+    with pytest.raises(ValueError, match="mixture of experts: the replay's cost model times dense layers only"):
+        StepCosts(mixtral, hw_preset("dgx-h100"), Layout(tp=8), 1)

@@ -48,7 +48,8 @@ BYTES_16BIT = 2  # bf16 / fp16 weights, gradients and activations
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """A dense decoder-only transformer, described by what the cost formulas need."""
+    """A decoder-only transformer, described by what the cost formulas need: dense, or with a mixture of experts
+    (`experts` MLPs in every `moe_every`-th layer, each token routed to `top_k` of them, and a router h x E)."""
 
     name: str
     layers: int
@@ -63,6 +64,9 @@ class ModelSpec:
     learned_pos: bool = True        # a learned s x h position table (GPT); False for RoPE (LLaMA)
     dropout: bool = True            # trains with dropout (GPT-3, Megatron's GPTs); LLaMA does not
     kv_heads: int | None = None     # key/value heads (grouped-query attention, Ainslie et al. 2023); None: = heads
+    experts: int = 0                # MLPs of an MoE layer (0: dense everywhere)
+    top_k: int = 1                  # experts each token goes to
+    moe_every: int = 1              # every n-th layer has the experts (1: all, as Mixtral; 2: Switch, GShard)
 
     def __post_init__(self) -> None:
         for k in ("layers", "hidden", "heads", "vocab", "seq"):
@@ -80,22 +84,51 @@ class ModelSpec:
         if isinstance(kv, bool) or not isinstance(kv, int) or kv < 1 or self.heads % kv:
             raise ValueError(f"model {self.name!r}: kv_heads must be a positive integer dividing the {self.heads} "
                              f"heads (each key/value head serves heads / kv_heads query heads), got {kv!r}")
+        for k in ("experts", "top_k", "moe_every"):
+            v = getattr(self, k)
+            if isinstance(v, bool) or not isinstance(v, int) or v < (0 if k == "experts" else 1):
+                raise ValueError(f"model {self.name!r}: {k} must be a {'non-negative' if k == 'experts' else 'positive'} "
+                                 f"integer, got {v!r}")
+        if self.experts and not (2 <= self.experts and self.top_k <= self.experts):
+            raise ValueError(f"model {self.name!r}: a mixture of experts needs at least 2 experts and top_k <= "
+                             f"experts, got experts={self.experts}, top_k={self.top_k}")
 
     @property
     def kv_width(self) -> int:
         """Channels of the keys (and of the values): kv_heads x h / a; h without grouped-query attention."""
         return self.kv_heads * (self.hidden // self.heads)
 
+    @property
+    def moe_layers(self) -> int:
+        """Layers with experts: every `moe_every`-th (0 for a dense model)."""
+        return self.layers // self.moe_every if self.experts else 0
+
     # ------------------------------------------------------------ parameters
+    def mlp_params(self, tp: int = 1) -> float:
+        """One MLP (one expert of an MoE layer): (2 or 3) h f weights / tp, the fc biases / tp and the output
+        bias (row-parallel, kept whole)."""
+        h, f = self.hidden, self.ffn
+        sharded = (3 if self.swiglu else 2) * h * f + (f if self.bias and not self.swiglu else 0)
+        return sharded / tp + (h if self.bias and not self.swiglu else 0)
+
     def layer_params(self, tp: int = 1) -> float:
-        """Parameters of one transformer layer held by one of tp ranks (sharded / tp + replicated)."""
-        h, f, kv = self.hidden, self.ffn, self.kv_width
-        sharded = 2 * h * h + 2 * h * kv + (3 if self.swiglu else 2) * h * f      # q, o; k, v; the MLP
-        replicated = 2 * (2 * h if self.bias else h)                 # two norms
+        """Parameters of one transformer layer held by one of tp ranks (sharded / tp + replicated); for a mixture of
+        experts the mean over the layers (an MoE layer holds `experts` MLPs and a router h x E, kept whole), so
+        that layers x layer_params is the model's."""
+        h, kv = self.hidden, self.kv_width
+        sharded = 2 * h * h + 2 * h * kv                              # q, o; k, v
+        replicated = 2 * (2 * h if self.bias else h)                  # two norms
         if self.bias:
-            sharded += h + 2 * kv + (0 if self.swiglu else f)            # q, k, v and fc biases (column-parallel)
-            replicated += h + (0 if self.swiglu else h)                 # proj biases (row-parallel: kept whole)
-        return sharded / tp + replicated
+            sharded += h + 2 * kv                                     # q, k, v biases (column-parallel)
+            replicated += h                                           # proj bias (row-parallel: kept whole)
+        moe = self.moe_layers / self.layers
+        mlps = 1 + moe * (self.experts - 1)                           # MLPs per layer, on average
+        return sharded / tp + replicated + mlps * self.mlp_params(tp) + moe * h * self.experts
+
+    def active_params(self) -> int:
+        """Parameters a token computes with: the whole model less the experts it is not routed to (Mixtral 8x7B:
+        12.9B of 46.7B)."""
+        return round(self.param_count() - self.moe_layers * (self.experts - self.top_k) * self.mlp_params())
 
     def embedding_params(self, tp: int = 1) -> float:
         """Token embedding (vocab-parallel, / tp) plus the position table (kept whole)."""

@@ -184,6 +184,10 @@ def check_inputs(model, hardware, layout) -> None:
                          f"'dgx-a100')), got {type(hardware).__name__}")
     if not isinstance(layout, Layout):
         raise ValueError(f"layout must be a parlab.cluster.step_costs.Layout, got {type(layout).__name__}")
+    if model.experts:
+        raise ValueError(f"{model.name} is a mixture of experts: the replay's cost model times dense layers only "
+                         f"(no expert GEMMs or all-to-alls yet); its parameters and FLOPs are in "
+                         f"parlab.cluster.transformer, and the planner without hardware= uses them")
     if model.heads % layout.tp or model.ffn % layout.tp or model.kv_heads % layout.tp:
         raise ValueError(f"tp={layout.tp} must divide {model.name}'s {model.heads} heads, its {model.kv_heads} "
                          f"key/value heads and its MLP width {model.ffn} (tensor parallelism splits all three)")

@@ -101,8 +101,12 @@ def params(model, position_table: bool | None = None, final_norm: bool = False) 
 def _layer_terms(model) -> tuple[float, float, float]:
     """Per-layer forward FLOPs per sequence, split: (dense products, attention scores, logits)."""
     l, h, s, f, kv = model.layers, model.hidden, model.seq, model.ffn, model.kv_width
+    # a mixture of experts: a token runs top_k MLPs in an MoE layer and the router's h x E product (mean per layer)
+    moe = model.moe_layers / l
+    mlps = 1 + moe * (model.top_k - 1)
     # Q and the projection 2 s h h each, K and V 2 s h kv each (kv = h without grouped-query attention), the MLP
-    dense = 4 * s * h * h + 4 * s * h * kv + (6 if model.swiglu else 4) * s * h * f   # 24 s h^2 at f = 4h, kv = h
+    dense = (4 * s * h * h + 4 * s * h * kv + mlps * (6 if model.swiglu else 4) * s * h * f   # 24 s h^2 at f = 4h
+             + moe * 2 * s * h * model.experts)
     return dense, 4 * s * s * h, 2 * s * h * model.vocab / l
 
 
