@@ -205,3 +205,51 @@ def test_what_the_demo_cells_print_reads_chinese():
     with use_language("zh_CN"):
         lines = Trace(evs).summary().splitlines()
     assert len({width(line) for line in lines}) == 1, "\n".join(lines)      # the Chinese header lines up
+
+
+# ---------------------------------------------------------------------- lesson 02's tables (a Chinese student's report)
+@pytest.fixture(scope="module")
+def lesson_02():
+    """Lesson 02's imports and runs, once, in English (about 15 s): the naive run (l02-04), the DDP runs (l02-12
+    without its printing) and the metered DDP step (87c9e763 without its table)."""
+    cells = {lang: _cells("02_data_parallel.ipynb", lang) for lang in ("en", "zh_CN")}
+    ns: dict = {}
+    with use_language("en"):
+        exec(cells["en"]["l02-01"], ns)
+        exec(cells["en"]["l02-04"], ns)
+        exec(cells["en"]["l02-12"].split("\nhead = ")[0], ns)
+        exec(cells["en"]["87c9e763"].split("\nviews = ")[0], ns)
+    return cells, ns
+
+
+@pytest.mark.parametrize("lang", ["en", "zh_CN"])
+def test_lesson_02_tables_line_up_and_read_chinese(lesson_02, lang, capsys):
+    """Cells l02-04 (the other ranks' losses), l02-08 (bytes per phase: header and rows in the same display
+    columns, phases through event_label), l02-12 (the two buckets' '=' one under the other), l02-17 (memory
+    categories as the figure's legend names them) and 87c9e763/eaf19c4d (the three views, keyed by short names
+    the next cell looks up): no English word left in Chinese but rank, GPT, DDP, gloo, all-reduce, None and units."""
+    cells, ns = lesson_02[0][lang], dict(lesson_02[1])
+    out = {}
+    with use_language(lang):
+        capsys.readouterr()
+        exec(cells["l02-04"].split("\nnaive = ")[0] + "\n" + cells["l02-04"][cells["l02-04"].index("\nprint("):], ns)
+        out["l02-04"] = capsys.readouterr().out.splitlines()[:1]
+        for cid in ("l02-08", "l02-17", "87c9e763"):
+            exec(cells[cid] if cid != "87c9e763" else cells[cid][cells[cid].index("\nviews = "):], ns)
+            out[cid] = capsys.readouterr().out.splitlines()
+        exec(cells["l02-12"][cells["l02-12"].index("\nhead = "):], ns)
+        out["l02-12"] = capsys.readouterr().out.splitlines()[:2]
+        exec(cells["eaf19c4d"], ns)                           # finds the views by their keys
+    table = out["l02-08"][:7]
+    edges = {width(line.rstrip()) for line in table[1:]}
+    header_cells = [m.end() for m in re.finditer(r"rank \d", table[0])]
+    assert len(edges) == 1 and width(table[0][:header_cells[-1]]) == edges.pop(), "\n".join(table)
+    assert len({width(line[:line.index("=")]) for line in out["l02-12"]}) == 1, "\n".join(out["l02-12"])
+    mem = out["l02-17"][2:]
+    assert len({width(line[:line.index(" rank 0")]) for line in mem}) == 1, "\n".join(mem)
+    views = out["87c9e763"]
+    assert len(views) == 3 and len({width(line[:line.index(" ms")]) for line in views}) == 1, "\n".join(views)
+    if lang == "zh_CN":
+        text = "\n".join(out["l02-04"] + table + [line.split("=")[0] for line in out["l02-12"]] + mem + views)
+        assert [w for w in _english(re.sub(r"all-reduce|None", "", text)) if w not in {"DDP", "gloo", "MiB"}] == [], text
+        assert "其他 rank" in out["l02-04"][0] and "优化器状态" in "\n".join(mem), out
