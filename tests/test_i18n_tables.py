@@ -253,3 +253,41 @@ def test_lesson_02_tables_line_up_and_read_chinese(lesson_02, lang, capsys):
         text = "\n".join(out["l02-04"] + table + [line.split("=")[0] for line in out["l02-12"]] + mem + views)
         assert [w for w in _english(re.sub(r"all-reduce|None", "", text)) if w not in {"DDP", "gloo", "MiB"}] == [], text
         assert "其他 rank" in out["l02-04"][0] and "优化器状态" in "\n".join(mem), out
+
+
+@pytest.mark.parametrize("lang", ["en", "zh_CN"])
+def test_lesson_05_explorer_speaks_the_course_language(lang, capsys):
+    """Cell 5e21698b, the schedule explorer: its controls are described in the course's language (their names
+    were the parameter names, "microbatches"), the schedules listed by `schedule_label` with the English names as
+    values, a schedule that cannot be built says why in Chinese (ScheduleError through gettext), and the figures'
+    title and axis are Chinese. Cell 45e07ca4's losses name the schedules as the tables do."""
+    import ipywidgets
+    import plotly.graph_objects as go
+    from parlab.parallel import pipeline as sch
+    from parlab.viz import pipeline as vp
+    cells = _cells("05_pipeline_parallel.ipynb", lang)
+    shown = []
+    ns = dict(sch=sch, vp=vp, go=go, widgets=ipywidgets, display=shown.append, pad=pad)
+    with use_language(lang):
+        exec(cells["5e21698b"], ns)
+        capsys.readouterr()
+        ns["explore"]("interleaved", 4, 6, 2)                       # 6 micro-batches: not a multiple of p = 4
+        ns["explore"]("DualPipeV", 4, 6, 2)
+        impossible = capsys.readouterr().out
+        ns["explore"]("interleaved", 4, 8, 2)
+        runs = {"naive": {"loss": 3.5}, "interleaved 1F1B (v=2)": {"loss": 3.5}}
+        exec(cells["45e07ca4"][cells["45e07ca4"].index("for name, r in runs.items()"):].split("\n    assert")[0],
+             dict(runs=runs, vp=vp, pad=pad))
+        losses = capsys.readouterr().out
+    options = ns["schedule_w"].options
+    assert [v for _, v in options] == ["naive", "GPipe", "1F1B", "interleaved", "interleaved (memory-optimised)",
+                                       "ZB-H1", "DualPipeV"]
+    descriptions = [ns["schedule_w"].description, ns["chunks_w"].description]
+    text = "\n".join([*descriptions, *(label for label, _ in options), impossible, losses,
+                      shown[0].layout.title.text, shown[1].layout.yaxis.title.text])
+    assert "6" in impossible and "8" in impossible and len(impossible.splitlines()) == 2, impossible
+    if lang == "zh_CN":
+        assert _english(re.sub(r"microbatches|<[^>]*>", "", text)) == ["DualPipeV"] * 2, text
+        assert "交错" in text and "平均损失" in losses, text
+    else:
+        assert "micro-batches" in impossible and "interleaved (memory-optimised)" in text and "mean loss" in losses
