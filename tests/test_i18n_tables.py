@@ -291,3 +291,28 @@ def test_lesson_05_explorer_speaks_the_course_language(lang, capsys):
         assert "交错" in text and "平均损失" in losses, text
     else:
         assert "micro-batches" in impossible and "interleaved (memory-optimised)" in text and "mean loss" in losses
+
+
+def test_lesson_07_controls_and_messages_speak_chinese(lesson_07, capsys):
+    """Cells 76e8e641, 69a7e5fa and e0ba6dd5: every control of the three explorers has a translated description
+    (interact otherwise shows the parameter's name: world_size, gpus_per_node, model_name, gpu_mem_gb); an
+    invalid layout says why in Chinese (ParallelGrid's ValueError through gettext)."""
+    import ipywidgets
+    cells, ns = lesson_07[0]["zh_CN"], dict(lesson_07[1])
+    controls = {}
+    ns["widgets"] = types.SimpleNamespace(**{k: getattr(ipywidgets, k) for k in dir(ipywidgets) if k[0].isupper()},
+                                          interact=lambda fn, **kw: controls.update(kw))
+    with use_language("zh_CN"):
+        exec(cells["850eafca"], ns)
+        for cid in ("76e8e641", "69a7e5fa", "e0ba6dd5"):
+            exec(cells[cid], ns)
+        capsys.readouterr()
+        ns["draw_grid"](world_size=16, gpus_per_node=8, tp=8, pp=4)
+        ns["draw_grid"](world_size=4, gpus_per_node=8, tp=1, pp=1)
+        invalid = capsys.readouterr().out
+    names = {k: w.description for k, w in controls.items() if k not in ("tp", "pp", "cp")}
+    assert set(names) == {"world_size", "gpus_per_node", "order", "highlight", "model_name", "global_batch",
+                          "nodes", "gpu_mem_gb"}, names
+    assert _english(re.sub(r"world size|GB|GPU", "", " ".join(names.values()))) == [], names
+    assert len(invalid.splitlines()) == 2 and "32" in invalid and "不能被" in invalid, invalid
+    assert _english(re.sub(r"world_size|tp\*pp\*cp|gpus_per_node|GPU", "", invalid)) == [], invalid
