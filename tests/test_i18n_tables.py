@@ -205,3 +205,114 @@ def test_what_the_demo_cells_print_reads_chinese():
     with use_language("zh_CN"):
         lines = Trace(evs).summary().splitlines()
     assert len({width(line) for line in lines}) == 1, "\n".join(lines)      # the Chinese header lines up
+
+
+# ---------------------------------------------------------------------- lesson 02's tables (a Chinese student's report)
+@pytest.fixture(scope="module")
+def lesson_02():
+    """Lesson 02's imports and runs, once, in English (about 15 s): the naive run (l02-04), the DDP runs (l02-12
+    without its printing) and the metered DDP step (87c9e763 without its table)."""
+    cells = {lang: _cells("02_data_parallel.ipynb", lang) for lang in ("en", "zh_CN")}
+    ns: dict = {}
+    with use_language("en"):
+        exec(cells["en"]["l02-01"], ns)
+        exec(cells["en"]["l02-04"], ns)
+        exec(cells["en"]["l02-12"].split("\nhead = ")[0], ns)
+        exec(cells["en"]["87c9e763"].split("\nviews = ")[0], ns)
+    return cells, ns
+
+
+@pytest.mark.parametrize("lang", ["en", "zh_CN"])
+def test_lesson_02_tables_line_up_and_read_chinese(lesson_02, lang, capsys):
+    """Cells l02-04 (the other ranks' losses), l02-08 (bytes per phase: header and rows in the same display
+    columns, phases through event_label), l02-12 (the two buckets' '=' one under the other), l02-17 (memory
+    categories as the figure's legend names them) and 87c9e763/eaf19c4d (the three views, keyed by short names
+    the next cell looks up): no English word left in Chinese but rank, GPT, DDP, gloo, all-reduce, None and units."""
+    cells, ns = lesson_02[0][lang], dict(lesson_02[1])
+    out = {}
+    with use_language(lang):
+        capsys.readouterr()
+        exec(cells["l02-04"].split("\nnaive = ")[0] + "\n" + cells["l02-04"][cells["l02-04"].index("\nprint("):], ns)
+        out["l02-04"] = capsys.readouterr().out.splitlines()[:1]
+        for cid in ("l02-08", "l02-17", "87c9e763"):
+            exec(cells[cid] if cid != "87c9e763" else cells[cid][cells[cid].index("\nviews = "):], ns)
+            out[cid] = capsys.readouterr().out.splitlines()
+        exec(cells["l02-12"][cells["l02-12"].index("\nhead = "):], ns)
+        out["l02-12"] = capsys.readouterr().out.splitlines()[:2]
+        exec(cells["eaf19c4d"], ns)                           # finds the views by their keys
+    table = out["l02-08"][:7]
+    edges = {width(line.rstrip()) for line in table[1:]}
+    header_cells = [m.end() for m in re.finditer(r"rank \d", table[0])]
+    assert len(edges) == 1 and width(table[0][:header_cells[-1]]) == edges.pop(), "\n".join(table)
+    assert len({width(line[:line.index("=")]) for line in out["l02-12"]}) == 1, "\n".join(out["l02-12"])
+    mem = out["l02-17"][2:]
+    assert len({width(line[:line.index(" rank 0")]) for line in mem}) == 1, "\n".join(mem)
+    views = out["87c9e763"]
+    assert len(views) == 3 and len({width(line[:line.index(" ms")]) for line in views}) == 1, "\n".join(views)
+    if lang == "zh_CN":
+        text = "\n".join(out["l02-04"] + table + [line.split("=")[0] for line in out["l02-12"]] + mem + views)
+        assert [w for w in _english(re.sub(r"all-reduce|None", "", text)) if w not in {"DDP", "gloo", "MiB"}] == [], text
+        assert "其他 rank" in out["l02-04"][0] and "优化器状态" in "\n".join(mem), out
+
+
+@pytest.mark.parametrize("lang", ["en", "zh_CN"])
+def test_lesson_05_explorer_speaks_the_course_language(lang, capsys):
+    """Cell 5e21698b, the schedule explorer: its controls are described in the course's language (their names
+    were the parameter names, "microbatches"), the schedules listed by `schedule_label` with the English names as
+    values, a schedule that cannot be built says why in Chinese (ScheduleError through gettext), and the figures'
+    title and axis are Chinese. Cell 45e07ca4's losses name the schedules as the tables do."""
+    import ipywidgets
+    import plotly.graph_objects as go
+    from parlab.parallel import pipeline as sch
+    from parlab.viz import pipeline as vp
+    cells = _cells("05_pipeline_parallel.ipynb", lang)
+    shown = []
+    ns = dict(sch=sch, vp=vp, go=go, widgets=ipywidgets, display=shown.append, pad=pad)
+    with use_language(lang):
+        exec(cells["5e21698b"], ns)
+        capsys.readouterr()
+        ns["explore"]("interleaved", 4, 6, 2)                       # 6 micro-batches: not a multiple of p = 4
+        ns["explore"]("DualPipeV", 4, 6, 2)
+        impossible = capsys.readouterr().out
+        ns["explore"]("interleaved", 4, 8, 2)
+        runs = {"naive": {"loss": 3.5}, "interleaved 1F1B (v=2)": {"loss": 3.5}}
+        exec(cells["45e07ca4"][cells["45e07ca4"].index("for name, r in runs.items()"):].split("\n    assert")[0],
+             dict(runs=runs, vp=vp, pad=pad))
+        losses = capsys.readouterr().out
+    options = ns["schedule_w"].options
+    assert [v for _, v in options] == ["naive", "GPipe", "1F1B", "interleaved", "interleaved (memory-optimised)",
+                                       "ZB-H1", "DualPipeV"]
+    descriptions = [ns["schedule_w"].description, ns["chunks_w"].description]
+    text = "\n".join([*descriptions, *(label for label, _ in options), impossible, losses,
+                      shown[0].layout.title.text, shown[1].layout.yaxis.title.text])
+    assert "6" in impossible and "8" in impossible and len(impossible.splitlines()) == 2, impossible
+    if lang == "zh_CN":
+        assert _english(re.sub(r"microbatches|<[^>]*>", "", text)) == ["DualPipeV"] * 2, text
+        assert "交错" in text and "平均损失" in losses, text
+    else:
+        assert "micro-batches" in impossible and "interleaved (memory-optimised)" in text and "mean loss" in losses
+
+
+def test_lesson_07_controls_and_messages_speak_chinese(lesson_07, capsys):
+    """Cells 76e8e641, 69a7e5fa and e0ba6dd5: every control of the three explorers has a translated description
+    (interact otherwise shows the parameter's name: world_size, gpus_per_node, model_name, gpu_mem_gb); an
+    invalid layout says why in Chinese (ParallelGrid's ValueError through gettext)."""
+    import ipywidgets
+    cells, ns = lesson_07[0]["zh_CN"], dict(lesson_07[1])
+    controls = {}
+    ns["widgets"] = types.SimpleNamespace(**{k: getattr(ipywidgets, k) for k in dir(ipywidgets) if k[0].isupper()},
+                                          interact=lambda fn, **kw: controls.update(kw))
+    with use_language("zh_CN"):
+        exec(cells["850eafca"], ns)
+        for cid in ("76e8e641", "69a7e5fa", "e0ba6dd5"):
+            exec(cells[cid], ns)
+        capsys.readouterr()
+        ns["draw_grid"](world_size=16, gpus_per_node=8, tp=8, pp=4)
+        ns["draw_grid"](world_size=4, gpus_per_node=8, tp=1, pp=1)
+        invalid = capsys.readouterr().out
+    names = {k: w.description for k, w in controls.items() if k not in ("tp", "pp", "cp")}
+    assert set(names) == {"world_size", "gpus_per_node", "order", "highlight", "model_name", "global_batch",
+                          "nodes", "gpu_mem_gb"}, names
+    assert _english(re.sub(r"world size|GB|GPU", "", " ".join(names.values()))) == [], names
+    assert len(invalid.splitlines()) == 2 and "32" in invalid and "不能被" in invalid, invalid
+    assert _english(re.sub(r"world_size|tp\*pp\*cp|gpus_per_node|GPU", "", invalid)) == [], invalid

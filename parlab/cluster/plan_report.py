@@ -32,6 +32,16 @@ def _link(size: int, crosses: bool) -> str:
     return _("no group") if size == 1 else _("crosses nodes") if crosses else _("inside a node")
 
 
+def _value(dim: str, attr: str, value) -> str:
+    """A layout's choice along one axis, as words: "tp=8", "ZeRO-1" or "no ZeRO", "full recomputation" or "no
+    recomputation" (not a Python boolean)."""
+    if attr == "zero":
+        return _("ZeRO-{stage}").format(stage=value) if value else _("no ZeRO")
+    if attr == "recompute":
+        return _("full recomputation") if value else _("no recomputation")
+    return f"{dim}={value}"
+
+
 def explain(ranked: list, every: list | None = None, gpus_per_node: int | None = None) -> str:
     """Why the first layout of `ranked` has its tp, pp, dp (and the rest): the best alternative for each."""
     top = ranked[0]
@@ -47,22 +57,22 @@ def explain(ranked: list, every: list | None = None, gpus_per_node: int | None =
                       (_("recomputation"), "recompute"), (_("micro-batch"), "micro_batch")):
         others = [e for e in every if getattr(e, attr) != getattr(top, attr)]
         fitting = [e for e in others if e.fits]
-        ours = getattr(top, attr)
+        ours = _value(dim, attr, getattr(top, attr))
         if fitting:
             alt = min(fitting, key=lambda e: (e.step_s, e.total_bytes))
-            fields = dict(dim=dim, ours=ours, theirs=getattr(alt, attr), layout=alt.layout, step=alt.step_s,
+            fields = dict(ours=ours, theirs=_value(dim, attr, getattr(alt, attr)), layout=alt.layout, step=alt.step_s,
                           gb=alt.total_bytes / GB)
             if alt.step_s - top.step_s < 0.005 * top.step_s:
-                lines.append("  " + _("{dim}={ours} or {theirs}: a tie within 0.5% ({layout}: {step:.2f} s, {gb:.1f} "
-                                      "GB): closer than this model can tell apart; either is a sound choice.").format(
+                lines.append("  " + _("{ours} or {theirs}: a tie within 0.5% ({layout}: {step:.2f} s, {gb:.1f} GB): "
+                                      "closer than this model can tell apart; either is a sound choice.").format(
                     **fields))
                 continue
-            lines.append("  " + _("{dim}={ours} rather than {theirs}: the best such layout ({layout}) takes {step:.2f} "
-                                  "s (+{more:.0f}%), mostly {term}.").format(
+            lines.append("  " + _("{ours} rather than {theirs}: the best such layout ({layout}) takes {step:.2f} s "
+                                  "(+{more:.0f}%), mostly {term}.").format(
                 **fields, more=100 * (alt.step_s / top.step_s - 1), term=_dominant(top, alt)))
         elif others:
             alt = min(others, key=lambda e: e.total_bytes)
-            lines.append("  " + _("{dim}={ours}: no layout with another {dim} fits (smallest {layout} {reason}).").format(
+            lines.append("  " + _("{ours}: no layout with another {dim} fits (smallest {layout} {reason}).").format(
                 dim=dim, ours=ours, layout=alt.layout, reason=alt.reason))
     return "\n".join(lines)
 
@@ -70,7 +80,7 @@ def explain(ranked: list, every: list | None = None, gpus_per_node: int | None =
 def format_table(estimates: list, top: int | None = 10) -> str:
     """A fixed-width text table: layout, memory split, time split, step time, throughput (columns padded by
     display width, so that they line up in Chinese too)."""
-    words = {k: pad(v, n, ">") for k, v, n in (("states", _("states"), 7), ("act", _("act"), 6),
+    words = {k: pad(v, n, ">") for k, v, n in (("states", _("states"), 8), ("act", _("act"), 6),
                                                ("total", _("total GB"), 8), ("compute", _("compute"), 7),
                                                ("bubble", _("bubble"), 6), ("step", _("step s"), 7))}
     note = _("note")
@@ -83,12 +93,14 @@ def format_table(estimates: list, top: int | None = 10) -> str:
         states = e.params_bytes + e.grads_bytes + e.optimizer_bytes
         x = {d: "*" if e.crosses[d] and e.volume[d] else " " for d in DIMS}
         rows.append(f"{i:>3} {e.tp:>3} {e.pp:>3} {e.virtual:>1} {e.dp:>4} {e.cp:>2} {e.micro_batch:>2} {e.micro_batches:>4} "
-                    f"{e.zero:>1} {RC_MARK[e.recomputation]:>2} | {states / GB:>7.1f} "
+                    f"{e.zero:>1} {RC_MARK[e.recomputation]:>2} | {states / GB:>8.1f} "
                     f"{e.activation_bytes / GB:>6.1f} {e.total_bytes / GB:>8.1f} | {e.compute_s:>7.2f} "
                     f"{e.bubble_s:>6.2f} {e.tp_s:>5.2f}{x['tp']} {e.dp_s:>5.2f}{x['dp']} {e.pp_s:>5.2f}{x['pp']} "
                     f"{e.cp_s:>5.2f}{x['cp']} {e.step_s:>7.2f} {e.achieved_tflops:>6.0f} "
                     f"{'' if e.fits else no.format(reason=e.reason)}")
-    rows.append(_("(times in s per step; * = that dimension's groups cross nodes; DP = exposed part)"))
+    rows.append(_("(times in s per step; * = that dimension's groups cross nodes; DP = exposed part; rc: y = full "
+                  "recomputation, s = selective, n = none; in a layout's name, rc = full recomputation, sel = "
+                  "selective)"))
     return "\n".join(rows)
 
 

@@ -167,10 +167,8 @@ class ParallelGrid:
             _check_size(name, getattr(self, name))
         model = self.tp * self.pp * self.cp
         if world % model:
-            raise ValueError(
-                f"world_size {world} is not divisible by tp*pp*cp = {model}; "
-                "choose sizes whose product divides the number of GPUs"
-            )
+            raise ValueError(_("world_size {world} is not divisible by tp*pp*cp = {model}; "
+                               "choose sizes whose product divides the number of GPUs").format(world=world, model=model))
         if self.dp is None:
             set_("dp", world // model)
         else:
@@ -197,10 +195,9 @@ class ParallelGrid:
         else:
             gpn = _check_size("gpus_per_node", self.gpus_per_node)
             if world % gpn:
-                raise ValueError(
-                    f"world_size {world} is not divisible by gpus_per_node={gpn}: "
-                    "the ranks would not fill whole nodes; use a multiple of gpus_per_node"
-                )
+                raise ValueError(_("world_size {world} is not divisible by gpus_per_node={gpn}: "
+                                   "the ranks would not fill whole nodes; use a multiple of gpus_per_node").format(
+                                       world=world, gpn=gpn))
         stride = 1
         for name in names:  # fastest first: each stride is the product of the sizes before it
             self._strides[name] = stride

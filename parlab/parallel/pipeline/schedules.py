@@ -73,6 +73,7 @@ from __future__ import annotations
 
 from typing import Callable
 
+from parlab.i18n import _
 from parlab.parallel.pipeline.actions import KINDS, Action, Schedule, ScheduleError   # noqa: F401 (the data types)
 
 __all__ = ["Action", "Schedule", "ScheduleError", "naive", "gpipe", "one_f_one_b", "interleaved_1f1b",
@@ -129,8 +130,9 @@ def interleaved_1f1b(p: int, m: int, v: int, memory_optimised: bool = False) -> 
     if v == 1:
         return one_f_one_b(p, m)
     if m % p:
-        raise ScheduleError(f"interleaved 1F1B runs micro-batches in groups of p = {p}, so microbatches must be a "
-                            f"multiple of {p} (got {m}); use e.g. microbatches={p * max(1, round(m / p))}")
+        raise ScheduleError(_("interleaved 1F1B runs micro-batches in groups of p = {p}, so microbatches must be a "
+                              "multiple of {p} (got {m}); use e.g. microbatches={fix}").format(
+                                  p=p, m=m, fix=p * max(1, round(m / p))))
     total = m * v
 
     def action(k: int, forward: bool, r: int) -> Action:
@@ -199,8 +201,8 @@ def dualpipe_v(p: int, m: int) -> Schedule:
     B (one CPU stream); `simulate` models the pair, with its "F&B" cost."""
     _check(p, m)
     if m < 2 * p:
-        raise ScheduleError(f"DualPipeV needs at least as many micro-batches as stages (2p = {2 * p}), got "
-                            f"microbatches={m}; use microbatches >= {2 * p}")
+        raise ScheduleError(_("DualPipeV needs at least as many micro-batches as stages (2p = {stages}), got "
+                              "microbatches={m}; use microbatches >= {stages}").format(stages=2 * p, m=m))
     out, pairs = [], []
     for r in range(p):
         stage = (r, 2 * p - 1 - r)                      # chunk 0, chunk 1
@@ -228,12 +230,12 @@ def dualpipe_v(p: int, m: int) -> Schedule:
             forward(f)
             backward(b)
 
-        for _ in range(2 * (p - r - 1)):                    # 1
+        for _k in range(2 * (p - r - 1)):                    # 1
             forward(0)
-        for _ in range(r + 1):                              # 2
+        for _k in range(r + 1):                              # 2
             forward(0)
             forward(1)
-        for _ in range(p - r - 1):                          # 3
+        for _k in range(p - r - 1):                          # 3
             backward(1, split=True)
             weight()
             forward(1)
@@ -244,7 +246,7 @@ def dualpipe_v(p: int, m: int) -> Schedule:
             else:
                 overlapped(0, 1)
             overlapped(1, 0)
-        for _ in range(p - r - 1):                          # 5
+        for _k in range(p - r - 1):                          # 5
             backward(1)
             overlapped(1, 0)
         split = False
@@ -253,10 +255,10 @@ def dualpipe_v(p: int, m: int) -> Schedule:
             backward(1, split)
             split = split or (i == (r + 1) // 2 and r % 2 == 0)
             backward(0, split)
-        for _ in range(p - r - 1):                          # 7
+        for _k in range(p - r - 1):                          # 7
             weight()
             backward(0, split)
-        for _ in range(r + 1):                              # 8
+        for _k in range(r + 1):                              # 8
             weight()
         out.append(acts)
         pairs.append(tuple(pos))
