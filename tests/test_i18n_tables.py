@@ -316,3 +316,19 @@ def test_lesson_07_controls_and_messages_speak_chinese(lesson_07, capsys):
     assert _english(re.sub(r"world size|GB|GPU", "", " ".join(names.values()))) == [], names
     assert len(invalid.splitlines()) == 2 and "32" in invalid and "不能被" in invalid, invalid
     assert _english(re.sub(r"world_size|tp\*pp\*cp|gpus_per_node|GPU", "", invalid)) == [], invalid
+
+
+def test_lesson_09_bytes_by_label_names_the_expert_calls_in_chinese():
+    # lesson 09 cell 9a1e0012 stacks the bytes of an EP step by label: the title and every legend entry the course's
+    # own calls make read Chinese (they read "by label" and "ep dispatch backward" before)
+    from parlab import viz
+    from parlab.trace import Event, Trace
+    labels = ["ep counts", "ep dispatch", "ep combine", "ep dispatch backward", "ep combine backward", "ep grads dense"]
+    tr = Trace([Event(r, "collective", "all_to_all", 0.0, 1.0, group=(0, 1), nbytes=64, label=lab)
+                for r in (0, 1) for lab in labels])
+    with use_language("zh_CN"):
+        fig = viz.bytes_bars(tr, by="label")
+    names = [d.name for d in fig.data]
+    assert len(names) == len(labels) and "标签" in fig.layout.title.text
+    for text in (*names, fig.layout.title.text):
+        assert not re.search(r"\b(?!EP\b|token\b|rank\b)[A-Za-z]{3,}\b", text), text

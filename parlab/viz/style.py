@@ -109,7 +109,13 @@ def event_label(label: str) -> str:
              "grad bucket": _("grad bucket"), "wait for buckets": _("wait for buckets"),
              "rest of backward": _("rest of backward"), "parameters": _("parameters"), "gradients": _("gradients"),
              "optimizer state": _("optimizer state"), "inputs": _("inputs"), "activations": _("activations"),
-             "outputs": _("outputs"), "output grads": _("output grads"), "grad buckets": _("grad buckets")}
+             "outputs": _("outputs"), "output grads": _("output grads"), "grad buckets": _("grad buckets"),
+             # expert parallelism's calls (parlab.parallel.expert: comm.py, grads.py)
+             "ep counts": _("ep counts (tokens per expert)"), "ep dispatch": _("ep dispatch (tokens out)"),
+             "ep combine": _("ep combine (tokens back)"),
+             "ep dispatch backward": _("ep dispatch, backward"), "ep combine backward": _("ep combine, backward"),
+             "ep grads dense": _("ep dense gradients"), "ep grads": _("ep expert gradients"),
+             "ep grad norm": _("ep gradient norm")}
     if label in names:
         return names[label]
     if m := re.fullmatch(r"grad bucket (\d+)", label):

@@ -247,7 +247,8 @@ def bytes_bars(trace: Any, by: str = "op", title: str | None = None) -> go.Figur
             hovertext=[f"<b>{key}</b><br>" + _("rank {rank} sent {nbytes}").format(rank=r, nbytes=style.human_bytes(y))
                        for r, y in zip(ranks, ys)],
             hovertemplate="%{hovertext}<extra></extra>"))
-    fig.update_layout(title=title or _("bytes sent per rank, by {by}").format(by=by), barmode="stack",
+    by_name = _("collective") if by == "op" else _("label")
+    fig.update_layout(title=title or _("bytes sent per rank, by {by}").format(by=by_name), barmode="stack",
                       template="plotly_white",
                       yaxis=dict(title=_("bytes sent (ring model)"), tickformat=".3~s", ticksuffix="B"))
     return fig
