@@ -78,6 +78,6 @@ def all_to_all_matrix(trace, label: str = "ep dispatch", title: str | None = Non
     fig.update_yaxes(autorange="reversed")
     fig.update_xaxes(range=[-0.5, n + 0.6], side="top")
     fig.update_layout(title=title or _("all-to-all '{label}': bytes from each rank (row) to each rank "
-                                       "(column)").format(label=label),
+                                       "(column)").format(label=style.event_label(label)),
                       template="plotly_white", height=160 + 60 * n, margin=dict(t=110))
     return fig
