@@ -177,6 +177,9 @@ def test_the_chinese_server_gets_its_own_interface_settings(tmp_path):
     plugin = Path(env["JUPYTERLAB_SETTINGS_DIR"]) / "@jupyterlab" / "translation-extension" / \
         "plugin.jupyterlab-settings"
     assert json.loads(plugin.read_text()) == {"locale": "zh_CN"}
+    # the code font in which a Chinese character is two Latin columns wide, so padded tables line up
+    themes = Path(env["JUPYTERLAB_SETTINGS_DIR"]) / "@jupyterlab" / "apputils-extension" / "themes.jupyterlab-settings"
+    assert json.loads(themes.read_text())["overrides"]["code-font-family"].startswith("'Noto Sans Mono CJK SC'")
     assert workspace.lab_settings(tmp_path, "en") == {}
 
 

@@ -227,25 +227,35 @@ def open_course(root: str | Path = ROOT, browser: bool = True, lab_args: list[st
 
 
 LANGUAGE_PACKS = {"zh_CN": "jupyterlab_language_pack_zh_CN"}    # the [zh] extra installs it
+#: the code font of a course language whose characters are two columns wide: in Noto Sans Mono CJK a Chinese
+#: character is exactly two Latin columns (65 px for 5 of them and for 10 letters at 13 px, measured in Chromium),
+#: so the tables the lessons pad by display width (`parlab.i18n.columns`) line up; in a plain monospace font 5
+#: Chinese characters took 65 px against 78 for 10 letters. Where the font is missing, the browser falls back.
+CODE_FONTS = {"zh_CN": "'Noto Sans Mono CJK SC', 'Noto Sans Mono', monospace"}
 
 
 def lab_settings(workdir: Path, lang: str) -> dict[str, str]:
-    """Environment for a JupyterLab whose interface speaks `lang`: for a language other than English whose
-    JupyterLab language pack is installed, a settings folder of this working copy (``.jupyterlab-settings``)
-    that selects the pack's locale, given to that server alone through ``JUPYTERLAB_SETTINGS_DIR``; {} otherwise
-    (the student's own JupyterLab settings are left alone)."""
+    """Environment for a JupyterLab for a course in `lang`: for a language other than English, a settings folder
+    of this working copy (``.jupyterlab-settings``) given to that server alone through ``JUPYTERLAB_SETTINGS_DIR``,
+    which selects the JupyterLab language pack's locale where the pack is installed and the code font of
+    `CODE_FONTS`; {} for English (the student's own JupyterLab settings are left alone)."""
     import importlib.util
     pack = LANGUAGE_PACKS.get(lang)
-    if not pack or importlib.util.find_spec(pack) is None:
+    has_pack = bool(pack) and importlib.util.find_spec(pack) is not None
+    font = CODE_FONTS.get(lang)
+    if not has_pack and not font:
         return {}
     folder = Path(workdir) / ".jupyterlab-settings"
-    plugin = folder / "@jupyterlab" / "translation-extension" / "plugin.jupyterlab-settings"
-    plugin.parent.mkdir(parents=True, exist_ok=True)
-    plugin.write_text(json.dumps({"locale": lang}), encoding="utf-8")
-    # and no "Would you like to get notified about official Jupyter news?" box over the lesson's figures
-    news = folder / "@jupyterlab" / "apputils-extension" / "notification.jupyterlab-settings"
-    news.parent.mkdir(parents=True, exist_ok=True)
-    news.write_text(json.dumps({"fetchNews": "false", "checkForUpdates": False}), encoding="utf-8")
+    settings = {"apputils-extension/notification": {"fetchNews": "false", "checkForUpdates": False}}
+    # (no "Would you like to get notified about official Jupyter news?" box over the lesson's figures)
+    if has_pack:
+        settings["translation-extension/plugin"] = {"locale": lang}
+    if font:
+        settings["apputils-extension/themes"] = {"overrides": {"code-font-family": font}}
+    for name, values in settings.items():
+        path = folder / "@jupyterlab" / f"{name}.jupyterlab-settings"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(values), encoding="utf-8")
     return {"JUPYTERLAB_SETTINGS_DIR": str(folder.resolve())}
 
 
