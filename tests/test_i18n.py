@@ -181,6 +181,12 @@ def test_the_chinese_server_gets_its_own_interface_settings(tmp_path):
     themes = Path(env["JUPYTERLAB_SETTINGS_DIR"]) / "@jupyterlab" / "apputils-extension" / "themes.jupyterlab-settings"
     assert json.loads(themes.read_text())["overrides"]["code-font-family"].startswith("'Noto Sans Mono CJK SC'")
     assert workspace.lab_settings(tmp_path, "en") == {}
+    # in every language the course's JupyterLab keeps its workspaces (open tabs) in the working copy: another
+    # JupyterLab's workspace once reopened four unrelated notebooks and their kernels in the course
+    for lang in ("en", "zh_CN"):
+        env = workspace.lab_env(tmp_path, lang)
+        assert env["PARLAB_LANG"] == lang
+        assert Path(env["JUPYTERLAB_WORKSPACES_DIR"]) == (tmp_path / workspace.WORKDIR / ".jupyterlab-workspaces").resolve()
 
 
 def test_course_html_runs_the_notebook_with_parlab_speaking_its_language(tmp_path):

@@ -222,8 +222,17 @@ def open_course(root: str | Path = ROOT, browser: bool = True, lab_args: list[st
             extra.append("--allow-root")          # JupyterLab refuses root without it (Docker, WSL); say so
             print(_("running as root (a container?): JupyterLab starts only with --allow-root, added; run as an "
                     "ordinary user where you can"))
-    env = {**os.environ, "PARLAB_LANG": lang, **lab_settings(root / WORKDIR, lang)}
-    return _run_lab(cmd + extra, root, env)
+    return _run_lab(cmd + extra, root, lab_env(root, lang))
+
+
+def lab_env(root: Path, lang: str) -> dict[str, str]:
+    """The environment of the course's JupyterLab: ``PARLAB_LANG``, the interface settings of `lab_settings`, and
+    a workspace folder of the working copy (``JUPYTERLAB_WORKSPACES_DIR``), so that the tabs the student had open
+    in the course come back and no workspace of another JupyterLab reopens its notebooks and kernels here."""
+    workspaces = Path(root) / WORKDIR / ".jupyterlab-workspaces"
+    workspaces.mkdir(parents=True, exist_ok=True)
+    return {**os.environ, "PARLAB_LANG": lang, **lab_settings(Path(root) / WORKDIR, lang),
+            "JUPYTERLAB_WORKSPACES_DIR": str(workspaces.resolve())}
 
 
 LANGUAGE_PACKS = {"zh_CN": "jupyterlab_language_pack_zh_CN"}    # the [zh] extra installs it
