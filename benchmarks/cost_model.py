@@ -14,10 +14,9 @@ import time
 
 from parlab.cluster import transformer as T
 from parlab.cluster.hardware import preset
-from parlab.cluster.planner import cluster_for, estimate
 from parlab.cluster.published import CALCULON_TABLE5, KORTHIKANTI, KORTHIKANTI_MODELS, SELENE_PEAK_FLOPS
 from parlab.cluster.replay import step_time
-from parlab.cluster.scaleup import scaleup
+from parlab.cluster.scaleup import planner_estimate, scaleup
 
 ROWS = [("no parallelism", 1, False, "none", "sbh(34 + 5as/h)"),
         ("tensor parallel", None, False, "none", "sbh(10 + 24/t + 5as/ht)"),
@@ -55,12 +54,7 @@ def table5() -> str:
 
 
 def planner_step(run, hw) -> float:
-    lay = run.layout
-    _, layout = run.replay_inputs()
-    cluster = cluster_for(hw, lay["gpus"])
-    return estimate(run.model, cluster, lay["global_batch"], tp=layout.tp, pp=layout.pp, micro_batch=1, zero=0,
-                    recompute=run.recompute, sequence_parallel=run.sequence_parallel, virtual=layout.virtual,
-                    hardware=hw).step_s
+    return planner_estimate(run.model, hw, run.replay_inputs()[1], run.layout["global_batch"]).step_s
 
 
 def table5_replay() -> str:

@@ -18,11 +18,9 @@ import dataclasses
 import time
 
 from parlab.cluster.hardware import Hardware, preset
-from parlab.cluster.planner import cluster_for, estimate
-from parlab.cluster.scaleup import compare
+from parlab.cluster.scaleup import compare, planner_estimate
 from parlab.cluster.step_costs import Layout
 from parlab.cluster.validation import NOT_EXPRESSED, VALIDATION
-from parlab.parallel.pipeline import one_f_one_b
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,15 +33,11 @@ class OneRail(Hardware):
 
 
 def layout_of(run, **change) -> Layout:
-    kw = dict(tp=run.tp, pp=run.pp, dp=run.dp, micro_batch=run.micro_batch, recompute=run.recompute,
-              sequence_parallel=run.sequence_parallel, zero=run.zero, attention=run.attention)
-    return Layout(**{**kw, **change})
+    return dataclasses.replace(run.replay_inputs()[1], **change)
 
 
 def planner_s(run, hw, layout) -> float:
-    return estimate(run.model, cluster_for(hw, run.gpus), run.global_batch, tp=layout.tp, pp=layout.pp,
-                    micro_batch=layout.micro_batch, zero=layout.zero, recompute=layout.recompute,
-                    sequence_parallel=layout.sequence_parallel, hardware=hw, attention=layout.attention).step_s
+    return planner_estimate(run.model, hw, layout, run.global_batch).step_s
 
 
 def factors(run) -> dict[str, float]:
@@ -65,7 +59,7 @@ def table(replay: bool = True) -> str:
         hw, lay = preset(run.hardware), layout_of(run)
         t0 = time.perf_counter()
         if replay:
-            res = compare(one_f_one_b(run.pp, run.micro_batches), run.model, hw, lay, run.global_batch)
+            res = compare(run.replay_inputs()[0], run.model, hw, lay, run.global_batch)
             rep, plan = res["replay_s"], res["planner_s"]
         else:
             rep, plan = None, planner_s(run, hw, lay)

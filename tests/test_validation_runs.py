@@ -3,7 +3,7 @@ import pytest
 
 from parlab.cluster import transformer as T
 from parlab.cluster.hardware import preset
-from parlab.cluster.planner import cluster_for, estimate
+from parlab.cluster.scaleup import planner_estimate
 from parlab.cluster.validation import NOT_EXPRESSED, VALIDATION
 
 
@@ -33,10 +33,7 @@ def test_the_cost_model_is_within_the_issues_bounds_on_the_megatron_runs_it_was_
     # benchmarks/README.md
     errs = []
     for r in (r for r in VALIDATION if r.framework == "Megatron-LM"):
-        hw = preset(r.hardware)
-        t = estimate(r.model, cluster_for(hw, r.gpus), r.global_batch, tp=r.tp, pp=r.pp, micro_batch=r.micro_batch,
-                     zero=r.zero, recompute=r.recompute, sequence_parallel=r.sequence_parallel, hardware=hw,
-                     attention=r.attention).step_s
+        t = planner_estimate(r.model, preset(r.hardware), r.replay_inputs()[1], r.global_batch).step_s
         errs.append(abs(t / r.step_s - 1))
     assert len(errs) == 16
     assert sum(errs) / len(errs) <= 0.10 and max(errs) <= 0.20

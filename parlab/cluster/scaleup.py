@@ -35,7 +35,7 @@ from parlab.parallel.pipeline.schedules import Schedule
 from parlab.trace import Event, Trace
 
 __all__ = ["Layout", "scaleup", "layer_forward_flops", "layer_forward_bytes", "attention_core_bytes", "compare",
-           "scale_work", "OPTIMIZER_BYTES_PER_PARAM", "program_of"]
+           "planner_estimate", "scale_work", "OPTIMIZER_BYTES_PER_PARAM", "program_of"]
 
 _LABEL = re.compile(r"stage (\d+) mb (\d+)")
 _ACTIONS = ("forward", "backward", "backward_input", "backward_weight")
@@ -129,7 +129,6 @@ def compare(program: Trace | Schedule, model: ModelSpec, hardware: Hardware, lay
     the program's (ZB-H1 when it splits the backward); `global_batch` must be dp x micro-batch x the program's
     micro-batches. `options` go to `scaleup` only (memory_ops, optimizer, dropout): the planner always counts the
     memory-bound ops and Adam, and the model's own dropout."""
-    from parlab.cluster.planner import cluster_for, estimate
     trace = program_of(program, model.tied)
     mbs = {int(hit[2]) for e in trace.events if e.kind == "compute" for hit in [_LABEL.search(e.label)] if hit}
     m = len(mbs)
@@ -142,15 +141,23 @@ def compare(program: Trace | Schedule, model: ModelSpec, hardware: Hardware, lay
     else:
         schedule = "zb-h1" if "backward_weight" in ops else "1f1b"   # GPipe and 1F1B: the same step time
     rep = step_time(scaleup(trace, model, hardware, layout, **options))
-    est = estimate(model, cluster_for(hardware, layout.gpus), global_batch, tp=layout.tp, pp=layout.pp, cp=layout.cp,
-                   micro_batch=layout.micro_batch, zero=layout.zero,
-                   recompute=layout.recompute, sequence_parallel=layout.sequence_parallel, virtual=layout.virtual,
-                   hardware=hardware, tp_overlap=layout.tp_overlap, dp_overlap=layout.dp_overlap, schedule=schedule,
-                   precision=layout.precision, attention=layout.attention)
+    est = planner_estimate(model, hardware, layout, global_batch, schedule)
     out = {"replay_s": rep, "planner_s": est.step_s}
     if published_s is not None:
         out.update(published_s=published_s, replay_error=rep / published_s - 1, planner_error=est.step_s / published_s - 1)
     return out
+
+
+def planner_estimate(model: ModelSpec, hardware: Hardware, layout: Layout, global_batch: int,
+                     schedule: str = "1f1b"):
+    """`parlab.cluster.planner.estimate` of one `Layout` (every field of it) on `hardware`, on the cluster of
+    `layout.gpus` GPUs that `hardware` describes: the closed form of the replay's cost model for that layout."""
+    from parlab.cluster.planner import cluster_for, estimate
+    return estimate(model, cluster_for(hardware, layout.gpus), global_batch, tp=layout.tp, pp=layout.pp, cp=layout.cp,
+                    micro_batch=layout.micro_batch, zero=layout.zero, recompute=layout.recompute,
+                    sequence_parallel=layout.sequence_parallel, virtual=layout.virtual, hardware=hardware,
+                    tp_overlap=layout.tp_overlap, dp_overlap=layout.dp_overlap, schedule=schedule,
+                    precision=layout.precision, attention=layout.attention)
 
 
 def scale_work(trace: Trace, flops: float = 1.0, comm_bytes: float = 1.0, mem_bytes: float | None = None,

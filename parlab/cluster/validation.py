@@ -55,6 +55,15 @@ class MeasuredRun:
     def micro_batches(self) -> int:
         return self.global_batch // (self.dp * self.micro_batch)
 
+    def replay_inputs(self) -> tuple:
+        """(Schedule, step_costs.Layout) of the run as parlab replays it: plain 1F1B over its micro-batches, and
+        the layout its source states (with the assumptions of `assumed`)."""
+        from parlab.cluster.step_costs import Layout
+        from parlab.parallel.pipeline import one_f_one_b
+        return one_f_one_b(self.pp, self.micro_batches), Layout(
+            tp=self.tp, pp=self.pp, dp=self.dp, micro_batch=self.micro_batch, recompute=self.recompute,
+            sequence_parallel=self.sequence_parallel, zero=self.zero, attention=self.attention)
+
     @property
     def step_s(self) -> float:
         """The step time the measured throughput implies: the source's FLOPs of one step / (TFLOP/s x GPUs)."""
