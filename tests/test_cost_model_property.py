@@ -1,5 +1,7 @@
 """Every Layout field through both paths of the one cost model, the replay of a built program and the planner's
-closed form, on random valid layouts: no field raises on either path, and they agree (exactly without a pipeline)."""
+closed form, on random valid layouts: no field raises on either path, and they agree (exactly without a pipeline).
+A third of the models are mixtures of experts, laid out with expert parallelism (ep, etp) folded onto tp x cp x dp."""
+import dataclasses
 import random
 
 import pytest
@@ -28,10 +30,24 @@ def _case(rng: random.Random):
                     virtual=v, zero=rng.choice([0, 1, 2, 3]) if dp * cp > 1 else 0, tp_overlap=rng.random() < 0.5,
                     dp_overlap=rng.random() < 0.5, precision="fp8" if hw == "dgx-h100" and rng.random() < 0.5 else "bf16",
                     attention=rng.choice(["materialised", "fused"]))
+    if rng.random() < 1 / 3:             # drawn after the dense fields, so the dense cases stay what they were
+        model, layout = _experts(rng, model, layout)
     return model, preset(hw), schedule, layout, dp * layout.micro_batch * m
 
 
-@pytest.mark.parametrize("seed", range(24))
+def _experts(rng: random.Random, model, layout):
+    """`model` as a mixture of experts (4 or 8 of them, top-1 or 2, in every or every other layer) and `layout`
+    with an ep (and etp) that folds onto its tp x cp x dp ranks; sequence parallelism with tp > 1, as it needs."""
+    experts = rng.choice([4, 8])
+    model = dataclasses.replace(model, experts=experts, top_k=rng.choice([1, 2]), moe_every=rng.choice([1, 2]))
+    etp = rng.choice([None, 1])
+    ranks = layout.tp * layout.cp * layout.dp // (layout.tp if etp is None else etp)
+    ep = rng.choice([e for e in (1, 2, 4, 8) if experts % e == 0 and ranks % e == 0])
+    return model, dataclasses.replace(layout, ep=ep, etp=etp, sequence_parallel=layout.tp > 1)
+
+
+
+@pytest.mark.parametrize("seed", range(32))
 def test_the_planner_reads_every_layout_field_as_the_replay_does(seed):
     model, hw, schedule, layout, batch = _case(random.Random(seed))
     res = compare(schedule, model, hw, layout, batch)
@@ -47,5 +63,7 @@ def test_the_planner_reads_every_layout_field_as_the_replay_does(seed):
         # (m = p and 2p): at most 2.5% (1F1B), 3.2% (GPipe), 6.3% (ZB-H1), 11.0% (interleaved, with ZeRO-3's
         # gathers exposed on the embedding's rank); before the closed form summed the ranks' fill (Σ W - max W)
         # it was 7.3%, 11.4%, 14.1% and 9.5%. Issue 40 asks for 1%: the gap is open, these bounds guard it
-        bound = {"1f1b": 0.03, "gpipe": 0.04, "zb-h1": 0.07}.get(schedule.name, 0.12)
+        # A mixture of experts in every other layer, one layer per stage, alternates slow and fast ranks the same
+        # way: over 200 random layouts (63 of them MoE) at most 3.2% (1F1B), 1.6% (GPipe), 5.1% (ZB-H1, interleaved)
+        bound = {"1f1b": 0.04 if model.experts else 0.03, "gpipe": 0.04, "zb-h1": 0.07}.get(schedule.name, 0.12)
         assert res["planner_s"] == pytest.approx(res["replay_s"], rel=bound), (layout, schedule.name)

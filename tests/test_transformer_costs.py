@@ -185,7 +185,3 @@ def test_a_mixture_of_experts_counts_every_expert_in_its_parameters_and_top_k_in
                        (dict(moe_every=0), "moe_every must be a positive integer")):
         with pytest.raises(ValueError, match=words):
             ModelSpec(**{**mixtral.__dict__, **bad})
-    from parlab.cluster.hardware import preset as hw_preset
-    from parlab.cluster.step_costs import Layout, StepCosts
-    with pytest.raises(ValueError, match="mixture of experts: the replay's cost model times dense layers only"):
-        StepCosts(mixtral, hw_preset("dgx-h100"), Layout(tp=8), 1)

@@ -37,3 +37,14 @@ def test_the_cost_model_is_within_the_issues_bounds_on_the_megatron_runs_it_was_
         errs.append(abs(t / r.step_s - 1))
     assert len(errs) == 16
     assert sum(errs) / len(errs) <= 0.10 and max(errs) <= 0.20
+
+
+def test_the_mixture_of_experts_run_is_transcribed_as_its_source_states_it():
+    (r,) = [r for r in VALIDATION if r.model.experts]
+    # Mistral AI prints Mixtral 8x22B as 141B parameters, 39B active (with the run's Llama-2 vocabulary of 32000)
+    assert round(r.model.param_count() / 1e9) == 141 and round(r.model.active_params() / 1e9) == 39
+    # the ModelZoo's runtime.conf row: TP 2, PP 8, EP 8, VPP 7, GBS 256 on 16 nodes; the model config's expert TP 1
+    assert (r.gpus, r.tp, r.pp, r.ep, r.etp, r.virtual, r.global_batch, r.tflops) == (128, 2, 8, 8, 1, 7, 256, 455)
+    schedule, layout = r.replay_inputs()
+    assert schedule.name.startswith("interleaved") and r.micro_batches == 32 and layout.gpus == 128
+    assert (r.tp * r.dp) % (r.ep * r.etp) == 0                       # EP 8 folds onto the 16 tp x dp ranks

@@ -16,6 +16,9 @@ Read in this order:
                      schedule, as a trace of the executor would record it, without running ranks.
 * ``step_costs.py`` `Layout` and `StepCosts`: what every step of a big model's pipeline program costs (GEMMs by
                      shape, memory-bound ops, TP communication, recomputation, messages, gradient sync, Adam).
+* ``layer_costs.py`` one layer's work on a GPU: its products' FLOPs, its memory-bound ops' bytes, fp8 casts.
+* ``expert_costs.py`` a mixture of experts on a layout: expert parallelism folded onto the tp x cp x dp ranks,
+                     the router and grouped expert products, the all-to-alls, the experts' states per rank.
 * ``sync_costs.py`` `SyncCosts`: the gradient sync of each ZeRO stage and the Adam step, per pipeline rank.
 * ``closed_form.py`` `step_terms`: the same costs added up in closed form (the planner's reading of the replay).
 * ``scaleup.py``    a pipeline program (traced tiny run, or built) replayed as a named model (GPT-3 175B, GPT 1T)

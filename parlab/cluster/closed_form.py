@@ -36,8 +36,9 @@ def step_terms(costs, m: int, schedule: str = "1f1b") -> dict[str, float]:
         ("dp_traffic", not in the step: the data-parallel traffic before any overlap)
 
     "1f1b" is interleaved when the layout has virtual > 1 (then m must be a multiple of pp and the layers of
-    pp x v, as the schedule needs). ZB-H1's work is its F, B_input and W actions, each with what it overlaps. tp and cp are the exposed TP and CP communication
-    inside the slowest rank's work (`comm_part`), compute the rest."""
+    pp x v, as the schedule needs). ZB-H1's work is its F, B_input and W actions, each with what it overlaps. tp, cp
+    and ep are the exposed TP, CP and expert-parallel communication inside the slowest rank's work (`comm_part`),
+    compute the rest."""
     if schedule not in ("1f1b", "gpipe", "zb-h1"):
         raise ValueError(f"no closed form for schedule {schedule!r}; known: 1f1b (interleaved with virtual > "
                          f"1), gpipe, zb-h1")
@@ -54,6 +55,7 @@ def step_terms(costs, m: int, schedule: str = "1f1b") -> dict[str, float]:
     work = [sum(per(op, st) for op in ops) for st in held]
     tp = [sum(costs.comm_part(op, s, ("tp",)) for s in st for op in ops) for st in held]
     cp = [sum(costs.comm_part(op, s, ("cp",)) for s in st for op in ops) for st in held]
+    ep = [sum(costs.comm_part(op, s, ("ep",)) for s in st for op in ops) for st in held]
     zp = [sum(costs.zero_part(op, s) for s in st for op in ops) for st in held]
     slow = max(range(pp), key=lambda r: work[r])
     if schedule == "zb-h1" and any(per("backward_weight", st) > per("forward", st) + per("backward_input", st)
@@ -70,7 +72,8 @@ def step_terms(costs, m: int, schedule: str = "1f1b") -> dict[str, float]:
     # back; a tied head on another rank than the embedding exchanges its gradient once more (both ways, in turn)
     tied = costs.model.tied and (costs.stages - 1) % pp != 0
     chain = 2 * (costs.stages - 1) * costs.message() + (2 * costs.message(tied=True) if tied else 0.0)
-    terms = {"compute": m * (work[slow] - tp[slow] - cp[slow] - zp[slow]), "tp": m * tp[slow], "cp": m * cp[slow],
+    terms = {"compute": m * (work[slow] - tp[slow] - cp[slow] - ep[slow] - zp[slow]), "tp": m * tp[slow],
+             "cp": m * cp[slow], "ep": m * ep[slow],
              "bubble": fill,
              "pp": chain if pp > 1 else 0.0,
              "dp": m * zp[slow] + max(costs.exposed_grad_sync(st, ops[-1]) for st in held),

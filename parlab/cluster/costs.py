@@ -33,6 +33,8 @@ References
     [6] P. Patarasuk, X. Yuan, "Bandwidth optimal all-reduce algorithms", JPDC 2009.
     [7] D. Narayanan et al., "Efficient Large-Scale Language Model Training on GPU Clusters Using
         Megatron-LM", SC 2021, arXiv:2104.04473, sections 2-3 (placement, bubble, p2p scatter/gather).
+    [8] A. Jiang et al., "Mixtral of Experts", arXiv:2401.04088, section 2 and table 1 (Mixtral 8x7B); Mistral AI,
+        "Cheaper, Better, Faster, Stronger" (2024-04-17: Mixtral 8x22B, 141B parameters, 39B active).
 """
 from __future__ import annotations
 
@@ -168,12 +170,20 @@ def _llama(name: str, layers: int, hidden: int, heads: int, ffn: int) -> ModelSp
                      tied=False, learned_pos=False, dropout=False)
 
 
-#: Named models ([1] table 2.1; [2] table 2 and the released configs' MLP widths).
+def _mixtral(name: str, layers: int, hidden: int, heads: int, ffn: int, vocab: int) -> ModelSpec:
+    return ModelSpec(name, layers, hidden, heads, vocab, seq=4096, ffn=ffn, swiglu=True, bias=False, tied=False,
+                     learned_pos=False, dropout=False, kv_heads=8, experts=8, top_k=2)
+
+
+#: Named models ([1] table 2.1; [2] table 2 and the released configs' MLP widths; Mixtral [8] section 2 and its
+#: released configs: 8 experts, top-2, 8 key/value heads, trained here at s = 4096 as Megatron-LM's examples do).
 PRESETS: dict[str, ModelSpec] = {
     "gpt3-175b": _gpt3(),
     "llama-7b": _llama("llama-7b", 32, 4096, 32, 11008),
     "llama-13b": _llama("llama-13b", 40, 5120, 40, 13824),
     "llama-65b": _llama("llama-65b", 80, 8192, 64, 22016),
+    "mixtral-8x7b": _mixtral("mixtral-8x7b", 32, 4096, 32, 14336, 32000),        # 46.7B, 12.9B active
+    "mixtral-8x22b": _mixtral("mixtral-8x22b", 56, 6144, 48, 16384, 32768),      # 141B, 39B active
 }
 
 

@@ -49,6 +49,10 @@ def main(argv=None) -> int:
     p.add_argument("--no-sp", action="store_true", help=_("tensor parallelism without sequence parallelism"))
     p.add_argument("--virtual", nargs="+", type=int, default=[1], metavar="V",
                    help=_("interleaving chunks per pipeline rank to try, e.g. 1 2 4 (default 1: plain 1F1B)"))
+    p.add_argument("--ep", nargs="+", type=int, default=[1], metavar="EP",
+                   help=_("expert-parallel sizes to try for a mixture of experts (e.g. --model mixtral-8x7b --ep 1 2 "
+                          "4 8; default 1): each must divide the experts, and layouts where it does not fold onto "
+                          "tp x cp x dp are skipped"))
     p.add_argument("--top", type=int, default=10, help=_("layouts to list, fastest first (default 10)"))
     a = p.parse_args(argv)
     for k in ("layers", "hidden", "heads", "vocab", "seq", "global_batch", "top", "nodes", "gpus_per_node"):
@@ -80,11 +84,13 @@ def main(argv=None) -> int:
                                   a.gpu_mem_gb)
         else:
             cluster = Cluster(a.nodes, a.gpus_per_node, a.gpu_mem_gb, a.intra_gbps, a.inter_gbps, a.tflops, a.mfu)
+        _check_ep(p, model, a.ep)
         batch = a.global_batch or 2 * cluster.world
         if any(v < 1 for v in a.virtual):
             p.error(_("--virtual takes positive chunk counts, got {virtual}").format(virtual=a.virtual))
         options = dict(recompute=tuple(dict.fromkeys(a.recompute)), sequence_parallel=not a.no_sp, hardware=hw,
-                       virtual=tuple(dict.fromkeys(a.virtual)), precision=a.precision, attention=a.attention)
+                       virtual=tuple(dict.fromkeys(a.virtual)), precision=a.precision, attention=a.attention,
+                       ep=tuple(dict.fromkeys(a.ep)))
         every = enumerate_layouts(model, cluster, batch, **options)
         ranked = plan(model, cluster, batch, **options)
     except ValueError as err:
@@ -98,11 +104,31 @@ def main(argv=None) -> int:
         model=model.name, params=model.param_count() / 1e9, layers=model.layers, hidden=model.hidden,
         heads=model.heads, seq=model.seq, nodes=cluster.nodes, gpus_per_node=cluster.gpus_per_node,
         gpu_mem=cluster.gpu_mem_gb, tflops=cluster.peak_tflops, timing=timing, batch=batch))
+    if model.experts:
+        print(_("mixture of experts: {experts} experts per MoE layer, top-{top_k}, {active:.2f}B parameters active per "
+                "token; expert parallelism tried: {ep}").format(experts=model.experts, top_k=model.top_k,
+                                                                active=model.active_params() / 1e9,
+                                                                ep=" ".join(map(str, dict.fromkeys(a.ep)))))
     print(_("{valid} valid layouts, {fit} fit.").format(valid=len(every), fit=len(ranked)) + "\n")
     print(format_table(ranked, a.top))
     print()
     print(explain(ranked, every))
     return 0
+
+
+def _check_ep(p, model, eps) -> None:
+    """Refuse --ep values the model cannot take (argparse's one-line error): not positive, ep > 1 with a dense
+    model, or not dividing the experts."""
+    if any(e < 1 for e in eps):
+        p.error(_("--ep takes positive expert-parallel sizes, got {ep}").format(ep=" ".join(map(str, eps))))
+    if not model.experts and any(e > 1 for e in eps):
+        p.error(_("--ep {ep}: {model} is dense (no experts); expert parallelism needs a mixture of experts, e.g. "
+                  "--model mixtral-8x7b").format(ep=" ".join(map(str, eps)), model=model.name))
+    bad = [e for e in eps if model.experts and model.experts % e]
+    if bad:
+        p.error(_("--ep {ep} must divide the {experts} experts of {model}; try {divisors}").format(
+            ep=" ".join(map(str, bad)), experts=model.experts, model=model.name,
+            divisors=" ".join(str(d) for d in range(1, model.experts + 1) if model.experts % d == 0)))
 
 
 if __name__ == "__main__":  # pragma: no cover

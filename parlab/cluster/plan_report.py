@@ -84,23 +84,30 @@ def format_table(estimates: list, top: int | None = 10) -> str:
                                                ("total", _("total GB"), 8), ("compute", _("compute"), 7),
                                                ("bubble", _("bubble"), 6), ("step", _("step s"), 7))}
     note = _("note")
-    head = (f"{'#':>3} {'tp':>3} {'pp':>3} {'v':>1} {'dp':>4} {'cp':>2} {'b':>2} {'m':>4} {'Z':>1} {'rc':>2} | "
-            f"{words['states']} {words['act']} {words['total']} | {words['compute']} {words['bubble']} {'TP':>6} "
-            f"{'DP':>6} {'PP':>6} {'CP':>6} {words['step']} {'TF/GPU':>6} {note}")
+    shown = estimates[:top] if top else estimates
+    moe = any(getattr(e, "ep", 1) > 1 for e in shown)        # the ep column and EP's time, when a layout has ep > 1
+    head = (f"{'#':>3} {'tp':>3} {'pp':>3} {'v':>1} {'dp':>4} {'cp':>2}{'  ep' if moe else ''} {'b':>2} {'m':>4} "
+            f"{'Z':>1} {'rc':>2} | {words['states']} {words['act']} {words['total']} | {words['compute']} "
+            f"{words['bubble']} {'TP':>6} {'DP':>6} {'PP':>6} {'CP':>6}{'     EP' if moe else ''} {words['step']} "
+            f"{'TF/GPU':>6} {note}")
     rows = [head, "-" * width(head)]
     no = _("NO: {reason}")
-    for i, e in enumerate(estimates[:top] if top else estimates, 1):
+    for i, e in enumerate(shown, 1):
         states = e.params_bytes + e.grads_bytes + e.optimizer_bytes
         x = {d: "*" if e.crosses[d] and e.volume[d] else " " for d in DIMS}
-        rows.append(f"{i:>3} {e.tp:>3} {e.pp:>3} {e.virtual:>1} {e.dp:>4} {e.cp:>2} {e.micro_batch:>2} {e.micro_batches:>4} "
-                    f"{e.zero:>1} {RC_MARK[e.recomputation]:>2} | {states / GB:>8.1f} "
+        ep, ep_s = (f" {e.ep:>3}", f" {e.ep_s:>6.2f}") if moe else ("", "")
+        rows.append(f"{i:>3} {e.tp:>3} {e.pp:>3} {e.virtual:>1} {e.dp:>4} {e.cp:>2}{ep} {e.micro_batch:>2} "
+                    f"{e.micro_batches:>4} {e.zero:>1} {RC_MARK[e.recomputation]:>2} | {states / GB:>8.1f} "
                     f"{e.activation_bytes / GB:>6.1f} {e.total_bytes / GB:>8.1f} | {e.compute_s:>7.2f} "
                     f"{e.bubble_s:>6.2f} {e.tp_s:>5.2f}{x['tp']} {e.dp_s:>5.2f}{x['dp']} {e.pp_s:>5.2f}{x['pp']} "
-                    f"{e.cp_s:>5.2f}{x['cp']} {e.step_s:>7.2f} {e.achieved_tflops:>6.0f} "
+                    f"{e.cp_s:>5.2f}{x['cp']}{ep_s} {e.step_s:>7.2f} {e.achieved_tflops:>6.0f} "
                     f"{'' if e.fits else no.format(reason=e.reason)}")
     rows.append(_("(times in s per step; * = that dimension's groups cross nodes; DP = exposed part; rc: y = full "
                   "recomputation, s = selective, n = none; in a layout's name, rc = full recomputation, sel = "
                   "selective)"))
+    if moe:
+        rows.append(_("(ep = expert-parallel size, the experts split over ep ranks; EP = the all-to-alls of the "
+                      "mixture-of-experts layers, in s per step)"))
     return "\n".join(rows)
 
 

@@ -60,7 +60,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from parlab.cluster import transformer as T
+from parlab.cluster import expert_costs as X, transformer as T
 from parlab.cluster.costs import BYTES_16BIT, CLUSTERS, PRESETS, Cluster, ModelSpec, from_gpt_config, preset
 from parlab.cluster.plan_report import DIMS, GB, explain, format_table, format_volume_table
 from parlab.i18n import _
@@ -117,6 +117,9 @@ class Estimate:
     schedule: str = "1f1b"    # the pipeline schedule: 1f1b (interleaved when virtual > 1), gpipe or zb-h1
     precision: str = "bf16"   # the number format of the products (the hardware's rate for it; memory unchanged)
     attention: str = "materialised"   # the attention kernel (`transformer.ATTENTION`): "fused" stores no scores
+    ep: int = 1               # expert parallelism (a mixture of experts; `expert_costs`), the experts' tp etp
+    etp: int = 1
+    ep_s: float = 0.0         # the all-to-alls (and etp gathers) of the MoE layers, exposed
 
     @property
     def layout(self) -> str:
@@ -125,7 +128,8 @@ class Estimate:
                 f" Z{self.zero}{' rc' if self.recompute else ''}{' sel' if self.selective else ''}"
                 f"{'' if self.sequence_parallel or self.tp == 1 else ' no-sp'}"
                 f"{'' if self.precision == 'bf16' else ' ' + self.precision}"
-                f"{' fused' if self.attention == 'fused' else ''}")
+                f"{' fused' if self.attention == 'fused' else ''}{f' ep{self.ep}' if self.ep > 1 else ''}"
+                f"{f' etp{self.etp}' if self.etp != self.tp else ''}")
 
     @property
     def recomputation(self) -> str:
@@ -147,7 +151,7 @@ def estimate(model: ModelSpec, cluster: Cluster, global_batch: int, *, tp: int =
              micro_batch: int = 1, zero: int = 0, recompute: bool | str = False,
              sequence_parallel: bool = True, virtual: int = 1, hardware=None, tp_overlap: bool = False,
              dp_overlap: bool = False, schedule: str = "1f1b", precision: str = "bf16",
-             attention: str = "materialised") -> Estimate:
+             attention: str = "materialised", ep: int = 1, etp: int | None = None) -> Estimate:
     """Memory and step time of one layout (see the module docstring for every formula). `recompute`: False or
     "none", "selective", True or "full"; `sequence_parallel`: Megatron's SP with tensor parallelism [2];
     `virtual`: chunks per pipeline rank of the interleaved schedule [3] (1: plain 1F1B). `hardware`: a
@@ -160,7 +164,10 @@ def estimate(model: ModelSpec, cluster: Cluster, global_batch: int, *, tp: int =
     format the products run in ("bf16", or "fp8" where the hardware lists its rate), as `step_costs.Layout`'s; an
     option of the replay's cost model, so it needs `hardware` too. The memory counted is the same (bf16 weights and
     activations, fp32 Adam states) in either. `attention`: the attention kernel, "materialised" or "fused"
-    (FlashAttention: no a s^2 scores kept, `transformer.activation_bytes_per_layer`; timed as `step_costs` says)."""
+    (FlashAttention: no a s^2 scores kept, `transformer.activation_bytes_per_layer`; timed as `step_costs` says).
+    `ep`, `etp`: a mixture of experts' expert parallelism and the experts' tensor parallelism (default tp), folded
+    onto each stage's tp x cp x dp ranks (`parlab.cluster.expert_costs`): E / ep experts per rank, their states
+    sharded over their edp replicas, the all-to-alls timed ("ep_s")."""
     for name, v in (("tp", tp), ("pp", pp), ("cp", cp), ("micro_batch", micro_batch)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(_("{name} must be a positive integer, got {value!r}").format(name=name, value=v))
@@ -181,6 +188,7 @@ def estimate(model: ModelSpec, cluster: Cluster, global_batch: int, *, tp: int =
     dp, rest = divmod(world, tp * pp * cp)
     if rest:
         raise ValueError(_("tp*pp*cp = {n} does not divide the {world} GPUs").format(n=tp * pp * cp, world=world))
+    etp = X.check_experts(model, tp, cp, dp, ep, etp, sequence_parallel)
     m, rest = divmod(global_batch, dp * micro_batch)
     if rest or m < 1:
         raise ValueError(_("global batch {batch} is not divisible by dp * micro_batch = {n}").format(
@@ -202,7 +210,8 @@ def estimate(model: ModelSpec, cluster: Cluster, global_batch: int, *, tp: int =
     cross = crossing(world, tp, pp, cp, cluster.gpus_per_node)
     # ---- memory of the first stage (the fullest: embedding + the most micro-batches in flight)
     psi_stage = model.stage_params(tp, pp)
-    states = model_state_bytes(psi_stage, nd, zero)
+    states = (X.stage_states(model, tp, pp, nd, zero, ep, etp) if model.experts
+              else model_state_bytes(psi_stage, nd, zero))
     layers = max(len(r) for r in split_layers(model.layers, pp))   # the fullest stage's layers (L / pp if pp | L)
     # min(pp, m) micro-batches in flight, (1 + (pp - 1)/(pp v)) times more when interleaved ([2] eq. 6)
     act = T.first_stage_activation_bytes(model, micro_batch, tp, pp, virtual, m, sequence_parallel, rc, cp,
@@ -211,7 +220,8 @@ def estimate(model: ModelSpec, cluster: Cluster, global_batch: int, *, tp: int =
         act *= m / min(pp, m)
     if rc == "full":   # the layer being recomputed holds its full set for a moment
         act += T.activation_bytes_per_layer(model, micro_batch, tp, sequence_parallel, "none", cp, attention)
-    buffers = 2 * BYTES_16BIT * model.layer_params(tp) if zero == 3 else 0.0
+    local = sum(X.local_layer_params(model, tp, ep, etp)) if model.experts else model.layer_params(tp)
+    buffers = 2 * BYTES_16BIT * local if zero == 3 else 0.0
     total = states["total"] + act + buffers
     fits = total <= cluster.mem_bytes
     reason = "" if fits else _("needs {total:.1f} GB > {usable:.1f} GB usable (states {states:.1f}, activations "
@@ -235,16 +245,17 @@ def estimate(model: ModelSpec, cluster: Cluster, global_batch: int, *, tp: int =
     # (a reduce-scatter per micro-batch), ZeRO 0/1 only the backward of the last micro-batch
     window = {3: compute, 2: compute * 2 / 3}.get(zero, compute * 2 / 3 / m)
     dp_exposed = max(0.0, t["dp"] - window)
+    t["ep"], vol["ep"] = X.ep_seconds(model, cluster, tp, pp, cp, ep, etp, micro_batch, m, rc)
     if hardware is not None:           # the replay's cost model in closed form (step_costs.StepCosts.step_terms)
-        compute, bubble, t["tp"], t["cp"], t["pp"], dp_exposed, t["dp"] = _closed_form(
+        compute, bubble, t["tp"], t["cp"], t["pp"], dp_exposed, t["dp"], t["ep"] = _closed_form(
             model, hardware, tp, pp, dp, cp, micro_batch, m, zero, rc, sequence_parallel, virtual, tp_overlap,
-            dp_overlap, schedule, precision, attention)
-    step = compute + bubble + t["tp"] + t["cp"] + dp_exposed + t["pp"]
+            dp_overlap, schedule, precision, attention, ep, etp)
+    step = compute + bubble + t["tp"] + t["cp"] + dp_exposed + t["pp"] + t["ep"]
     return Estimate(tp, pp, dp, cp, micro_batch, m, zero, rc == "full", states["params"], states["grads"],
                     states["optimizer"], act, buffers, total, compute, bubble, t["tp"], t["cp"], dp_exposed,
                     t["dp"], t["pp"], step, vol, cross, fits, reason, tokens / step,
                     T.model_flops(model, global_batch) / step / world / 1e12, rc == "selective", sequence_parallel,
-                    virtual, schedule, precision, attention)
+                    virtual, schedule, precision, attention, ep, etp, t["ep"])
 
 
 def cluster_for(hardware, gpus: int, gpu_mem_gb: float = 80.0) -> Cluster:
@@ -257,16 +268,16 @@ def cluster_for(hardware, gpus: int, gpu_mem_gb: float = 80.0) -> Cluster:
 
 
 def _closed_form(model, hardware, tp, pp, dp, cp, b, m, zero, rc, sp, virtual, tp_overlap, dp_overlap,
-                 schedule, precision, attention) -> tuple:
-    """(compute incl. Adam, bubble, tp, cp, pp, dp exposed, dp total) from `StepCosts.step_terms`, ZeRO stage
+                 schedule, precision, attention, ep=1, etp=None) -> tuple:
+    """(compute incl. Adam, bubble, tp, cp, pp, dp exposed, dp total, ep) from `StepCosts.step_terms`, ZeRO stage
     included (its per micro-batch traffic beside the compute it overlaps)."""
     from parlab.cluster.step_costs import Layout, StepCosts
     layout = Layout(tp=tp, pp=pp, dp=dp, cp=cp, micro_batch=b, recompute=rc, sequence_parallel=sp and tp > 1,
                     virtual=virtual, zero=zero, tp_overlap=tp_overlap, dp_overlap=dp_overlap, precision=precision,
-                    attention=attention)
+                    attention=attention, ep=ep, etp=etp)
     terms = StepCosts(model, hardware, layout, pp * virtual).step_terms(m, schedule)
     return (terms["compute"] + terms["optimizer"], terms["bubble"], terms["tp"], terms["cp"], terms["pp"], terms["dp"],
-            terms["dp_traffic"])
+            terms["dp_traffic"], terms["ep"])
 
 
 def _divisors(n: int) -> list[int]:
@@ -276,13 +287,15 @@ def _divisors(n: int) -> list[int]:
 def enumerate_layouts(model: ModelSpec, cluster: Cluster, global_batch: int, *, micro_batches=(1, 2, 4, 8),
                       zero_stages=(0, 1, 2, 3), recompute=(False, True), cp_max: int = 8,
                       min_cp_chunk: int = 4096, sequence_parallel: bool = True, hardware=None,
-                      virtual=(1,), precision: str = "bf16", attention: str = "materialised") -> list[Estimate]:
+                      virtual=(1,), precision: str = "bf16", attention: str = "materialised",
+                      ep=(1,)) -> list[Estimate]:
     """Every valid layout with its estimate, fitting or not (see `plan` for the ranked fitting ones).
     `recompute`: the recomputation settings tried (False / "none", "selective", True / "full"); `hardware`:
     time every layout with the replay's cost model in closed form (`estimate`); `virtual`: the interleaving chunks
     per pipeline rank tried (v > 1 where the interleaved schedule applies: pp >= 2, pp dividing the micro-batches
     and pp x v the layers); `precision`: the number format of every layout's products (needs `hardware`);
-    `attention`: the attention kernel of every layout ("materialised" or "fused").
+    `attention`: the attention kernel of every layout ("materialised" or "fused"); `ep`: the expert-parallel
+    sizes tried for a mixture of experts (those that fold onto a layout's tp x cp x dp ranks; etp = tp).
 
     Context parallelism (cp > 1) is tried only while each rank keeps at least `min_cp_chunk` tokens of
     the sequence: the cost model charges CP for its K/V ring (less traffic than TP's all-reduces) but
@@ -295,10 +308,13 @@ def enumerate_layouts(model: ModelSpec, cluster: Cluster, global_batch: int, *, 
     if not virtual or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in virtual):
         raise ValueError(_("virtual lists the interleaving chunks to try, positive integers such as (1, 2, 4); "
                            "got {virtual!r}").format(virtual=virtual))
+    eps = tuple(dict.fromkeys((ep,) if isinstance(ep, int) and not isinstance(ep, bool) else ep))
+    for e in eps:
+        X.check_experts(model, 1, 1, e, e)                   # ep a positive integer dividing the experts, or 1
     world = cluster.world
     out = []
     for tp in _divisors(world):
-        if model.heads % tp or model.kv_heads % tp:
+        if model.heads % tp or model.kv_heads % tp or (model.experts and tp > 1 and not sequence_parallel):
             continue
         for pp in _divisors(world // tp):
             if model.layers % pp:
@@ -314,11 +330,11 @@ def enumerate_layouts(model: ModelSpec, cluster: Cluster, global_batch: int, *, 
                     chunks = [v for v in virtual if v == 1 or (pp > 1 and m % pp == 0 and model.layers % (pp * v) == 0)]
                     for z in (z for z in zero_stages if z == 0 or dp * cp > 1):   # ZeRO needs dp*cp > 1
                         for rc in recompute:
-                            for v in chunks:
+                            for v, e in ((v, e) for v in chunks for e in eps if (tp * cp * dp) % (tp * e) == 0):
                                 out.append(estimate(model, cluster, global_batch, tp=tp, pp=pp, cp=cp,
                                                     micro_batch=b, zero=z, recompute=rc, virtual=v,
                                                     sequence_parallel=sequence_parallel, hardware=hardware,
-                                                    precision=precision, attention=attention))
+                                                    precision=precision, attention=attention, ep=e))
     if not out:
         raise ValueError(_(
             "no valid layout for {model} on {world} GPUs with global batch {batch}: the batch must be a multiple of "

@@ -157,7 +157,7 @@ def planner_estimate(model: ModelSpec, hardware: Hardware, layout: Layout, globa
                     micro_batch=layout.micro_batch, zero=layout.zero, recompute=layout.recompute,
                     sequence_parallel=layout.sequence_parallel, virtual=layout.virtual, hardware=hardware,
                     tp_overlap=layout.tp_overlap, dp_overlap=layout.dp_overlap, schedule=schedule,
-                    precision=layout.precision, attention=layout.attention)
+                    precision=layout.precision, attention=layout.attention, ep=layout.ep, etp=layout.etp)
 
 
 def scale_work(trace: Trace, flops: float = 1.0, comm_bytes: float = 1.0, mem_bytes: float | None = None,

@@ -27,25 +27,13 @@ Compute of one action (forward, backward, B_input, B_weight of a virtual stage h
                       transfer longer than its block's compute is exposed (`cp_exposed`); the backward passes
                       K, V and their gradients
 
-Memory-bound ops (`layer_forward_bytes`): the layer's layer norms, residual adds, dropouts, softmax and GeLU
-move their inputs and outputs through HBM (16-bit elements, 1-byte dropout masks). Per layer and forward, with
-E = b s h / cp elements of one hidden state (/ tp as well with sequence parallelism, which splits these ops
-along the sequence: Korthikanti et al. 2022, section 4.2.2), A = a b s^2 / (tp cp) of one attention-score
-tensor and F = b s f / (tp cp) of the MLP's hidden layer:
+Memory-bound ops: their bytes per layer (`parlab.cluster.layer_costs.layer_forward_bytes`) at the memory's
+bandwidth; the backward moves them again, and recomputation its recomputed part's once more.
 
-    2 layer norms      2 x (2E read + 2E written)            =  8E
-    2 residual adds    2 x (4E read + 2E written)            = 12E
-    2 dropouts         2 x (2E read + 2E written + E mask)   = 10E   (dropout=True, Megatron's GPT runs)
-    softmax            2A read + 2A written                  =  4A
-    attention dropout  2A read + 2A written + A mask         =  5A   (dropout=True)
-    GeLU               2F read + 2F written                  =  4F   (SwiGLU: SiLU 4F + the product 6F = 10F)
-
-the op list of a Megatron layer as Calculon builds it (calculon/llm/llm.py `_build_attn_block` /
-`_build_mlp_block`, commit caa4b11) with the tensor sizes of Korthikanti et al. 2022, section 4.1. The backward
-moves the same bytes again (Calculon's layers.py: the activation-gradient traffic of LayerNorm, SoftMax, DropOut,
-GeLU equals their forward's) and, with recomputation, the recomputed part's forward bytes once more (selective:
-softmax and attention dropout only, 4A + 5A). The last stage adds its final norm (4E) and the logits' softmax
-(2 bytes x b s V / tp read and written).
+Mixture of experts (`parlab.cluster.expert_costs.ExpertCosts`): each MoE layer adds to the dense layer above its
+router, its experts' grouped products in place of the dense MLP's, their bytes, and in place of the MLP's TP
+collectives expert parallelism's all-to-alls (dispatch and combine, forward and backward) over `Layout.ep` and the
+experts' own TP (`Layout.etp`); the experts' gradients sync over their expert-data-parallel group (`sync_costs`).
 
 Messages: a pipeline message is 2 b s h / (tp cp) bytes (Megatron's scatter/gather between stages, Narayanan et
 al. 2021 section 4.1) on the link the pp group crosses; the tied-embedding gradient exchange 2 V h / tp bytes.
@@ -75,14 +63,15 @@ from parlab.cluster import transformer as T
 from parlab.cluster.costs import BYTES_16BIT, ModelSpec
 from parlab.cluster.hardware import Hardware
 from parlab.cluster.closed_form import step_terms
+from parlab.cluster.expert_costs import ExpertCosts, check_experts
+from parlab.cluster.layer_costs import (WEIGHTS as _WEIGHTS, attention_core_bytes, fp8_cast_bytes,
+                                        layer_forward_bytes, layer_forward_flops)
 from parlab.cluster.sync_costs import SyncCosts
 from parlab.parallel.pipeline.schedules import split_layers
 
 __all__ = ["Layout", "StepCosts", "check_inputs", "layer_forward_flops", "layer_forward_bytes",
            "attention_core_bytes", "fp8_cast_bytes"]
 
-_MASK_BYTES = 1                      # a dropout mask element (Korthikanti et al. 2022, section 4.1)
-_WEIGHTS = ("qkv", "proj", "mlp_in", "mlp_out")   # the layer's products with a weight matrix (`transformer.layer_gemms`)
 
 
 @dataclass(frozen=True)
@@ -104,9 +93,11 @@ class Layout:
     dp_overlap: bool = False         # the gradient sync beside the rank's last backward
     precision: str = "bf16"
     attention: str = "materialised"  # the attention kernel: "materialised" scores or "fused" (FlashAttention)
+    ep: int = 1                      # expert parallelism: the experts split over ep ranks (`expert_costs`)
+    etp: int | None = None           # the experts' tensor parallelism (None: tp)
 
     def __post_init__(self):
-        for k in ("tp", "pp", "dp", "cp", "micro_batch", "virtual"):
+        for k in ("tp", "pp", "dp", "cp", "micro_batch", "virtual", "ep") + (("etp",) if self.etp is not None else ()):
             v = getattr(self, k)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"layout {k} must be a positive integer, got {v!r}")
@@ -129,50 +120,6 @@ class Layout:
         return self.tp * self.pp * self.dp * self.cp
 
 
-def layer_forward_flops(m: ModelSpec, b: int, tp: int = 1, cp: int = 1) -> float:
-    """Forward FLOPs of one layer on one of tp x cp GPUs for b sequences: 2 b s (4 h^2 + k h f) + 4 b s^2 h,
-    all / (tp cp) (k = 2 for a GELU MLP, 3 for SwiGLU; the s^2 term is q k^T and the weighted sum of v)."""
-    return sum(2.0 * mm * n * k * batch for _, mm, n, k, batch in T.layer_gemms(m, b, tp, cp))
-
-
-def attention_core_bytes(m: ModelSpec, b: int, tp: int = 1, cp: int = 1, dropout: bool = True,
-                         fused: bool = False) -> float:
-    """Forward bytes of one layer's attention-score ops (softmax 4A, its dropout 5A; module docstring) on one of
-    tp x cp GPUs for b sequences: A = a b s^2 / (tp cp) elements. A `fused` kernel (FlashAttention) keeps the
-    scores in on-chip memory: it reads Q, K, V and writes O, 4 x 2 b s h / (tp cp) bytes, and draws its dropout
-    mask from the seed (Dao et al. 2022, sections 3.1-3.2)."""
-    if fused:
-        width = 2 * m.hidden + 2 * m.kv_width                         # Q and O (b, s/cp, h/tp), K and V narrower
-        return BYTES_16BIT * b * m.seq * width / (tp * cp)            # with grouped-query attention
-    A = m.heads * b * m.seq * m.seq / (tp * cp)
-    return 2 * BYTES_16BIT * A + ((2 * BYTES_16BIT + _MASK_BYTES) * A if dropout else 0.0)
-
-
-def layer_forward_bytes(m: ModelSpec, b: int, tp: int = 1, cp: int = 1, sequence_parallel: bool = False,
-                        dropout: bool = True, fused: bool = False) -> float:
-    """Forward bytes of one layer's memory-bound ops (norms, residual adds, dropouts, softmax, GeLU / SwiGLU;
-    module docstring) on one of tp x cp GPUs for b sequences."""
-    E = b * m.seq * m.hidden / (cp * (tp if sequence_parallel else 1))     # one hidden state (b, s/cp, h)
-    F = b * m.seq * m.ffn / (tp * cp)                                      # the MLP's hidden layer (b, s/cp, f/tp)
-    norms = 2 * (2 * BYTES_16BIT * E)
-    residual = 2 * (3 * BYTES_16BIT * E)
-    drops = 2 * ((2 * BYTES_16BIT + _MASK_BYTES) * E) if dropout else 0.0
-    act = (5 if m.swiglu else 2) * BYTES_16BIT * F
-    return norms + residual + drops + act + attention_core_bytes(m, b, tp, cp, dropout, fused)
-
-
-def fp8_cast_bytes(gemms) -> tuple[float, float]:
-    """(forward, backward) bytes one layer's fp8 casts move (Transformer Engine's delayed scaling: every weight
-    GEMM's operands are cast to 8 bits with a per-tensor scale; "Using FP8 with Transformer Engine", TE user
-    guide): the forward casts each weight GEMM's input (m x k) and its weight (k x n), the backward the output
-    gradient (m x n) its input- and weight-gradient products take. A cast reads 2 bytes and writes 1 per element;
-    the amax reductions (one value per tensor) are left out. `gemms`: `transformer.layer_gemms`."""
-    cast = BYTES_16BIT + 1
-    linear = [(m, n, k, batch) for name, m, n, k, batch in gemms if name in _WEIGHTS]
-    return (cast * sum((m * k + k * n) * batch for m, n, k, batch in linear),
-            cast * sum(m * n * batch for m, n, k, batch in linear))
-
-
 def check_inputs(model, hardware, layout) -> None:
     """What a big model's layout must satisfy before it can be costed: the right types, tp dividing the heads and
     the MLP width (Megatron splits both), cp dividing the sequence."""
@@ -184,10 +131,7 @@ def check_inputs(model, hardware, layout) -> None:
                          f"'dgx-a100')), got {type(hardware).__name__}")
     if not isinstance(layout, Layout):
         raise ValueError(f"layout must be a parlab.cluster.step_costs.Layout, got {type(layout).__name__}")
-    if model.experts:
-        raise ValueError(f"{model.name} is a mixture of experts: the replay's cost model times dense layers only "
-                         f"(no expert GEMMs or all-to-alls yet); its parameters and FLOPs are in "
-                         f"parlab.cluster.transformer, and the planner without hardware= uses them")
+    check_experts(model, layout.tp, layout.cp, layout.dp, layout.ep, layout.etp, layout.sequence_parallel)
     if model.heads % layout.tp or model.ffn % layout.tp or model.kv_heads % layout.tp:
         raise ValueError(f"tp={layout.tp} must divide {model.name}'s {model.heads} heads, its {model.kv_heads} "
                          f"key/value heads and its MLP width {model.ffn} (tensor parallelism splits all three)")
@@ -247,7 +191,8 @@ class StepCosts:
         self.t_mem_head = (2 * BYTES_16BIT * b * s * h / (cp * (tp if sp else 1))
                            + 2 * BYTES_16BIT * b * s * model.vocab / (tp * cp)) / mem if memory_ops else 0.0
         self._placement(hardware)
-        self.sync = SyncCosts(model, self.hw, layout, self.layers, self.dp_nodes)
+        self.experts = ExpertCosts(self, t)                         # a mixture of experts' layers (expert_costs)
+        self.sync = SyncCosts(model, self.hw, layout, self.layers, self.dp_nodes, self.experts)
         self._actions: dict[tuple[str, int], float] = {}
         self._zero_parts: dict[tuple[str, int], float] = {}
 
@@ -299,17 +244,20 @@ class StepCosts:
         rc = self.layout.recompute
         head_fwd = self.t_head_fwd + self.t_mem_head if last else 0.0
         cast_f, cast_b = self.t_cast
-        fwd = n * (self.t_fwd_gemm + self.t_mem + cast_f) + self.comm_part("forward", stage) + head_fwd
+        ex = self.experts.compute
+        fwd = (n * (self.t_fwd_gemm + self.t_mem + cast_f) + ex("forward", stage) + self.comm_part("forward", stage)
+               + head_fwd)
         if op == "forward":
             return fwd + self._zero_exposed(op, stage, fwd)
         # selective recomputation redoes the materialised scores; a fused kernel stores none to redo (its own
         # recomputation is in its backward, t_dgrad)
         selective = 0.0 if self.layout.attention == "fused" else n * (self.t_core + self.t_mem_core)
-        redo = {"none": 0.0, "full": n * (self.t_fwd_gemm + self.t_mem + cast_f), "selective": selective}[rc]
+        redo = {"none": 0.0, "full": n * (self.t_fwd_gemm + self.t_mem + cast_f) + ex("forward", stage),
+                "selective": selective}[rc]
         t_in = (n * (self.t_dgrad + self.t_mem + cast_b) + self.comm_part("backward" if op == "backward" else "backward_input",
                                                                  stage)
-                + (self.t_head_dgrad + self.t_mem_head if last else 0.0))
-        t_w = n * self.t_wgrad + (self.t_head_wgrad if last else 0.0)
+                + (self.t_head_dgrad + self.t_mem_head if last else 0.0) + ex("dgrad", stage))
+        t_w = n * self.t_wgrad + (self.t_head_wgrad if last else 0.0) + ex("wgrad", stage)
         if op == "backward":
             return redo + t_in + t_w + self._zero_exposed(op, stage, redo + t_in + t_w)
         if op == "backward_input":
@@ -319,15 +267,15 @@ class StepCosts:
         raise ValueError(f"no cost for pipeline action {op!r}; actions: forward, backward, backward_input, "
                          f"backward_weight")
 
-    def comm_part(self, op: str, stage: int, dims=("tp", "cp")) -> float:
+    def comm_part(self, op: str, stage: int, dims=("tp", "cp", "ep")) -> float:
         """The exposed communication of `dims` inside `action(op, stage)`: per layer the TP collectives
         (`tp_forward`; the backward's after overlap) and the CP ring (`cp_exposed`); a full recomputation's
-        forward pays its forward's again."""
+        forward pays its forward's again. A mixture of experts' layers change "tp" and add "ep" (`ExpertCosts.comm`)."""
         n = self.layers[stage]
         tp, cp = "tp" in dims, "cp" in dims
         fwd = (self.tp_forward() if tp else 0.0) + (self.cp_exposed("forward") if cp else 0.0)
         if op == "forward":
-            return n * fwd
+            return n * fwd + self.experts.comm(op, stage, dims)
         if op == "backward_weight":
             return 0.0
         comm = self.tp_backward()
@@ -338,7 +286,7 @@ class StepCosts:
         # attention core, which under context parallelism needs the K/V blocks around the ring once more
         again = cp and self.layout.attention != "fused"          # a fused kernel stores no scores to recompute
         redo = {"full": fwd, "selective": self.cp_exposed("forward") if again else 0.0}.get(self.layout.recompute, 0.0)
-        return n * (bwd + redo)
+        return n * (bwd + redo) + self.experts.comm(op, stage, dims)
 
     def cp_exposed(self, op: str) -> float:
         """What the CP ring of one layer adds to its forward or backward (ring attention, lesson 06): cp - 1 steps,

@@ -13,6 +13,13 @@ all its rows and written in `assumed`; nothing is fitted per row. `benchmarks/va
     [2] A. Grattafiori, A. Dubey et al., "The Llama 3 Herd of Models", arXiv:2407.21783, table 3 (the 405B model:
         126 layers, h 16384, FFN 53248, 128 heads, 8 key/value heads, vocabulary 128,000) and table 4 (its layouts
         on 8,192 and 16,384 H100s, TFLOP/s per GPU and BF16 MFU), section 3.3.
+    [3] NVIDIA's Megatron-MoE-ModelZoo (github.com/yanring/Megatron-MoE-ModelZoo, by authors of "MoE Parallel
+        Folding", arXiv:2504.14960): best_practice/Mixtral/run_mixtral_8x22B.sh at commit 0993e66 ("Dropless
+        training, stable performance should be around 455TFLOPS for H100"), with the layout of its
+        runtime_configs/benchmarking/runtime.conf (Mixtral-8x22B: TP 2, PP 8, EP 8, CP 1, VPP 7, MBS 1, GBS 256,
+        56 layers, alltoall dispatcher, 16 nodes; commit 3a2d8b5) and model_configs/benchmarking/Mixtral-8x22B.yaml
+        (expert TP 1, distributed optimizer, gradient-reduce and TP-communication overlap, sequence parallelism,
+        flash attention, h 6144, FFN 16384, 48 heads, 8 query groups, 8 experts top-2, Llama-2 tokenizer, s 4096).
 """
 from __future__ import annotations
 
@@ -46,6 +53,11 @@ class MeasuredRun:
     sequence_parallel: bool = False
     attention: str = "materialised"
     assumed: str = ""
+    ep: int = 1                      # expert parallelism, and the experts' tensor parallelism (None: tp)
+    etp: int | None = None
+    virtual: int = 1                 # interleaved 1F1B's model chunks per pipeline rank
+    tp_overlap: bool = False
+    dp_overlap: bool = False
 
     @property
     def dp(self) -> int:
@@ -59,10 +71,13 @@ class MeasuredRun:
         """(Schedule, step_costs.Layout) of the run as parlab replays it: plain 1F1B over its micro-batches, and
         the layout its source states (with the assumptions of `assumed`)."""
         from parlab.cluster.step_costs import Layout
-        from parlab.parallel.pipeline import one_f_one_b
-        return one_f_one_b(self.pp, self.micro_batches), Layout(
+        from parlab.parallel.pipeline import interleaved_1f1b, one_f_one_b
+        schedule = (interleaved_1f1b(self.pp, self.micro_batches, self.virtual) if self.virtual > 1
+                    else one_f_one_b(self.pp, self.micro_batches))
+        return schedule, Layout(
             tp=self.tp, pp=self.pp, dp=self.dp, micro_batch=self.micro_batch, recompute=self.recompute,
-            sequence_parallel=self.sequence_parallel, zero=self.zero, attention=self.attention)
+            sequence_parallel=self.sequence_parallel, zero=self.zero, attention=self.attention, ep=self.ep,
+            etp=self.etp, virtual=self.virtual, tp_overlap=self.tp_overlap, dp_overlap=self.dp_overlap)
 
     @property
     def step_s(self) -> float:
@@ -96,6 +111,15 @@ _GPT175, _GPT530 = _gpt("174.6", 96, 12288, 96), _gpt("529.6", 128, 20480, 105)
 _LLAMA405 = ModelSpec("llama3-405b", layers=126, hidden=16384, heads=128, vocab=128000, seq=8192, ffn=53248,
                       swiglu=True, bias=False, tied=False, learned_pos=False, dropout=False, kv_heads=8)
 
+_MIXTRAL = ("balanced routing (the run is dropless with an auxiliary loss: its experts' loads are not equal), "
+            "interleaved 1F1B as stated, the distributed optimizer (zero 1), overlap as the config turns on "
+            "(TP communication behind weight gradients, the gradient reduce behind the last backward); the "
+            "all-to-alls not overlapped; model FLOPs (Megatron-LM's count for a mixture of experts without the "
+            "router's, with full attention scores: the script does not print its FLOP count)")
+_MIXTRAL_8X22B = ModelSpec("mixtral-8x22b", layers=56, hidden=6144, heads=48, vocab=32000, seq=4096, ffn=16384,
+                           swiglu=True, bias=False, tied=False, learned_pos=False, dropout=False, kv_heads=8,
+                           experts=8, top_k=2)
+
 VALIDATION: list[MeasuredRun] = [
     *(MeasuredRun(f"GPT {b}B, {g} GPUs", _gpt(b, a, h, l), "dgx-a100", g, t, p, B, tf, "eq3", "[1] table 1",
                   "Megatron-LM", assumed=_MEGATRON) for b, a, h, l, t, p, g, B, tf in _TABLE1),
@@ -109,6 +133,9 @@ VALIDATION: list[MeasuredRun] = [
     *(MeasuredRun(f"Llama 3 405B, {g} GPUs", _LLAMA405, "dgx-h100", g, 8, 16, 2048, tf, "model", "[2] table 4",
                   "Meta (4D parallelism in PyTorch)", zero=1, recompute="none", sequence_parallel=True,
                   attention="fused", assumed=_LLAMA) for g, tf in ((8192, 430), (16384, 400))),
+    MeasuredRun("Mixtral 8x22B, 128 GPUs", _MIXTRAL_8X22B, "dgx-h100", 128, 2, 8, 256, 455, "model", "[3]",
+                "Megatron-Core MoE", zero=1, recompute="none", sequence_parallel=True, attention="fused",
+                assumed=_MIXTRAL, ep=8, etp=1, virtual=7, tp_overlap=True, dp_overlap=True),
 ]
 
 #: published runs the model cannot yet express, and why
