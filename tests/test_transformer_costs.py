@@ -145,6 +145,13 @@ def test_the_planner_takes_the_attention_kernel_in_memory_and_time():
     assert fused.compute_s == pytest.approx(terms["compute"] + terms["optimizer"], rel=REL)
     with pytest.raises(ValueError, match="attention is the attention kernel"):
         estimate(model, cluster, 64, tp=8, pp=8, attention="flash")
+    # a fused kernel leaves selective recomputation nothing to redo: the planner lists no copy of each layout
+    from parlab.cluster.planner import enumerate_layouts
+    small = cluster_for(h100, 8)
+    tried = enumerate_layouts(model_preset("llama-7b"), small, 16, hardware=h100, attention="fused",
+                              recompute=("none", "selective", "full"), micro_batches=(1,), zero_stages=(1,))
+    assert {e.recomputation for e in tried} == {"none", "full"}
+    assert len({e.layout for e in tried}) == len(tried)
 
 
 def test_grouped_query_attention_narrows_the_keys_and_values_in_parameters_flops_and_memory():

@@ -68,7 +68,6 @@ from parlab.parallel.zero import model_state_bytes
 from parlab.parallel.pipeline import bubble_formula, split_layers
 from parlab.parallel.topology import ParallelGrid
 from parlab.trace.wire import wire_bytes
-from parlab.i18n import _
 
 __all__ = ["Estimate", "estimate", "enumerate_layouts", "plan", "explain", "format_table", "volume_table",
            "format_volume_table", "tiny_state_bytes", "cluster_for", "ModelSpec", "Cluster", "PRESETS", "CLUSTERS",
@@ -311,6 +310,8 @@ def enumerate_layouts(model: ModelSpec, cluster: Cluster, global_batch: int, *, 
     eps = tuple(dict.fromkeys((ep,) if isinstance(ep, int) and not isinstance(ep, bool) else ep))
     for e in eps:
         X.check_experts(model, 1, 1, e, e)                   # ep a positive integer dividing the experts, or 1
+    if attention == "fused":     # FlashAttention keeps no scores: selective recomputation has nothing to redo
+        recompute = tuple(dict.fromkeys({"selective": "none"}.get(m, m) for m in map(T.recompute_mode, recompute)))
     world = cluster.world
     out = []
     for tp in _divisors(world):
