@@ -6,17 +6,18 @@ The lecturer's steps (nbgrader 0.9's documented layout, ``source/<assignment>/``
 
 1. ``nbgrader generate_assignment`` on all ten solutions: every released notebook has the very cells of
    parlab's ``exercises/NN.ipynb`` (sources with nbgrader's stub, grade ids, points, locks and checksums);
-2. ``nbgrader autograde`` on exercise 05 handed in three ways (the solution; the blank with two answers
-   written and one graded cell edited to pass; a blank whose answer cell rebinds every check to a no-op):
-   nbgrader's score for every graded cell equals the one ``parlab grade`` gives the same notebooks, the cheat
-   0 from both (`parlab.course.grader.nbgrader_execute`). (A blank scores 0 under nbval: tests/test_notebooks.py.)
+2. ``nbgrader autograde`` on two exercises, each handed in three ways by the same three students:
+   exercise 05 (pure schedules, with figures): the solution; the blank with two answers written and one graded
+   cell edited to pass; a blank whose answer cell rebinds every check to a no-op. Exercise 00 (ranks and
+   messages, run by `parlab.run` inside nbgrader's kernel): the solution; the two ring phases written and
+   ring_all_reduce done with the library's all-reduce (the built-in collective its traffic check refuses); a
+   solution whose answer cell rebinds every check to a no-op. nbgrader's score for every graded cell equals the
+   one ``parlab grade`` gives the same notebooks, the cheats 0 from both
+   (`parlab.course.grader.nbgrader_execute`). (A blank scores 0 under nbval: tests/test_notebooks.py.)
 
 3. the same in Chinese, in the same assignment (one nbgrader run each): the Chinese source notebooks
-   (`parlab.course.translated`, named NAME_zh) are released as the Chinese exercises parlab builds, and the two
-   hand-ins in Chinese get the same scores.
-
-Exercise 05 is the one autograded because its checks are pure (no ranks), so its kernels start and finish in
-seconds; the restoring of edited cells it exercises is the same for every exercise.
+   (`parlab.course.translated`, named NAME_zh) are released as the Chinese exercises parlab builds, and exercise
+   05's three hand-ins in Chinese get the same scores.
 """
 import os
 import re
@@ -36,6 +37,7 @@ nbgrader_api = pytest.importorskip("nbgrader.api", reason='nbgrader is not insta
 
 ROOT = Path(__file__).resolve().parents[1]
 EX = "05_pipeline_schedules"
+RANKS = "00_ring_allreduce"        # an exercise whose checks run ranks (parlab.run) inside the grader's kernel
 
 
 def _nbgrader(course_dir: Path, *args: str) -> subprocess.CompletedProcess:
@@ -69,18 +71,39 @@ def _submissions(lang: str = "en") -> dict[str, nbformat.NotebookNode]:
     return {"solution": solution, "edited": edited, "cheat": cheat}
 
 
+RANK_CHECKS = ("check_ring_reduce_scatter", "check_ring_all_gather", "check_ring_all_reduce",
+               "check_ring_all_reduce_traffic")
+
+
+def _rank_submissions() -> dict[str, nbformat.NotebookNode]:
+    """Exercise 00 handed in by the same three students: the solution; the ring phases written and the all-reduce
+    left to the library (``comm.all_reduce``: a right sum, not a ring); the solution with every check rebound."""
+    solution = translated.translated_solution(ROOT / "exercises" / "solutions" / f"{RANKS}.ipynb", "en")
+    builtin = course.make_exercise(solution, f"{RANKS}.ipynb")
+    done, cells = _by_id(solution), _by_id(builtin)
+    for part in ("ring_reduce_scatter", "ring_all_gather"):
+        cells[f"answer-{part}"].source = done[f"answer-{part}"].source
+    cells["answer-ring_all_reduce"].source = "def ring_all_reduce(x):\n    comm.all_reduce(x)\n    return x\n"
+    cheat = nbformat.from_dict(solution)
+    _by_id(cheat)["answer-ring_all_reduce"].source += "\n" + "\n".join(
+        f"grading.{name} = lambda *a, **k: None" for name in RANK_CHECKS)
+    return {"solution": solution, "edited": builtin, "cheat": cheat}
+
+
 @pytest.fixture(scope="module")
 def nbgrader_course(tmp_path_factory):
     """A course directory released and autograded by nbgrader, and the same hand-ins graded by parlab."""
     root = tmp_path_factory.mktemp("nbgrader-course")
     plain = root.parent / (root.name + "-parlab")                     # parlab grade's folder: <student>/NN.ipynb
-    for lang, suffix in (("en", ""), ("zh_CN", "_zh")):
-        for student, nb in _submissions(lang).items():
+    hand_ins = [("en", f"{EX}.ipynb", _submissions("en")), ("zh_CN", f"{EX}_zh.ipynb", _submissions("zh_CN")),
+                ("en", f"{RANKS}.ipynb", _rank_submissions())]
+    for lang, name, notebooks in hand_ins:
+        for student, nb in notebooks.items():
             (root / "submitted" / student / "all").mkdir(parents=True, exist_ok=True)   # the notebooks handed in
-            nbformat.write(nb, str(root / "submitted" / student / "all" / f"{EX}{suffix}.ipynb"))
+            nbformat.write(nb, str(root / "submitted" / student / "all" / name))
             folder = plain / ("en" if lang == "en" else "zh") / student
-            folder.mkdir(parents=True)
-            nbformat.write(nb, str(folder / f"{EX}.ipynb"))
+            folder.mkdir(parents=True, exist_ok=True)
+            nbformat.write(nb, str(folder / name.replace("_zh", "")))
     zh_course = translated.write_course(ROOT, "zh_CN", root.parent / (root.name + "-zh"))
     with ThreadPoolExecutor(1) as pool:                                 # parlab grades while nbgrader works
         parlab_grades = pool.submit(grader.grade, plain / "en", root / "parlab-gradebook", jobs=2,
@@ -96,12 +119,15 @@ def nbgrader_course(tmp_path_factory):
         _nbgrader(root, "generate_assignment", "all")
         _nbgrader(root, "autograde", "all")
         _nbgrader(root, "generate_feedback", "all")
-        ours, ours_zh = ({r.student: {c["grade_id"]: c["points"] * c["passed"] for c in r.checks}
-                          for r in grades.result()} for grades in (parlab_grades, parlab_grades_zh))
+        ours, ours_zh = {}, {}                                          # {student: {grade id: points}}
+        for mine, grades in ((ours, parlab_grades), (ours_zh, parlab_grades_zh)):
+            for r in grades.result():                                   # one Result per (student, exercise)
+                mine.setdefault(r.student, {}).update({c["grade_id"]: c["points"] * c["passed"] for c in r.checks})
     theirs, theirs_zh = {}, {}
     with nbgrader_api.Gradebook(f"sqlite:///{root / 'gradebook.db'}") as gb:
         for student in ("solution", "edited", "cheat"):
-            theirs[student] = {g.name: g.score for g in gb.find_submission_notebook(EX, "all", student).grades}
+            theirs[student] = {g.name: g.score for ex in (EX, RANKS)
+                               for g in gb.find_submission_notebook(ex, "all", student).grades}
             theirs_zh[student] = {g.name: g.score for g in gb.find_submission_notebook(f"{EX}_zh", "all", student).grades}
     return root, theirs, ours, theirs_zh, zh_course, ours_zh
 
@@ -123,19 +149,26 @@ def test_nbgrader_releases_from_the_solutions_exactly_the_exercises_parlab_build
 
 def test_nbgrader_autograde_scores_every_check_as_parlab_grade_does(nbgrader_course):
     _, theirs, ours, theirs_zh, zh_course, ours_zh = nbgrader_course
-    assert theirs == ours
-    assert theirs_zh == theirs                 # the same hand-ins in Chinese: the same scores, from nbgrader
-    assert ours_zh == ours                     # and from parlab grade --lang zh against the Chinese release
+    assert theirs == ours, {(student, k): (v, ours.get(student, {}).get(k)) for student, scores in theirs.items()
+                            for k, v in scores.items() if ours.get(student, {}).get(k) != v}
+    graded05 = {c.metadata["nbgrader"]["grade_id"] for c in course.read(ROOT / "exercises" / f"{EX}.ipynb").cells
+                if c.metadata.get("nbgrader", {}).get("grade")}
+    of05 = {student: {k: v for k, v in scores.items() if k in graded05} for student, scores in theirs.items()}
+    assert theirs_zh == of05                   # the same hand-ins in Chinese: the same scores, from nbgrader
+    assert ours_zh == of05                     # and from parlab grade --lang zh against the Chinese release
     reports = zh_course.parent / zh_course.name.removesuffix("-zh") / "parlab-gradebook-zh"
     for page in [reports / "summary.html", *(reports / "feedback").glob("*.md")]:
         assert re.search(r"[\u4e00-\u9fff]", page.read_text(encoding="utf-8")), f"{page.name} is not in Chinese"
     edited = (reports / "feedback" / "edited.md").read_text(encoding="utf-8")      # each check named in Chinese
     assert edited.count("### ") == 5 and edited.count("评分：") == 5, edited
-    total = {student: sum(scores.values()) for student, scores in ours.items()}
+    total = {student: (sum(v for k, v in scores.items() if k in graded05),
+                       sum(v for k, v in scores.items() if k not in graded05)) for student, scores in ours.items()}
     # the edited graded cell was restored by both (it checks the unwritten one_f_one_b_rank, so it fails),
     # and the cell holding the two bubble functions passes their two checks only; the checks rebound to no-ops
     # earn nothing from either (nbgrader with the course's nbgrader_config.py: plain nbgrader gave it 5 of 5)
-    assert total == {"solution": 5, "edited": 2, "cheat": 0}, total
+    # exercise 00: the ring phases earn their two checks; an all-reduce by the library is a right sum but not a
+    # ring, and both of ring_all_reduce's checks refuse it
+    assert total == {"solution": (5, 4), "edited": (2, 2), "cheat": (0, 0)}, total
 
 
 def test_nbgrader_feedback_loads_plotly_js_once_from_its_cdn_instead_of_a_copy_per_page(nbgrader_course):
@@ -144,7 +177,7 @@ def test_nbgrader_feedback_loads_plotly_js_once_from_its_cdn_instead_of_a_copy_p
     import plotly.offline
     root = nbgrader_course[0]
     pages = sorted((root / "feedback").glob("*/all/*.html"))
-    assert len(pages) == 6                                       # 3 hand-ins x 2 languages
+    assert len(pages) == 9                          # 3 students x (05 in English and Chinese, 00 in English)
     cdn = f"cdn.plot.ly/plotly-{plotly.offline.get_plotlyjs_version()}.min.js"
     for page in pages:
         html = page.read_text(encoding="utf-8")

@@ -9,6 +9,9 @@ pass: 12 of 12 under plain nbgrader, 0 and "tampered" under ``parlab grade``. `G
 * after each graded cell, a probe cell (not kept in the notebook) asks `parlab.course.grading.guard` whether
   the grading code or parlab was rebound; if so the graded cell gets an error output "Tampered: ...", which
   nbgrader scores 0, and the student reads why in the feedback;
+* a notebook that tampered scores nothing, as under ``parlab grade``: the graded cells that ran before the
+  rebinding get the same error output (a solution that rebinds the checks after its first parts passed earned
+  them under nbgrader and 0 under ``parlab grade`` before: tests/test_nbgrader.py);
 * the cells after the last graded one (demonstrations) are not run: they score nothing, and a slow one would
   only cost the class's grading time.
 
@@ -31,7 +34,15 @@ class GuardedExecute(Execute):
     def preprocess(self, nb, resources=None, km=None):
         graded = [i for i, cell in enumerate(nb.cells) if is_grade(cell)]
         self._last_graded = graded[-1] if graded else len(nb.cells) - 1
-        return super().preprocess(nb, resources, km)
+        self._rebound: list[str] = []
+        nb, resources = super().preprocess(nb, resources, km)
+        if self._rebound:                              # parlab grade's rule: a notebook that tampers scores 0
+            message = tampered_message(", ".join(dict.fromkeys(self._rebound)))
+            for i in graded:
+                if not any(out.get("ename") == "Tampered" for out in nb.cells[i].get("outputs", [])):
+                    nb.cells[i].outputs.append(new_output("error", ename="Tampered", evalue=message,
+                                                          traceback=[message]))
+        return nb, resources
 
     def preprocess_cell(self, cell, resources, index):
         if index > self._last_graded:                  # a demonstration after the last check: not run
@@ -40,6 +51,7 @@ class GuardedExecute(Execute):
         if is_grade(cell):
             bad = self._tampered(cell, index)
             if bad:
+                self._rebound += bad
                 message = tampered_message(", ".join(bad))
                 cell.outputs.append(new_output("error", ename="Tampered", evalue=message, traceback=[message]))
         return cell, resources
