@@ -59,6 +59,7 @@ import re
 import time
 import weakref
 from collections import defaultdict
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
@@ -74,6 +75,19 @@ from parlab.trace import Trace, region
 
 __all__ = ["PipelineParallel", "average_grads", "set_aside_grads", "add_back_grads", "measured_spans",
            "measured_bubble", "measured_costs"]
+
+
+@dataclass
+class _StepState:
+    """What one `PipelineParallel.step` carries from action to action."""
+    micro: list                       # m x ((b, S) inputs, (b, S) targets)
+    last: bool                        # this rank holds the last stage (computes the loss)
+    counts: list | None               # non-ignored targets per micro-batch (last stage)
+    weights: list | None              # each micro-batch's loss weight, D n_i / N (last stage)
+    earlier: dict                     # gradients of earlier steps, set aside (accumulation)
+    loss_sum: torch.Tensor            # () the weighted losses summed
+    saved: dict = field(default_factory=dict)   # (stage, mb) -> (input, output, captures): F's, for B or I
+    kept: dict = field(default_factory=dict)    # (stage, mb) -> (captures, output grads): I's, for W
 
 
 class PipelineParallel(PipelineStages):
@@ -155,68 +169,84 @@ class PipelineParallel(PipelineStages):
 
     # ------------------------------------------------------------------ one training step
     def step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:
-        sch, me, S, m = self.schedule, self.rank, self.schedule.stages, self.schedule.microbatches
+        """One training step in three phases: `_begin_step` (micro-batches, message shapes, loss weights, the
+        gradients of earlier steps set aside), this rank's actions in the schedule's order (`_run_forward`,
+        `_run_backward` for B and for I, `_run_weight_grads` for W), and `_finish_step` (every message waited,
+        tied and data-parallel gradients synced, the earlier gradients added back)."""
+        st = self._begin_step(x, y)
+        run = {"F": self._run_forward, "B": self._run_backward, "I": self._run_backward, "W": self._run_weight_grads}
+        for a in self.schedule.actions[self.rank]:
+            run[a.kind](a, st)
+            self.messages.reap()
+        return self._finish_step(st)
+
+    def _begin_step(self, x: torch.Tensor, y: torch.Tensor) -> "_StepState":
         if self.device.type == "meta":
             raise ValueError("this rank's stages are still on the meta device: build PipelineParallel with "
                              "device=..., or call pipe.to(device), which materialises them there")
-        micro = micro_batches(x, y, m)                        # m x ((b, S), (b, S))
+        micro = micro_batches(x, y, self.schedule.microbatches)   # m x ((b, S), (b, S))
         b, T = micro[0][0].shape
-        dtype = self.dtype
         if T % self.sequence_split:
             raise ValueError(f"sequence length {T} does not split over sequence_split={self.sequence_split} "
                              f"(the tensor-parallel ranks of sequence parallelism); use a multiple of it")
         shape = (b, T // self.sequence_split, self.module.config.n_embd)   # every message: (b, S/sp, H)
-        msg = self.messages
-        msg.begin(shape, dtype, self.device)
-        last = S - 1 in self.my_stages
+        self.messages.begin(shape, self.dtype, self.device)
+        last = self.schedule.stages - 1 in self.my_stages
         counts, weights = self._loss_weights([t for _, t in micro]) if last else (None, None)
         earlier = set_aside_grads(self.module.parameters())  # accumulation: sync only this step's grads
-        saved, kept = {}, {}                                  # (stage, mb) -> (input, output); I's leftovers
-        loss_sum = torch.zeros((), dtype=dtype, device=self.device)
-        for a in sch.actions[me]:
-            s, i = a.stage, a.mb
-            name, label = KINDS[a.kind], f"stage {s} mb {i}"
-            if a.kind == "F":                                 # receive outside the compute span
-                inp = micro[i][0] if s == 0 else msg.get("act", s, i).requires_grad_()
-                with region(name, label=label):
-                    self._captures = [] if self._split else None
-                    out = self.forward_stage(s, inp)          # (b, S, H), or logits (b, S, V) on the last stage
-                    if s == S - 1:
-                        # the module's own loss: GPT.loss, or a TP stage's vocab-parallel cross-entropy
-                        # weighted by its share of the batch's targets: the mean over all of them
-                        out = weighted_mean_loss(self.module.loss, out, micro[i][1], counts[i], weights[i])
-                        loss_sum += out.detach()
-                    saved[(s, i)] = (inp, out, self._captures)
-                    self._captures = None
-                    self._device(a)
-                if s < S - 1:
-                    msg.put("act", s + 1, i, out.detach())
-            elif a.kind in "BI":
-                inp, out, caps = saved.pop((s, i))
-                grad = None if s == S - 1 else msg.get("grad", s, i)   # dL/d(out): (b, S, H)
-                with region(name, label=label):
-                    if a.kind == "B":
-                        torch.autograd.backward(out, grad)
-                        gin = inp.grad if s > 0 else None
-                    else:                                     # I: input grad + every captured layer output's grad
-                        wrt = ([inp] if s > 0 else []) + [c[2] for c in caps]
-                        g = torch.autograd.grad(out, wrt, grad, retain_graph=True, allow_unused=True)
-                        gin = g[0] if s > 0 else None
-                        kept[(s, i)] = (caps, g[1:] if s > 0 else g)
-                    self._device(a)
-                if s > 0:
-                    msg.put("grad", s - 1, i, gin)
-            else:                                             # W: weight gradients from what I kept
-                with region(name, label=label):
-                    _weight_grads(*kept.pop((s, i)))
-                    self._device(a)
-            msg.reap()
-        msg.end()                                             # every isend waited (gloo rule)
+        return _StepState(micro, last, counts, weights, earlier,
+                          torch.zeros((), dtype=self.dtype, device=self.device))
+
+    def _run_forward(self, a: Action, st: "_StepState") -> None:
+        """F: receive the stage's input (outside the compute span), run the stage, keep what B needs, send on."""
+        s, i, S = a.stage, a.mb, self.schedule.stages
+        inp = st.micro[i][0] if s == 0 else self.messages.get("act", s, i).requires_grad_()
+        with region(KINDS[a.kind], label=f"stage {s} mb {i}"):
+            self._captures = [] if self._split else None
+            out = self.forward_stage(s, inp)                  # (b, S, H), or logits (b, S, V) on the last stage
+            if s == S - 1:
+                # the module's own loss: GPT.loss, or a TP stage's vocab-parallel cross-entropy
+                # weighted by its share of the batch's targets: the mean over all of them
+                out = weighted_mean_loss(self.module.loss, out, st.micro[i][1], st.counts[i], st.weights[i])
+                st.loss_sum += out.detach()
+            st.saved[(s, i)] = (inp, out, self._captures)
+            self._captures = None
+            self._device(a)
+        if s < S - 1:
+            self.messages.put("act", s + 1, i, out.detach())
+
+    def _run_backward(self, a: Action, st: "_StepState") -> None:
+        """B (input and weight gradients at once) or I (the input gradient, and every captured layer output's
+        gradient kept for W): receive dL/d(out), backpropagate through the stage, send dL/d(in) back."""
+        s, i = a.stage, a.mb
+        inp, out, caps = st.saved.pop((s, i))
+        grad = None if s == self.schedule.stages - 1 else self.messages.get("grad", s, i)   # dL/d(out): (b, S, H)
+        with region(KINDS[a.kind], label=f"stage {s} mb {i}"):
+            if a.kind == "B":
+                torch.autograd.backward(out, grad)
+                gin = inp.grad if s > 0 else None
+            else:
+                wrt = ([inp] if s > 0 else []) + [c[2] for c in caps]
+                g = torch.autograd.grad(out, wrt, grad, retain_graph=True, allow_unused=True)
+                gin = g[0] if s > 0 else None
+                st.kept[(s, i)] = (caps, g[1:] if s > 0 else g)
+            self._device(a)
+        if s > 0:
+            self.messages.put("grad", s - 1, i, gin)
+
+    def _run_weight_grads(self, a: Action, st: "_StepState") -> None:
+        """W: the weight gradients from what I kept (nobody waits for them)."""
+        with region(KINDS[a.kind], label=f"stage {a.stage} mb {a.mb}"):
+            _weight_grads(*st.kept.pop((a.stage, a.mb)))
+            self._device(a)
+
+    def _finish_step(self, st: "_StepState") -> torch.Tensor | None:
+        self.messages.end()                                   # every isend waited (gloo rule)
         self._sync_tied()
         if self.dp_group is not None:
             average_grads(self.module.parameters(), self.dp_group)
-        add_back_grads(earlier)
-        return loss_sum if last else None
+        add_back_grads(st.earlier)
+        return st.loss_sum if st.last else None
 
     def _loss_weights(self, targets: list[torch.Tensor]) -> tuple[list[int], list[float]]:
         """Per micro-batch: its number n_i of non-ignored targets, and its loss weight D n_i / N (see above)."""
