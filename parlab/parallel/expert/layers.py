@@ -87,9 +87,11 @@ def expert_parallel(model: nn.Module, group=None) -> nn.Module:
     return model
 
 
-def routed_as_ranks(model: nn.Module, ranks: int) -> nn.Module:
-    """The one-process `model` routing its tokens in `ranks` equal groups, as `ranks` data-parallel ranks each
-    route their own share of the batch (capacity and load-balancing loss per group); returns `model`."""
+def routed_as_ranks(model: nn.Module, ranks: int, positions: list[torch.Tensor] | None = None) -> nn.Module:
+    """The one-process `model` routing its tokens in `ranks` equal groups, as `ranks` ranks each route their own
+    share of the batch (capacity and load-balancing loss per group); returns `model`. `positions`: ranks that
+    also split the sequence (context parallelism, sequence parallelism's shards) route some positions of their
+    rows: the positions of each sequence shard, in the ranks' order (``MoE.positions``); None: whole rows."""
     for m in moe_layers(model):
-        m.groups = ranks
+        m.groups, m.positions = ranks, positions
     return model
