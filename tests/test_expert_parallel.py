@@ -379,7 +379,8 @@ def test_hybrid_refuses_what_expert_parallel_does_not_compose_with_yet():
     with pytest.raises(ValueError, match=r"tensor parallelism \(tp=2\) needs sequence parallelism.*"
                                          r"pass sequence_parallel=True \(lab: --sp\)"):
         check_layout(GPTConfig(experts=4), ParallelGrid(4, tp=2, ep=2, etp=1), one)
-    with pytest.raises(ValueError, match=r"expert tensor parallelism is not composed here yet \(etp=2; "
-                                         r"ParallelGrid's etp defaults to tp\).*ParallelGrid\(..., etp=1\)"):
-        check_layout(GPTConfig(experts=4), ParallelGrid(4, tp=2, ep=2), one, sequence_parallel=True)
-    check_layout(GPTConfig(experts=4), ParallelGrid(4, tp=2, ep=2, etp=1), one, sequence_parallel=True)
+    with pytest.raises(ValueError, match=r"composes here with etp=1 \(experts whole\) or etp=tp on the tp ranks "
+                                         r"\(the default order\); got etp=2, tp=1"):
+        check_layout(GPTConfig(experts=4), ParallelGrid(4, ep=2, etp=2), one)
+    for etp in (1, 2):                                  # experts whole, or split over the tp group
+        check_layout(GPTConfig(experts=4), ParallelGrid(4, tp=2, ep=2, etp=etp), one, sequence_parallel=True)

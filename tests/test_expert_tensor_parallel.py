@@ -3,7 +3,8 @@ against one process.
 
 As in Megatron-core, MoE with TP needs sequence parallelism: each tp rank's MoE layer routes its own
 (b, S/(cp tp), H) tokens and dispatches them over the expert grid's ep group (which, with MoE folding, may be
-its tp group); the experts are whole on their ep ranks (etp = 1). The one-process model routes the same token
+its tp group); the experts are whole on their ep ranks (etp = 1) or split over the tp group (etp = tp: rows
+gathered over etp after dispatch, partial outputs reduce-scattered before combine). The one-process model routes the same token
 groups (`routing_groups`: dp x m row blocks x each cp rank's zigzag positions cut in tp chunks), so capacity,
 dropping and the load-balancing loss are per rank on both sides. Compared over two AdamW steps: the loss, every
 parameter's gradient (gathered over tp; a rank's experts against their slice) and the parameters after the
@@ -26,17 +27,20 @@ TOL = 1e-10
 CFG = GPTConfig(vocab_size=16, seq_len=8, n_layer=2, n_head=2, n_embd=16, mlp_ratio=2, experts=4, top_k=2,
                 capacity_factor=0.75, aux_loss_coeff=0.1, z_loss_coeff=1e-3)
 B, STEPS, LR = 8, 2, 1e-2
-LAYOUTS = {  # id: (tp, cp, pp, ep, microbatches, ZeRO stage, starve): dp = 8 / (tp cp pp), edp = 8 / (ep pp)
-    "tp2-pp2-dp2-ep2-starved": (2, 1, 2, 2, 2, 0, True),   # ep group = tp group; ep rank 1 gets no token
-    "tp2-cp2-pp2-ep4": (2, 2, 2, 4, 2, 0, False),          # ep group spans tp x cp, zigzag positions
-    "tp2-cp2-dp2-ep4-zero1": (2, 2, 1, 4, 1, 1, False),    # edp 2; ZeRO-1 over dp-cp and over edp
-    "tp2-dp4-no-ep": (2, 1, 1, 1, 1, 0, False),            # experts whole on every rank: summed over tp as SP
+LAYOUTS = {  # id: (tp, cp, pp, ep, etp, microbatches, ZeRO stage, starve): dp = 8 / (tp cp pp),
+    # edp = 8 / (etp ep pp)
+    "tp2-pp2-dp2-ep2-starved": (2, 1, 2, 2, 1, 2, 0, True),   # ep group = tp group; ep rank 1 gets no token
+    "tp2-cp2-pp2-ep4": (2, 2, 2, 4, 1, 2, 0, False),          # ep group spans tp x cp, zigzag positions
+    "tp2-cp2-dp2-ep4-zero1": (2, 2, 1, 4, 1, 1, 1, False),    # edp 2; ZeRO-1 over dp-cp and over edp
+    "tp2-dp4-no-ep": (2, 1, 1, 1, 1, 1, 0, False),            # experts whole on every rank: summed over tp as SP
+    "tp2-pp2-dp2-ep2-etp2": (2, 1, 2, 2, 2, 2, 0, False),     # experts split over the tp group, edp 1
+    "tp2-cp2-dp2-ep2-etp2-zero1-starved": (2, 2, 1, 2, 2, 1, 1, True),   # etp x ep over dp, cp; edp 2
 }
 
 
-def _grid(tp, cp, pp, ep):
+def _grid(tp, cp, pp, ep, etp):
     from parlab.parallel.topology import ParallelGrid
-    return ParallelGrid(8, tp=tp, cp=cp, pp=pp, ep=ep, etp=1)
+    return ParallelGrid(8, tp=tp, cp=cp, pp=pp, ep=ep, etp=etp)
 
 
 def _batch(step):
@@ -52,11 +56,11 @@ def _model(starve):
     return model
 
 
-def _rank(tp, cp, pp, ep, m, zero, starve):
+def _rank(tp, cp, pp, ep, etp, m, zero, starve):
     from parlab.parallel.groups import build_groups
     from parlab.parallel.hybrid import build_hybrid
     from parlab.parallel.tensor import dense_grads
-    groups = build_groups(_grid(tp, cp, pp, ep))
+    groups = build_groups(_grid(tp, cp, pp, ep, etp))
     h = build_hybrid(_model(starve), groups, microbatches=m, sequence_parallel=True, zero_stage=zero, lr=LR)
     steps = []
     for s in range(STEPS):                          # train_step, with the gradients looked at before the step
@@ -91,8 +95,8 @@ def _mine(k, v, experts):
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_expert_and_tensor_parallel_5d_layout_matches_one_process(layout):
-    tp, cp, pp, ep, m, zero, starve = LAYOUTS[layout]
-    ref_steps, ref_state, dropped = _reference(_grid(tp, cp, pp, ep), m, starve)
+    tp, cp, pp, ep, etp, m, zero, starve = LAYOUTS[layout]
+    ref_steps, ref_state, dropped = _reference(_grid(tp, cp, pp, ep, etp), m, starve)
     assert dropped > 0                                                      # capacity 0.75 dropped tokens
     for r, (steps, state, experts, ep_rank) in enumerate(parlab.run(_rank, 8, *LAYOUTS[layout], echo=False)):
         for s, ((loss, grads), (ref_loss, ref_grads)) in enumerate(zip(steps, ref_steps)):

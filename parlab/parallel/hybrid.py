@@ -32,7 +32,8 @@ needs (groups are passed explicitly, from `parlab.parallel.groups.build_groups`)
               layer's experts spread over `groups.ep` (`parlab.parallel.expert`); the auxiliary losses' gradient
               scaled by 1/(m tp) (m micro-batches', with SP the tp ranks', gradients are summed). With tp > 1,
               as Megatron-core: SP, the MoE layer routes this rank's (b, S/(cp tp), H) tokens, its router's
-              gradient summed over tp like the layer norms', the experts whole (etp = 1). The one-process
+              gradient summed over tp like the layer norms', the experts whole (etp = 1) or split over the
+              tp group (etp = tp: rows gathered over it after dispatch). The one-process
               model that matches routes the same groups (`routing_groups`; `expert.routed_as_ranks`)
     5. DP     `make_optimizer`: plain DP averages the gradients over `groups.dp_cp` (one flat all-reduce, in
               `HybridGPT.forward_backward`); ZeRO-1/2 shards the optimizer over the same group
@@ -48,7 +49,7 @@ reduces the gradients and steps the optimizer; it returns the global mean loss o
 Supported: any tp x cp x dp x pp whose sizes the model allows, with these limits (a ValueError says which):
 sequence parallelism needs seq_len / cp divisible by tp (with SP the pipeline's messages are (b, S/tp, H),
 as in Megatron, a tp-th of the bytes); Ulysses needs (n_head / tp) % cp == 0; dropout 0; ep > 1 with
-tp > 1 needs SP and etp = 1 (experts TP-sharded over etp are not composed yet).
+tp > 1 needs SP, and etp is 1 or tp.
 
 References
     [1] D. Narayanan et al., "Efficient Large-Scale Language Model Training on GPU Clusters Using
@@ -136,10 +137,9 @@ def check_layout(config, grid: ParallelGrid, schedule: Schedule, *, batch_size: 
             raise ValueError(f"expert parallelism with tensor parallelism (tp={grid.tp}) needs sequence parallelism, "
                              f"as in Megatron-core: each tp rank routes its own S/tp tokens; pass "
                              f"sequence_parallel=True (lab: --sp)")
-        if grid.etp > 1:
-            raise ValueError(f"expert tensor parallelism is not composed here yet (etp={grid.etp}; ParallelGrid's "
-                             f"etp defaults to tp): the experts stay whole on their ep ranks, build the grid with "
-                             f"ParallelGrid(..., etp=1)")
+        if grid.etp > 1 and grid.expert.groups("etp") != grid.groups("tp"):
+            raise ValueError(f"expert tensor parallelism composes here with etp=1 (experts whole) or etp=tp on the tp "
+                             f"ranks (the default order); got etp={grid.etp}, tp={grid.tp}, order {grid.order}")
     if batch_size is not None and batch_size % (dp * schedule.microbatches):
         raise ValueError(f"global batch {batch_size} must split into dp={dp} replicas x "
                          f"{schedule.microbatches} micro-batches; use a multiple of {dp * schedule.microbatches}")
@@ -306,7 +306,7 @@ def apply_ep(stage: GPT, groups: ProcessGroups, microbatches: int, sequence_para
     experts, whole on every tp rank) runs on S/tp tokens: its gradient is summed over tp (step 2's sync)."""
     grid = groups.grid
     if grid.ep > 1:
-        expert_parallel(stage, groups.ep)
+        expert_parallel(stage, groups.ep, groups.tp if grid.etp > 1 else None)   # etp = tp: the tp group
     sp = sequence_parallel and grid.tp > 1
     for moe in moe_layers(stage):
         moe.aux_grad_scale = 1.0 / (microbatches * (grid.tp if sp else 1))
