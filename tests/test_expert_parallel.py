@@ -316,7 +316,8 @@ H_B = 8                                                  # global batch (rows)
 H_LAYOUTS = [  # (pp, cp, ep, microbatches, free routing, ZeRO stage): dp = 4 / (pp cp)
     (2, 1, 2, 2, False, 0),   # PP x DP, EP over the dp ranks: routing groups dp x m = 4
     (1, 1, 2, 1, False, 0),   # DP 4, EP 2 x EDP 2
-    (1, 2, 2, 1, True, 0),    # CP x DP, EP over a cp group: no capacity or aux loss (routing per token)
+    (1, 2, 2, 1, False, 0),   # CP x DP, EP over a cp group: each cp rank routes its zigzag positions
+    (1, 2, 2, 1, True, 0),    # the same without capacity or aux loss (routing per token)
     (1, 1, 2, 1, False, 1),   # ZeRO-1: dense states over the 4 dp ranks, each expert's over its 2 replicas
     (2, 1, 2, 2, False, 2),   # ZeRO-2 under PP: the experts have no replica (edp = 1)
 ]
@@ -345,10 +346,13 @@ def _hybrid_rank(pp, cp, ep, m, free, zero=0):
 
 
 @pytest.mark.parametrize("pp, cp, ep, m, free, zero", H_LAYOUTS,
-                         ids=["pp2-dp2-ep2", "dp4-ep2-edp2", "cp2-dp2-ep2", "dp4-ep2-edp2-zero1", "pp2-dp2-ep2-zero2"])
+                         ids=["pp2-dp2-ep2", "dp4-ep2-edp2", "cp2-dp2-ep2", "cp2-dp2-ep2-free", "dp4-ep2-edp2-zero1",
+                              "pp2-dp2-ep2-zero2"])
 def test_expert_parallel_composes_with_dp_pp_cp_zero_as_one_process(pp, cp, ep, m, free, zero):
-    dp = 4 // (pp * cp)
-    ref = routed_as_ranks(GPT(_h_config(free), seed=0, dtype=torch.float64), dp * m)   # each rank's micro-batches
+    from parlab.parallel.hybrid import routing_groups
+    from parlab.parallel.topology import ParallelGrid
+    groups = routing_groups(ParallelGrid(4, pp=pp, cp=cp, ep=ep), H_CFG.seq_len, m)   # each rank's micro-batches
+    ref = routed_as_ranks(GPT(_h_config(free), seed=0, dtype=torch.float64), *groups)
     opt = torch.optim.AdamW(ref.parameters(), lr=LR)
     ref_losses = []
     for s in range(STEPS):
@@ -369,7 +373,14 @@ def test_expert_parallel_composes_with_dp_pp_cp_zero_as_one_process(pp, cp, ep, 
 def test_hybrid_refuses_what_expert_parallel_does_not_compose_with_yet():
     from parlab.parallel.hybrid import check_layout, make_schedule
     from parlab.parallel.topology import ParallelGrid
+    one = make_schedule("1f1b", 1, 1)
     with pytest.raises(ValueError, match="give the model GPTConfig.experts=E. with E a multiple of 2"):
-        check_layout(GPTConfig(), ParallelGrid(4, ep=2), make_schedule("1f1b", 1, 1))
-    with pytest.raises(ValueError, match="not yet with tensor parallelism .* got tp=2"):
-        check_layout(GPTConfig(experts=4), ParallelGrid(4, tp=2, ep=2), make_schedule("1f1b", 1, 1))
+        check_layout(GPTConfig(), ParallelGrid(4, ep=2), one)
+    with pytest.raises(ValueError, match=r"tensor parallelism \(tp=2\) needs sequence parallelism.*"
+                                         r"pass sequence_parallel=True \(lab: --sp\)"):
+        check_layout(GPTConfig(experts=4), ParallelGrid(4, tp=2, ep=2, etp=1), one)
+    with pytest.raises(ValueError, match=r"composes here with etp=1 \(experts whole\) or etp=tp on the tp ranks "
+                                         r"\(the default order\); got etp=2, tp=1"):
+        check_layout(GPTConfig(experts=4), ParallelGrid(4, ep=2, etp=2), one)
+    for etp in (1, 2):                                  # experts whole, or split over the tp group
+        check_layout(GPTConfig(experts=4), ParallelGrid(4, tp=2, ep=2, etp=etp), one, sequence_parallel=True)

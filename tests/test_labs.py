@@ -23,6 +23,7 @@ RUNS = [
     ("expert_parallel", 2, ["--experts", "4", "--capacity-factor", "1.0"]),   # 2 experts a rank, some dropped
     ("hybrid", 4, ["--tp", "2", "--pp", "2", "--sp"]),        # TP+SP x PP
     ("hybrid", 4, ["--cp", "2", "--zero", "1", "--ep", "2", "--experts", "4"]),   # dp 2 x cp 2, EP 2 + ZeRO-1
+    ("hybrid", 4, ["--tp", "2", "--sp", "--ep", "2", "--experts", "4"]),   # TP+SP x dp 2, EP 2 over the tp ranks
     ("pipeline", 2, ["--schedule", "zb-h1", "--microbatches", "4", "--dtype", "bfloat16"]),  # autocast, fp32 W
 ]
 

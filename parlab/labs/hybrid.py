@@ -2,11 +2,12 @@
 (`parlab.parallel.topology`, order tp-cp-dp-pp: tp neighbours share a node, pp crosses nodes);
 `parlab.parallel.hybrid.build_hybrid` shards the layers over tp, cuts stages over pp, splits sequences over cp and
 averages gradients (or ZeRO) over dp-cp. With --experts E --ep k the MLPs become mixtures of E experts spread
-over k ranks of the same grid (expert grid etp-ep-edp-pp). The report shows the bytes each dimension moved:
-TP > DP > PP in volume.
+over k ranks of the same grid (expert grid etp-ep-edp-pp, the experts whole: etp = 1; with --tp, --sp is
+required, as in Megatron-core). The report shows the bytes each dimension moved: TP > DP > PP in volume.
 
     torchrun --nproc_per_node=8 -m parlab.labs.hybrid --tp 2 --pp 2 --layers 4 --batch 32
     torchrun --nproc_per_node=8 -m parlab.labs.hybrid --pp 2 --ep 2 --experts 4 --zero 1
+    torchrun --nproc_per_node=8 -m parlab.labs.hybrid --tp 2 --sp --pp 2 --ep 2 --experts 4
     torchrun --nnodes=2 --nproc_per_node=8 ... -m parlab.labs.hybrid --tp 2 --pp 4 --gpus-per-node 8
 """
 from __future__ import annotations
@@ -64,7 +65,8 @@ def main(argv=None):
         if a.experts:
             lab.config = dataclasses.replace(lab.config, experts=a.experts, top_k=a.top_k)
         gpn = a.gpus_per_node or local_world_size(default=lab.world_size)      # torchrun's, or srun's
-        grid = ParallelGrid(lab.world_size, tp=a.tp, pp=a.pp, cp=a.cp, ep=a.ep, gpus_per_node=gpn)
+        grid = ParallelGrid(lab.world_size, tp=a.tp, pp=a.pp, cp=a.cp, ep=a.ep, etp=1 if a.experts else None,
+                            gpus_per_node=gpn)                          # experts whole on their ep ranks
         schedule = make_schedule(a.schedule, a.pp, m, a.chunks)
         check_layout(lab.config, grid, schedule, batch_size=a.batch, seq_len=a.seq_len, sequence_parallel=a.sp,
                      cp_attention=a.cp_attention, cp_layout=a.cp_layout, zero_stage=a.zero)

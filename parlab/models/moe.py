@@ -26,8 +26,11 @@ The router, as Switch Transformer [2] and GShard [1] define it, and Megatron-cor
 Routing groups. Capacity and the load-balancing statistics are taken over a *group* of tokens: under expert
 parallelism each rank routes its own tokens (GShard's groups), so a one-process model standing in for W ranks
 routes W equal, contiguous groups (``MoE.groups = W``): the rank r's tokens are rows r b .. (r + 1) b - 1 of the
-global batch. The layer's auxiliary loss is the mean of its groups' (each rank's loss, averaged by data
-parallelism).
+global batch. Ranks that split the sequence too (context parallelism, tensor parallelism's sequence shards) route
+some positions of some rows: ``MoE.positions``, the positions of each of P sequence shards in a rank's order, makes
+the groups (row block) x (sequence shard), ``groups / P`` row blocks, each group's tokens in the rank's order
+(its rows, then its positions). The layer's auxiliary loss is the mean of its groups' (each rank's loss,
+averaged by data parallelism).
 
 The auxiliary losses do not change the value of the training loss: as Megatron-core's ``MoEAuxLossAutoScaler``,
 `_AuxLossScaler` attaches their gradient to the layer's output, so any loss computed from it (one process,
@@ -224,6 +227,7 @@ class MoE(nn.Module):
         self.num_experts, self.top_k, self.capacity_factor, self.norm_topk = experts, top_k, capacity_factor, norm_topk
         self.aux_loss_coeff, self.z_loss_coeff = aux_loss_coeff, z_loss_coeff
         self.groups, self.aux_grad_scale = 1, 1.0
+        self.positions: list[torch.Tensor] | None = None                              # sequence shards (docstring)
         self.aux_loss: torch.Tensor | None = None
         self.routing: Routing | None = None
 
@@ -237,13 +241,30 @@ class MoE(nn.Module):
         experts and combine (`parlab.parallel.expert`)."""
         return self.experts(x_sorted, counts.tolist())                                # (N, H)
 
+    def group_order(self, rows: int, seq: int) -> torch.Tensor | None:
+        """(T,) the flat token indices (row S + position) of a (rows, seq) batch, grouped as `positions` says
+        (module docstring): group after group, each in its rank's order; None: the groups are contiguous."""
+        if self.positions is None:
+            return None
+        P = len(self.positions)
+        if self.groups % P or rows % (self.groups // P) or sum(len(q) for q in self.positions) != seq:
+            raise ValueError(f"{self.groups} routing groups of {P} sequence shards do not fit a batch of {rows} "
+                             f"rows of {seq} positions: the shards must cover the sequence, the row blocks the rows")
+        blocks = torch.arange(rows).view(self.groups // P, -1)                        # (G/P, rows P/G)
+        return torch.cat([(b[:, None] * seq + q[None, :].cpu()).reshape(-1) for b in blocks for q in self.positions])
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         tokens = x.reshape(-1, shape[-1])                                             # (T, H), T = B S
+        order = self.group_order(*shape[:2]) if x.dim() == 3 else None
+        if order is not None:
+            order = order.to(x.device)
+            tokens = tokens[order]                                                    # (T, H) group by group
         r = self.route(tokens)
         x_sorted, slots = sort_by_expert(tokens, r)                                   # (N, H)
         y = self.experts_forward(x_sorted, r.counts)                                  # (N, H)
-        out = unsort(y, slots, r).view(shape)                                         # (B, S, H)
+        out = unsort(y, slots, r)                                                     # (T, H)
+        out = (out if order is None else out[torch.argsort(order)]).view(shape)       # (B, S, H)
         self.routing, self.aux_loss = r, (r.aux_loss + r.z_loss).detach()
         if out.requires_grad and (self.aux_loss_coeff or self.z_loss_coeff):
             out = _AuxLossScaler.apply(out, r.aux_loss + r.z_loss, self.aux_grad_scale)

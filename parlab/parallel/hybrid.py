@@ -30,14 +30,17 @@ needs (groups are passed explicitly, from `parlab.parallel.groups.build_groups`)
     3. CP     `apply_cp`: attention of every kept layer over `groups.cp`; position embeddings at global positions
     4. EP     `apply_ep`: a model with MoE layers (``GPTConfig(experts=E)``) on a grid with ep > 1: each kept MoE
               layer's experts spread over `groups.ep` (`parlab.parallel.expert`); the auxiliary losses' gradient
-              scaled by 1/m (m micro-batches' gradients are summed). So far tp = etp = 1; each rank routes each
-              micro-batch's tokens, so the one-process model that matches routes dp x m groups
+              scaled by 1/(m tp) (m micro-batches', with SP the tp ranks', gradients are summed). With tp > 1,
+              as Megatron-core: SP, the MoE layer routes this rank's (b, S/(cp tp), H) tokens, its router's
+              gradient summed over tp like the layer norms', the experts whole (etp = 1) or split over the
+              tp group (etp = tp: rows gathered over it after dispatch). The one-process
+              model that matches routes the same groups (`routing_groups`; `expert.routed_as_ranks`)
     5. DP     `make_optimizer`: plain DP averages the gradients over `groups.dp_cp` (one flat all-reduce, in
               `HybridGPT.forward_backward`); ZeRO-1/2 shards the optimizer over the same group
               (`parlab.parallel.zero.optimizer.ShardedOptimizer`: reduce-scatter, shard step, all-gather). The
               experts' gradients are averaged over `groups.edp` and divided by ep instead; with ZeRO they get
               their own sharded optimizer over `groups.edp`, whose reduce-scatter averages over the replicas,
-              the 1/ep applied before it
+              the 1/ep applied before it (1/(ep etp/tp) with SP: `parlab.parallel.expert.grads`)
 
 `HybridGPT.train_step(x, y)` takes the global batch (B, S) (the same on every rank), keeps this rank's
 rows (dp) and positions (cp), runs the chosen pipeline schedule over `schedule.microbatches` micro-batches,
@@ -45,7 +48,8 @@ reduces the gradients and steps the optimizer; it returns the global mean loss o
 
 Supported: any tp x cp x dp x pp whose sizes the model allows, with these limits (a ValueError says which):
 sequence parallelism needs seq_len / cp divisible by tp (with SP the pipeline's messages are (b, S/tp, H),
-as in Megatron, a tp-th of the bytes); Ulysses needs (n_head / tp) % cp == 0; dropout 0.
+as in Megatron, a tp-th of the bytes); Ulysses needs (n_head / tp) % cp == 0; dropout 0; ep > 1 with
+tp > 1 needs SP, and etp is 1 or tp.
 
 References
     [1] D. Narayanan et al., "Efficient Large-Scale Language Model Training on GPU Clusters Using
@@ -64,18 +68,20 @@ import torch
 
 from parlab import comm
 from parlab.models import GPT, moe_layers
-from parlab.parallel.context import check_seq_len, ring_attention, shard_positions, shard_sequence, ulysses_attention
+from parlab.parallel.context import (check_seq_len, ring_attention, shard_positions, shard_sequence,
+                                     ulysses_attention)
 from parlab.parallel.expert import average_expert_gradients, expert_parallel, is_expert_param
 from parlab.parallel.groups import ProcessGroups
 from parlab.parallel.pipeline import (SCHEDULES, PipelineParallel, Schedule, add_back_grads, average_grads,
                                       set_aside_grads)
-from parlab.parallel.tensor import (check_divisible, dense_state_dict, gpt_plan, parallelize, plan_matches,
-                                    sync_sequence_parallel_grads, vocab_parallel_mean_loss)
+from parlab.parallel.tensor import (check_divisible, dense_state_dict, gpt_plan, mark_sequence_parallel, parallelize,
+                                    plan_matches, sync_sequence_parallel_grads, vocab_parallel_mean_loss)
 from parlab.parallel.topology import ParallelGrid
 from parlab.parallel.zero import ShardedOptimizer
 
 __all__ = ["HybridGPT", "OptimizerSet", "build_hybrid", "apply_pp", "apply_tp", "apply_cp", "apply_ep",
-           "make_optimizer", "make_schedule", "check_layout", "group_dim", "traffic_by_dim", "SUPPORTED"]
+           "make_optimizer", "make_schedule", "check_layout", "routing_groups", "group_dim", "traffic_by_dim",
+           "SUPPORTED"]
 
 SUPPORTED = ("any tp x cp x dp x pp the model's sizes allow; sequence_parallel needs seq_len / cp divisible by "
              "tp; cp attention 'ulysses' needs (n_head/tp) % cp == 0; ZeRO stage 0, 1 or 2; dropout 0")
@@ -127,9 +133,13 @@ def check_layout(config, grid: ParallelGrid, schedule: Schedule, *, batch_size: 
         if not config.experts or config.experts % grid.ep:
             raise ValueError(f"ep={grid.ep} spreads the experts of the MoE layers over ep ranks: give the model "
                              f"GPTConfig(experts=E) with E a multiple of {grid.ep} (it has experts={config.experts})")
-        if grid.tp > 1 or grid.etp > 1:
-            raise ValueError(f"expert parallelism composes here with dp, cp, pp and ZeRO-1/2, not yet with tensor "
-                             f"parallelism (tp=1, etp=1); got tp={grid.tp}, etp={grid.etp}")
+        if grid.tp > 1 and not sequence_parallel:
+            raise ValueError(f"expert parallelism with tensor parallelism (tp={grid.tp}) needs sequence parallelism, "
+                             f"as in Megatron-core: each tp rank routes its own S/tp tokens; pass "
+                             f"sequence_parallel=True (lab: --sp)")
+        if grid.etp > 1 and grid.expert.groups("etp") != grid.groups("tp"):
+            raise ValueError(f"expert tensor parallelism composes here with etp=1 (experts whole) or etp=tp on the tp "
+                             f"ranks (the default order); got etp={grid.etp}, tp={grid.tp}, order {grid.order}")
     if batch_size is not None and batch_size % (dp * schedule.microbatches):
         raise ValueError(f"global batch {batch_size} must split into dp={dp} replicas x "
                          f"{schedule.microbatches} micro-batches; use a multiple of {dp * schedule.microbatches}")
@@ -181,11 +191,13 @@ class HybridGPT:
         if self.sequence_parallel:                            # partial grads of params used on S/tp tokens
             sync_sequence_parallel_grads(self.module, g.tp)
         ep = self.grid.ep > 1                                 # experts: their own average (step 5)
+        tokens_tp = self.grid.tp if self.sequence_parallel else 1   # the tp ranks' tokens: one loss
         dense = [p for n, p in self.module.named_parameters() if not (ep and is_expert_param(n))]
         if self.zero_stage == 0 and g.size("dp-cp") > 1:     # plain DP: one flat all-reduce
             average_grads(dense, g.dp_cp)
         if ep:          # ZeRO: its expert optimizer averages over edp at the step; the 1/ep is here either way
-            average_expert_gradients(self.module, g.ep, g.edp if g.size("edp") > 1 and not self.zero_stage else None)
+            average_expert_gradients(self.module, g.ep, g.edp if g.size("edp") > 1 and not self.zero_stage else None,
+                                     divide_by=self.grid.ep * self.grid.etp / tokens_tp)
         add_back_grads(earlier)
         return self._global_loss(loss)
 
@@ -246,7 +258,7 @@ def build_hybrid(model: GPT, groups: ProcessGroups, *, schedule: str | Schedule 
     pipe = apply_pp(model, sch, groups, sequence_parallel, copy)       # 1. this rank's stage(s)
     apply_tp(pipe, groups, sequence_parallel)                          # 2. its layers sharded over tp
     apply_cp(pipe.module, groups, cp_attention, cp_layout)             # 3. its attention over cp
-    apply_ep(pipe.module, groups, sch.microbatches)                    # 4. its experts over ep
+    apply_ep(pipe.module, groups, sch.microbatches, sequence_parallel)  # 4. its experts over ep
     if device is not None:                                             # only the stage's shards reach the device
         pipe.to(device)
     opt = make_optimizer(pipe.module, groups, zero_stage, optimizer_cls, **optimizer_kwargs)   # 5. DP / ZeRO
@@ -288,12 +300,31 @@ def apply_cp(stage: GPT, groups: ProcessGroups, cp_attention: str, cp_layout: st
         stage.wpe.register_forward_pre_hook(_global_positions(cp, groups.local_rank("cp"), cp_layout), prepend=True)
 
 
-def apply_ep(stage: GPT, groups: ProcessGroups, microbatches: int) -> None:
-    """Step 4: the MoE layers' experts over `groups.ep`; every micro-batch's aux-loss gradient weighs 1/m."""
-    if groups.grid.ep > 1:
-        expert_parallel(stage, groups.ep)
+def apply_ep(stage: GPT, groups: ProcessGroups, microbatches: int, sequence_parallel: bool = False) -> None:
+    """Step 4: the MoE layers' experts over `groups.ep`; every micro-batch's aux-loss gradient weighs 1/m, and
+    1/tp with SP (the tp ranks route different tokens of one loss). With SP the router (and, with ep = 1, the
+    experts, whole on every tp rank) runs on S/tp tokens: its gradient is summed over tp (step 2's sync)."""
+    grid = groups.grid
+    if grid.ep > 1:
+        expert_parallel(stage, groups.ep, groups.tp if grid.etp > 1 else None)   # etp = tp: the tp group
+    sp = sequence_parallel and grid.tp > 1
     for moe in moe_layers(stage):
-        moe.aux_grad_scale = 1.0 / microbatches
+        moe.aux_grad_scale = 1.0 / (microbatches * (grid.tp if sp else 1))
+        for name, p in moe.named_parameters() if sp else ():
+            if grid.ep == 1 or not is_expert_param(name):              # ep > 1: experts averaged over edp
+                mark_sequence_parallel(p)
+
+
+def routing_groups(grid: ParallelGrid, seq_len: int, microbatches: int, cp_layout: str = "zigzag",
+                   sequence_parallel: bool = False) -> tuple[int, list[torch.Tensor]]:
+    """How the ranks of this layout route a global batch, for the one-process model that matches it
+    (``routed_as_ranks(model, *routing_groups(...))``): (groups, positions), dp x m row blocks (each replica's
+    micro-batches) times the sequence shards: each cp rank's positions (`cp_layout`), cut in tp chunks with SP."""
+    tp = grid.tp if sequence_parallel else 1
+    per_cp = [shard_positions(seq_len, grid.cp, c, cp_layout) for c in range(grid.cp)] if grid.cp > 1 else \
+        [torch.arange(seq_len)]
+    positions = [q for pos in per_cp for q in pos.chunk(tp)]                           # (S/(cp tp),) each
+    return grid.dp * microbatches * len(positions), positions
 
 
 def make_optimizer(stage: GPT, groups: ProcessGroups, zero_stage: int,

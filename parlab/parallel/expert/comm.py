@@ -36,7 +36,8 @@ import torch
 from parlab import comm
 from parlab.i18n import _
 
-__all__ = ["DispatchPlan", "exchange_counts", "all_to_all_rows", "dispatch", "combine"]
+__all__ = ["DispatchPlan", "exchange_counts", "all_to_all_rows", "dispatch", "combine", "gather_over_etp",
+           "reduce_scatter_over_etp"]
 
 
 class _AllToAll(torch.autograd.Function):
@@ -95,13 +96,41 @@ def dispatch(x_sorted: torch.Tensor, counts: torch.Tensor, group=None) -> tuple[
     in_splits = counts.view(ep, local).sum(1).tolist()                               # rows to each rank
     out_splits = received.sum(1).tolist()                                            # rows from each rank
     rows = all_to_all_rows(x_sorted, in_splits, out_splits, group, label="ep dispatch")   # (M, H) by source
-    rec = received.tolist()                                                          # one copy to the host
+    plan = DispatchPlan(in_splits, out_splits, *_by_local_expert(received.tolist(), x_sorted.device))
+    return rows[plan.order], plan                                                    # (M, H)
+
+
+def _by_local_expert(rec: list[list[int]], device) -> tuple[torch.Tensor, list[int]]:
+    """Rows received as blocks (source s, local expert e), rec[s][e] rows each, source-major: the permutation to
+    expert-major order (M,) and the rows per local expert."""
+    ep, local = len(rec), len(rec[0])
     start = list(itertools.accumulate([0] + [n for row in rec for n in row]))        # block (s, e) at s E/ep + e
     order = [i for e in range(local) for s in range(ep)
              for i in range(start[s * local + e], start[s * local + e] + rec[s][e])]
-    order = torch.tensor(order, dtype=torch.long, device=x_sorted.device)            # (M,) expert-major
-    plan = DispatchPlan(in_splits, out_splits, order, [sum(rec[s][e] for s in range(ep)) for e in range(local)])
-    return rows[order], plan                                                         # (M, H)
+    order = torch.tensor(order, dtype=torch.long, device=device)                     # (M,) expert-major
+    return order, [sum(rec[s][e] for s in range(ep)) for e in range(local)]
+
+
+def gather_over_etp(rows: torch.Tensor, local_counts: list[int], group=None) -> tuple[torch.Tensor, DispatchPlan]:
+    """Expert tensor parallelism: this rank's dispatched rows (M, H), sorted by local expert, -> the rows of all
+    etp ranks of `group` (M_all, H), sorted by local expert (then etp rank), for experts sharded over them.
+    Uneven sizes (each etp rank received its own tokens): counts first, then an all-to-all sending every rank
+    the same rows (gloo has no uneven all-gather); backward sums the rows' gradients from every etp rank."""
+    etp = comm.get_world_size(group)
+    counts = torch.tensor(local_counts * etp, dtype=torch.long, device=rows.device)   # (etp E/ep,)
+    received = exchange_counts(counts, group)                                        # (etp, E/ep)
+    in_splits, out_splits = [rows.shape[0]] * etp, received.sum(1).tolist()
+    out = all_to_all_rows(rows.repeat(etp, 1), in_splits, out_splits, group, label="etp gather")  # by source
+    plan = DispatchPlan(in_splits, out_splits, *_by_local_expert(received.tolist(), rows.device))
+    return out[plan.order], plan                                                     # (M_all, H)
+
+
+def reduce_scatter_over_etp(y: torch.Tensor, plan: DispatchPlan, group=None) -> torch.Tensor:
+    """The inverse of `gather_over_etp` for partial sums: every etp rank's partial outputs (M_all, H) of all
+    rows -> this rank's rows (M, H), summed over the etp ranks (in rank order: the same sum everywhere)."""
+    back = y.new_zeros(y.shape).index_copy(0, plan.order, y)                          # (M_all, H) by source
+    parts = all_to_all_rows(back, plan.out_splits, plan.in_splits, group, label="etp reduce-scatter")
+    return parts.view(len(plan.in_splits), -1, y.shape[-1]).sum(0)                   # (M, H)
 
 
 def combine(y: torch.Tensor, plan: DispatchPlan, group=None) -> torch.Tensor:

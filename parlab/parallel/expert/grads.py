@@ -12,6 +12,18 @@ contributions of the tokens of all ep ranks of its EP group (combine's backward 
 Forgetting the extra 1/ep (averaging expert gradients over the EDP group alone, as over a DP group) makes them
 ep times too large: the bug of DeepSpeed PR 5259, megablocks issue 86 and pytorch issue 160285.
 
+Under tensor parallelism with sequence parallelism (Megatron-core's MoE with TP), the tp ranks of one data
+replica hold different tokens (S/tp each) of the *same* loss: the W ranks of a pipeline stage are tp x D with D
+the data-parallel (dp x cp) replicas, and the gradients of all their tokens sum to D times the step's gradient,
+not W times. With experts whole on each rank (etp = 1) an expert lives on one rank of each EP group and has
+edp = W / ep replicas, so the net 1/D is
+
+    expert weight  all-reduce over its edp replicas, / edp, / (ep etp / tp)      = (1/D) sum over all W ranks
+
+(etp = tp, the experts TP-sharded, gives back / ep). Dividing by ep as without TP makes them tp times too small;
+summing them over tp as the other weights used on S/tp tokens (`sync_sequence_parallel_grads`) mixes the
+different experts of the tp ranks (with MoE folding the EP group may be the TP group).
+
 The global gradient norm counts every parameter once: the dense gradients are equal on every rank (after the
 average), the experts' differ, so the squared norms of the experts are summed over the EP group and added to the
 dense ones (Megatron-core PR 5916 fixed a norm that left the experts out).
@@ -49,10 +61,12 @@ def average_gradients(model: nn.Module, group=None, ep_group=None, edp_group=Non
     average_expert_gradients(model, ep_group, edp_group, label)
 
 
-def average_expert_gradients(model: nn.Module, ep_group=None, edp_group=None, label: str = "ep grads") -> None:
+def average_expert_gradients(model: nn.Module, ep_group=None, edp_group=None, label: str = "ep grads",
+                             divide_by: float | None = None) -> None:
     """The experts' part of `average_gradients`: each expert gradient averaged over `edp_group` (None: no
-    replicas) and divided by the size of `ep_group`; a missing gradient counts as zero."""
-    ep = comm.get_world_size(ep_group)
+    replicas) and divided by `divide_by` (default: the size of `ep_group`; ep etp / tp under sequence
+    parallelism, module docstring); a missing gradient counts as zero."""
+    ep = comm.get_world_size(ep_group) if divide_by is None else divide_by
     for name, p in model.named_parameters():
         if not (p.requires_grad and is_expert_param(name)):
             continue
