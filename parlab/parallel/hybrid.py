@@ -283,7 +283,6 @@ def apply_tp(pipe: PipelineParallel, groups: ProcessGroups, sequence_parallel: b
     parallelize(stage, _stage_plan(stage, sequence_parallel), groups.tp, sequence_parallel)
     if stage.lm_head is not None:                                      # the last stage: loss on (b, S, V/tp) logits
         stage.loss = functools.partial(vocab_parallel_mean_loss, group=groups.tp)
-    pipe.register_split_backward_hooks()                               # zero-bubble W: the sharded layers too
 
 
 def apply_cp(stage: GPT, groups: ProcessGroups, cp_attention: str, cp_layout: str) -> None:

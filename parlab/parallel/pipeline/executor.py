@@ -154,8 +154,10 @@ class PipelineParallel(PipelineStages):
 
     def register_split_backward_hooks(self) -> None:
         """For schedules with I and W: record the output (and, for nn.Linear, the input) of every module that
-        owns parameters, so W can compute their gradients later. Called by the constructor; call it again
-        after replacing modules of `self.module` (e.g. sharding them for tensor parallelism)."""
+        owns parameters, so W can compute their gradients later. Called by the constructor and again at the start
+        of every step, so that modules put in after construction (layers sharded for tensor parallelism, expert
+        layers) are recorded too: a module without the hook would get no gradient at all (I computes only the
+        gradients of what was recorded), silently."""
         if not self._split:
             return
         for mod in self.module.modules():
@@ -194,6 +196,7 @@ class PipelineParallel(PipelineStages):
         last = self.schedule.stages - 1 in self.my_stages
         counts, weights = self._loss_weights([t for _, t in micro]) if last else (None, None)
         earlier = set_aside_grads(self.module.parameters())  # accumulation: sync only this step's grads
+        self.register_split_backward_hooks()                 # modules replaced since construction (ZB: I and W)
         return _StepState(micro, last, counts, weights, earlier,
                           torch.zeros((), dtype=self.dtype, device=self.device))
 
