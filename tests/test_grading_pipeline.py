@@ -155,10 +155,24 @@ def test_overlay_adds_the_schedule_as_outlines_and_scale_converts_seconds():
     sim = sch.simulate(sch.one_f_one_b(2, 2))
     measured = {r: [(2 * t0, 2 * t1, a) for t0, t1, a in sp] for r, sp in enumerate(sim.spans)}   # "seconds"
     fig = vp.schedule_timeline(measured, scale=0.5, overlay=sim.spans)
-    outline = fig.data[-1]
-    assert outline.name.startswith("scheduled") and outline.marker.color == "rgba(0,0,0,0)"
-    drawn = sorted(b for t in fig.data[:-1] for b in t.base)
+    outline = next(t for t in fig.data if t.name.startswith("scheduled"))
+    assert outline.marker.color == "rgba(0,0,0,0)"
+    drawn = sorted(b for t in fig.data if t is not outline for b in t.base)
     assert drawn == sorted(outline.base)                  # scaled measured cells sit exactly on the schedule
+
+
+def test_overlay_outlines_are_drawn_under_the_cells_and_stick_out_around_them():
+    """Issue 39: the red outlines were drawn over the measured cells, and a measured run shifted against its
+    schedule put an outline's side across a cell's micro-batch number. Drawn first (under the opaque cells) and
+    taller than a cell, the outline still shows above, below and between the cells, never across a number."""
+    sim = sch.simulate(sch.one_f_one_b(4, 8))
+    late = {r: [(t0 + 0.4, t1 + 0.4, a) for t0, t1, a in sp] for r, sp in enumerate(sim.spans)}
+    fig = vp.schedule_timeline(late, overlay=sim.spans)
+    assert fig.data[0].name.startswith("scheduled")                                    # drawn first: under
+    cells = fig.data[1:]
+    assert all(t.text is not None and t.marker.line.color == "white" for t in cells)   # opaque cells, numbers
+    assert all(fig.data[0].width - t.width >= 0.2 for t in cells)                      # edges show around them
+    assert fig.data[0].legendrank > max(t.legendrank or 1000 for t in cells)           # still last in the legend
 
 
 def test_schedules_figure_stacks_panels_and_hatches_interleaved_chunks():

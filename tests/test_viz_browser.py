@@ -94,6 +94,21 @@ def test_checker_finds_legend_colours_scrolling_legends_and_single_digit_log_lab
     assert p_dashed == [] and p_timeline == [], (p_dashed, p_timeline)     # the timeline gives each its own
 
 
+def test_checker_finds_bar_labels_crossed_by_an_outline_and_lesson_05s_overlay_has_none(tmp_path):
+    """Issue 39: lesson 05's measured-vs-scheduled figure drew the schedule's red outlines over the measured
+    cells; a run later than its schedule put an outline's side through a micro-batch number."""
+    from parlab.parallel import pipeline as sch
+    from parlab.viz import pipeline as vp
+    sim = sch.simulate(sch.one_f_one_b(4, 8))
+    late = {r: [(t0 * 1.15 + 0.3 * r, t1 * 1.15 + 0.3 * r - 0.1, a) for t0, t1, a in sp]   # a busy machine's run
+            for r, sp in enumerate(sim.spans)}
+    fig = vp.schedule_timeline(late, overlay=sim.spans, title="measured vs scheduled")
+    over = go.Figure(layout=fig.layout)
+    over.add_traces(list(fig.data[1:]) + [fig.data[0]])                      # the outline drawn last, on top
+    (p_over, p_fig), _ = _problems(tmp_path, over, fig)
+    assert any("bar labels crossed by a bar or shape drawn over them" in p for p in p_over), p_over
+    assert p_fig == []
+
 def test_animations_have_a_frame_per_algorithm_step_and_stay_legible(tmp_path):
     evs = [Event(rank=r, kind="collective", op="all_reduce", start=0.0, end=1.0, group=tuple(range(8)), nbytes=8000)
            for r in range(8)]

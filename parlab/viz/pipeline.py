@@ -71,8 +71,13 @@ def _shade(colour: str, chunk: int) -> str:
 MAX_LABELLED = 48
 
 
+#: a cell's height in its lane (a lane is 1 tall); under an overlay the cells are thinner and the outline taller,
+#: so the outline's edges show above and below every cell
+CELL_WIDTH, OVERLAID_CELL_WIDTH, OUTLINE_WIDTH = 0.8, 0.7, 0.94
+
+
 def _add_cells(fig: go.Figure, spans, scale: float, ranks: int, row=None, col=None, legend: bool = True,
-               seen: set | None = None) -> None:
+               seen: set | None = None, width: float = CELL_WIDTH) -> None:
     """One bar trace per (kind, chunk): base = start, x = duration, y = rank lane, text = micro-batch (unless a
     lane holds more than MAX_LABELLED cells)."""
     groups: dict[tuple[str, int], list] = {}
@@ -88,7 +93,7 @@ def _add_cells(fig: go.Figure, spans, scale: float, ranks: int, row=None, col=No
             orientation="h", base=[c[1] for c in cells], x=[c[2] for c in cells], y=[f"rank {c[0]}" for c in cells],
             text=[str(c[3].mb) for c in cells] if labelled else None, textposition="inside",
             insidetextanchor="middle",
-            textfont=dict(size=11, color="black" if kind in "FW" else "white"), width=0.8, name=name,
+            textfont=dict(size=11, color="black" if kind in "FW" else "white"), width=width, name=name,
             legendgroup=name, showlegend=legend and name not in seen,
             marker=dict(color=_shade(KIND_COLORS[kind], chunk), line=dict(color="white", width=0.5 if labelled else 0),
                         pattern=dict(shape=PATTERNS[chunk % len(PATTERNS)], fgcolor="rgba(0,0,0,0.35)")),
@@ -100,10 +105,15 @@ def _add_cells(fig: go.Figure, spans, scale: float, ranks: int, row=None, col=No
 
 
 def _add_outline(fig: go.Figure, spans, scale: float, row=None, col=None, legend: bool = True) -> None:
+    """The scheduled cells as red outlines, taller than a cell (OUTLINE_WIDTH); added before the cells, so drawn
+    under them: where a measured cell lies, its opaque fill hides the outline's edges and they never cross its
+    micro-batch number (they did when drawn on top), while the outline's top and bottom and the ends of its sides
+    still show above and below the cell, and whole in the gaps. Listed last in the legend."""
     cells = [(r, t0 * scale, (t1 - t0) * scale, a) for r, sp in _rows(spans) for t0, t1, a in sp]
     fig.add_trace(go.Bar(
         orientation="h", base=[c[1] for c in cells], x=[c[2] for c in cells], y=[f"rank {c[0]}" for c in cells],
-        width=0.95, name=_("scheduled (simulation)"), showlegend=legend, legendgroup="scheduled",
+        width=OUTLINE_WIDTH, name=_("scheduled (simulation)"), showlegend=legend, legendgroup="scheduled",
+        legendrank=2000,
         marker=dict(color="rgba(0,0,0,0)", line=dict(color="#d62728", width=1.5)),
         hovertemplate=[_("scheduled {action}: {start:.2f} to {end:.2f}<extra></extra>").format(
                            action=c[3], start=c[1], end=c[1] + c[2]) for c in cells]),
@@ -119,16 +129,18 @@ def schedule_timeline(spans, title: str | None = None, scale: float = 1.0, time_
     """One lane per rank; each action a cell coloured by kind (F, B, I, W) with its micro-batch number.
 
     `scale` multiplies the times (e.g. 1 / device_time turns measured seconds into unit time); `overlay`,
-    other spans (usually the simulation of the same schedule), is drawn on top as red outlines, so the measured
-    run and its schedule can be compared cell by cell. `ranks` (pipeline size, for the chunk of a virtual
+    other spans (usually the simulation of the same schedule), is drawn as red outlines around and between the
+    cells (under them, so they never cross a number), and the measured run and its schedule can be compared cell
+    by cell. `ranks` (pipeline size, for the chunk of a virtual
     stage) defaults to the number of lanes; `time_unit`, the x axis's title, to "unit time"."""
     p = ranks or len(_rows(spans))
     fig = go.Figure()
-    _add_cells(fig, spans, scale, p)
     if overlay is not None:
         _add_outline(fig, overlay, overlay_scale)
+    _add_cells(fig, spans, scale, p, width=CELL_WIDTH if overlay is None else OVERLAID_CELL_WIDTH)
     lanes = _lanes(spans)
-    fig.update_layout(title=title, barmode="overlay", height=140 + 55 * len(lanes), template="plotly_white",
+    lane_px = 55 if overlay is None else 65           # an overlay: room for the outline's edges around each cell
+    fig.update_layout(title=title, barmode="overlay", height=140 + lane_px * len(lanes), template="plotly_white",
                       uniformtext=dict(minsize=10, mode="show"),   # micro-batch numbers never under 10 px
                       xaxis_title=_("unit time") if time_unit is None else time_unit, legend_orientation="h",
                       legend_y=-0.25, bargap=0.1,
