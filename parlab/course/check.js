@@ -279,6 +279,18 @@
     return out;
   }
 
+  // plotly's toolbar (modebar) shows at the top right while the mouse is over the figure, over whatever is there
+  // (issue 39: long titles ran under it); figcheck draws figures with it, hidden until hovered, as JupyterLab does
+  function toolbarProblems(gd, boxes) {
+    const bar = gd.querySelector(".modebar");
+    if (!bar) return [];
+    const b = box(bar);
+    if (b.w === 0 || b.h === 0) return [];
+    return boxes.filter(t => t.kind !== "tick label" && overlap(t.b, b))
+      .map(t => `${t.kind} "${short(t.text)}" lies under plotly's toolbar (shown on hover at the top right): ` +
+                `start it below style.TOOLBAR_PX (style.top_title) or give it a top margin of 80 px or more`);
+  }
+
   window.parlabCheck = function (gd) {
     const problems = [];
     const fig = box(gd.querySelector(".main-svg") || gd);
@@ -302,7 +314,7 @@
       if (seen.has(n)) problems.push(`legend lists "${short(n)}" twice`);
       seen.add(n);
     }
-    problems.push(...legendColourProblems(gd), ...logLabelProblems(gd));
+    problems.push(...toolbarProblems(gd, boxes), ...legendColourProblems(gd), ...logLabelProblems(gd));
     gd.querySelectorAll(".legend rect.scrollbar").forEach(bar => {     // a legend taller than its figure scrolls:
       const b = box(bar);                                              // its last entries are hidden on a slide
       if (b.h > 0 && b.w > 0) problems.push(`legend does not fit the figure's height: it scrolls (` +
