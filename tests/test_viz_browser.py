@@ -123,8 +123,8 @@ def test_checker_finds_text_under_plotlys_toolbar_and_parlabs_top_titles_clear_i
                                    pad=dict(t=8)))                                    # the replay toggle's title
     clear = go.Figure(go.Scatter(x=[0, 1], y=[0, 1]))
     clear.update_layout(title=style.top_title(long, x=0.015, xanchor="left"))
-    evs = [Event(rank=r, kind="collective", op="all_reduce", start=0.0, end=1.0, group=tuple(range(4)), nbytes=8000,
-                 label="grad bucket 0") for r in range(4)]
+    evs = [Event(rank=r, kind="collective", op="all_reduce", start=0.0, end=1.0, group=tuple(range(8)), nbytes=8000,
+                 label="grad bucket 0 of the embedding and the first layer") for r in range(8)]   # a long heading
     runs = [Event(rank=r, kind="compute", op="forward", start=0.0, end=1.0 + r) for r in range(2)]
     figs = []
     for lang in ("en", "zh_CN"):

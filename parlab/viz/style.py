@@ -61,10 +61,14 @@ KIND_ORDER = ("compute", "collective", "p2p", "mark")
 TOOLBAR_PX = 30
 
 
-def top_title(text: str | None, **kw) -> dict:
+def top_title(text: str | None, several_lines: bool | None = None, **kw) -> dict:
     """A plotly title anchored at the figure's top edge, just below the toolbar's band (`TOOLBAR_PX`), so a title
-    as long as the figure is wide stays readable when the toolbar shows; `kw` adds or overrides keys (x, font, ...)."""
-    return dict(text=text, y=1.0, yref="container", yanchor="top", pad=dict(t=TOOLBAR_PX)) | kw
+    as long as the figure is wide stays readable when the toolbar shows; `kw` adds or overrides keys (x, font, ...).
+    Plotly draws a title of several lines 12 px higher than its pad says: such a one (`several_lines`; by default
+    when `text` holds a ``<br>``; an animation whose later frames do says so) gets 12 px more."""
+    several = several_lines if several_lines is not None else bool(text and "<br>" in text)
+    pad = TOOLBAR_PX + (12 if several else 0)
+    return dict(text=text, y=1.0, yref="container", yanchor="top", pad=dict(t=pad)) | kw
 
 
 def color(kind: str, op: str) -> str:
