@@ -189,3 +189,20 @@ def test_schedules_figure_stacks_panels_and_hatches_interleaved_chunks():
 def test_peak_bars_one_group_per_schedule():
     fig = vp.peak_bars({"GPipe": [8, 8], "1F1B": [2, 1]})
     assert [t.name for t in fig.data] == ["GPipe", "1F1B"] and list(fig.data[1].y) == [2, 1]
+
+
+def test_explorer_legend_sits_below_the_axis_title_at_every_size_and_chunk_colours_stay_apart():
+    """Lesson 05's explorer at p = 2 put the legend (a fraction of a short plot below it) on the x axis's title, and
+    at v = 4 forward's chunk 3 and backward's chunk 2 were one colour (38 apart in RGB; figcheck wants 40)."""
+    import itertools
+    import math
+    for p, schedule in ((2, sch.dualpipe_v(2, 8)), (4, sch.interleaved_1f1b(4, 8, 4)), (8, sch.one_f_one_b(8, 1))):
+        fig = vp.schedule_timeline(sch.simulate(schedule).spans, ranks=p)
+        plot_px = fig.layout.height - fig.layout.margin.t - fig.layout.margin.b
+        assert fig.layout.legend.yanchor == "top" and -fig.layout.legend.y * plot_px == pytest.approx(vp.LEGEND_TOP)
+        rows = -(-sum(bool(t.showlegend) for t in fig.data) // vp.LEGEND_PER_ROW)
+        assert fig.layout.margin.b >= vp.LEGEND_TOP + 24 * rows
+    colours = [vp._shade(vp.KIND_COLORS[k], c, vp.SHADE_STEP[k]) for k in "FB" for c in range(4)]
+    colours += [vp._shade(vp.KIND_COLORS[k], c, vp.SHADE_STEP[k]) for k in "IW" for c in range(2)]   # ZB, DualPipeV
+    rgb = [[int(h[i:i + 2], 16) for i in (1, 3, 5)] for h in colours]
+    assert min(math.dist(a, b) for a, b in itertools.combinations(rgb, 2)) >= 40

@@ -60,15 +60,23 @@ def _rows(spans) -> list[tuple[int, list]]:
     return sorted((int(r), list(sp)) for r, sp in items)
 
 
-def _shade(colour: str, chunk: int) -> str:
-    """The kind's colour for chunk 0, darker by 20% per further chunk: chunks differ in colour, not only hatch."""
-    k = max(0.0, 1.0 - 0.2 * chunk)
+#: how much darker each further chunk of a kind is: the light kinds (F, W) by less, so that forward's chunk 3 does
+#: not meet backward's chunk 2 (20% for all made them one colour, 38 apart in RGB, in lesson 05's explorer at v=4)
+SHADE_STEP = {"F": 0.15, "B": 0.2, "I": 0.2, "W": 0.15}
+
+
+def _shade(colour: str, chunk: int, step: float = 0.2) -> str:
+    """The kind's colour for chunk 0, darker by `step` per further chunk: chunks differ in colour, not only hatch."""
+    k = max(0.0, 1.0 - step * chunk)
     r, g, b = (int(colour[i:i + 2], 16) for i in (1, 3, 5))
     return f"#{int(r * k):02x}{int(g * k):02x}{int(b * k):02x}"
 
 
 #: a lane with more cells than this draws them without their micro-batch numbers (they would not fit)
 MAX_LABELLED = 48
+#: a timeline's legend: its top this many px below the plot (under the x axis's title), and at most this many
+#: entries a row in a 920-px notebook output ("B backward, chunk 1" is 150 px wide)
+LEGEND_TOP, LEGEND_PER_ROW = 62, 4
 
 
 #: a cell's height in its lane (a lane is 1 tall); under an overlay the cells are thinner and the outline taller,
@@ -95,7 +103,8 @@ def _add_cells(fig: go.Figure, spans, scale: float, ranks: int, row=None, col=No
             insidetextanchor="middle",
             textfont=dict(size=11, color="black" if kind in "FW" else "white"), width=width, name=name,
             legendgroup=name, showlegend=legend and name not in seen,
-            marker=dict(color=_shade(KIND_COLORS[kind], chunk), line=dict(color="white", width=0.5 if labelled else 0),
+            marker=dict(color=_shade(KIND_COLORS[kind], chunk, SHADE_STEP[kind]),
+                        line=dict(color="white", width=0.5 if labelled else 0),
                         pattern=dict(shape=PATTERNS[chunk % len(PATTERNS)], fgcolor="rgba(0,0,0,0.35)")),
             hovertemplate=[_("rank {rank}: {action} (stage {stage}, micro-batch {mb})<br>{start:.2f} to {end:.2f}"
                              "<extra></extra>").format(rank=c[0], action=c[3], stage=c[3].stage, mb=c[3].mb,
@@ -139,11 +148,15 @@ def schedule_timeline(spans, title: str | None = None, scale: float = 1.0, time_
         _add_outline(fig, overlay, overlay_scale)
     _add_cells(fig, spans, scale, p, width=CELL_WIDTH if overlay is None else OVERLAID_CELL_WIDTH)
     lanes = _lanes(spans)
-    lane_px = 55 if overlay is None else 65           # an overlay: room for the outline's edges around each cell
-    fig.update_layout(title=title, barmode="overlay", height=140 + lane_px * len(lanes), template="plotly_white",
+    plot_px = (45 if overlay is None else 55) * len(lanes)    # an overlay: room for the outline around each cell
+    # the legend below the x axis's title, in pixels: at p = 2 a fraction of the plot put it on the title, and its
+    # second row (chunks, I and W) needs its own room
+    rows = -(-sum(bool(t.showlegend) for t in fig.data) // LEGEND_PER_ROW)
+    bottom = LEGEND_TOP + 24 * rows + 10
+    fig.update_layout(title=title, barmode="overlay", height=100 + plot_px + bottom, template="plotly_white",
                       uniformtext=dict(minsize=10, mode="show"),   # micro-batch numbers never under 10 px
-                      xaxis_title=_("unit time") if time_unit is None else time_unit, legend_orientation="h",
-                      legend_y=-0.25, bargap=0.1,
+                      xaxis_title=_("unit time") if time_unit is None else time_unit, margin=dict(t=100, b=bottom),
+                      legend=dict(orientation="h", y=-LEGEND_TOP / plot_px, yanchor="top"), bargap=0.1,
                       yaxis=dict(categoryorder="array", categoryarray=lanes[::-1]))
     return fig
 
