@@ -155,10 +155,24 @@ def test_overlay_adds_the_schedule_as_outlines_and_scale_converts_seconds():
     sim = sch.simulate(sch.one_f_one_b(2, 2))
     measured = {r: [(2 * t0, 2 * t1, a) for t0, t1, a in sp] for r, sp in enumerate(sim.spans)}   # "seconds"
     fig = vp.schedule_timeline(measured, scale=0.5, overlay=sim.spans)
-    outline = fig.data[-1]
-    assert outline.name.startswith("scheduled") and outline.marker.color == "rgba(0,0,0,0)"
-    drawn = sorted(b for t in fig.data[:-1] for b in t.base)
+    outline = next(t for t in fig.data if t.name.startswith("scheduled"))
+    assert outline.marker.color == "rgba(0,0,0,0)"
+    drawn = sorted(b for t in fig.data if t is not outline for b in t.base)
     assert drawn == sorted(outline.base)                  # scaled measured cells sit exactly on the schedule
+
+
+def test_overlay_outlines_are_drawn_under_the_cells_and_stick_out_around_them():
+    """Issue 39: the red outlines were drawn over the measured cells, and a measured run shifted against its
+    schedule put an outline's side across a cell's micro-batch number. Drawn first (under the opaque cells) and
+    taller than a cell, the outline still shows above, below and between the cells, never across a number."""
+    sim = sch.simulate(sch.one_f_one_b(4, 8))
+    late = {r: [(t0 + 0.4, t1 + 0.4, a) for t0, t1, a in sp] for r, sp in enumerate(sim.spans)}
+    fig = vp.schedule_timeline(late, overlay=sim.spans)
+    assert fig.data[0].name.startswith("scheduled")                                    # drawn first: under
+    cells = fig.data[1:]
+    assert all(t.text is not None and t.marker.line.color == "white" for t in cells)   # opaque cells, numbers
+    assert all(fig.data[0].width - t.width >= 0.2 for t in cells)                      # edges show around them
+    assert fig.data[0].legendrank > max(t.legendrank or 1000 for t in cells)           # still last in the legend
 
 
 def test_schedules_figure_stacks_panels_and_hatches_interleaved_chunks():
@@ -175,3 +189,20 @@ def test_schedules_figure_stacks_panels_and_hatches_interleaved_chunks():
 def test_peak_bars_one_group_per_schedule():
     fig = vp.peak_bars({"GPipe": [8, 8], "1F1B": [2, 1]})
     assert [t.name for t in fig.data] == ["GPipe", "1F1B"] and list(fig.data[1].y) == [2, 1]
+
+
+def test_explorer_legend_sits_below_the_axis_title_at_every_size_and_chunk_colours_stay_apart():
+    """Lesson 05's explorer at p = 2 put the legend (a fraction of a short plot below it) on the x axis's title, and
+    at v = 4 forward's chunk 3 and backward's chunk 2 were one colour (38 apart in RGB; figcheck wants 40)."""
+    import itertools
+    import math
+    for p, schedule in ((2, sch.dualpipe_v(2, 8)), (4, sch.interleaved_1f1b(4, 8, 4)), (8, sch.one_f_one_b(8, 1))):
+        fig = vp.schedule_timeline(sch.simulate(schedule).spans, ranks=p)
+        plot_px = fig.layout.height - fig.layout.margin.t - fig.layout.margin.b
+        assert fig.layout.legend.yanchor == "top" and -fig.layout.legend.y * plot_px == pytest.approx(vp.LEGEND_TOP)
+        rows = -(-sum(bool(t.showlegend) for t in fig.data) // vp.LEGEND_PER_ROW)
+        assert fig.layout.margin.b >= vp.LEGEND_TOP + 24 * rows
+    colours = [vp._shade(vp.KIND_COLORS[k], c, vp.SHADE_STEP[k]) for k in "FB" for c in range(4)]
+    colours += [vp._shade(vp.KIND_COLORS[k], c, vp.SHADE_STEP[k]) for k in "IW" for c in range(2)]   # ZB, DualPipeV
+    rgb = [[int(h[i:i + 2], 16) for i in (1, 3, 5)] for h in colours]
+    assert min(math.dist(a, b) for a, b in itertools.combinations(rgb, 2)) >= 40

@@ -293,6 +293,26 @@ def test_lesson_05_explorer_speaks_the_course_language(lang, capsys):
         assert "micro-batches" in impossible and "interleaved (memory-optimised)" in text and "mean loss" in losses
 
 
+@pytest.mark.parametrize("lang", ["en", "zh_CN"])
+def test_lesson_05_explorer_chunks_slider_is_live_only_for_interleaved_schedules(lang):
+    """Issue 39: "the chunks slider stays live for schedules without chunks". Cell 5e21698b opens on 1F1B with
+    the slider disabled, and only the two interleaved schedules (chosen by their key, in either language)
+    enable it."""
+    import ipywidgets
+    import plotly.graph_objects as go
+    from parlab.parallel import pipeline as sch
+    from parlab.viz import pipeline as vp
+    ns = dict(sch=sch, vp=vp, go=go, widgets=ipywidgets, display=lambda *a, **k: None, pad=pad)
+    with use_language(lang):
+        exec(_cells("05_pipeline_parallel.ipynb", lang)["5e21698b"], ns)
+        schedule_w, chunks_w = ns["schedule_w"], ns["chunks_w"]
+        live = {}
+        assert schedule_w.value == "1F1B" and chunks_w.disabled
+        for _label, key in schedule_w.options:
+            schedule_w.value = key
+            live[key] = not chunks_w.disabled
+    assert live == {k: k.startswith("interleaved") for _l, k in schedule_w.options}, live
+
 def test_lesson_07_controls_and_messages_speak_chinese(lesson_07, capsys):
     """Cells 76e8e641, 69a7e5fa and e0ba6dd5: every control of the three explorers has a translated description
     (interact otherwise shows the parameter's name: world_size, gpus_per_node, model_name, gpu_mem_gb); an

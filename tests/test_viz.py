@@ -425,3 +425,19 @@ def test_explorer_capacity_labels_sit_beside_the_memory_plot():
         assert a.xref == "x domain" and a.x >= 1 and a.xanchor == "left", a
     assert labels["80 GB GPU"].yanchor == "bottom" and labels["usable"].yanchor == "top"
     assert labels["usable"].y < labels["80 GB GPU"].y == 80
+
+
+def test_titles_at_the_top_start_below_plotlys_toolbar():
+    """Issue 39: plotly's toolbar, shown on hover at the top right, covered long titles placed at the figure's very
+    top (the animations' headings, the replay toggles'); such titles come from style.top_title, below its band."""
+    from parlab.viz.replay import toggle
+    t = style.top_title("a title", x=0.015)
+    assert (t["y"], t["yref"], t["yanchor"], t["pad"]["t"], t["x"]) == (1.0, "container", "top", style.TOOLBAR_PX, 0.015)
+    evs = [Event(rank=r, kind="collective", op="all_reduce", start=0.0, end=1.0, group=(0, 1), nbytes=8)
+           for r in (0, 1)]
+    runs = [Event(rank=r, kind="compute", op="forward", start=0.0, end=1.0) for r in (0, 1)]
+    for fig in (viz.comm_animation(evs, title="all-reduce"), toggle(runs, runs, title="t", labels=("a", "b"))):
+        title = fig.layout.title
+        assert title.yref == "container" and title.y == 1.0 and title.yanchor == "top"
+        assert title.pad.t >= style.TOOLBAR_PX + (12 if "<br>" in title.text else 0)   # plotly lifts several lines
+    assert style.top_title("one<br>two")["pad"]["t"] == style.top_title("one", several_lines=True)["pad"]["t"] > t["pad"]["t"]

@@ -94,6 +94,50 @@ def test_checker_finds_legend_colours_scrolling_legends_and_single_digit_log_lab
     assert p_dashed == [] and p_timeline == [], (p_dashed, p_timeline)     # the timeline gives each its own
 
 
+def test_checker_finds_bar_labels_crossed_by_an_outline_and_lesson_05s_overlay_has_none(tmp_path):
+    """Issue 39: lesson 05's measured-vs-scheduled figure drew the schedule's red outlines over the measured
+    cells; a run later than its schedule put an outline's side through a micro-batch number."""
+    from parlab.parallel import pipeline as sch
+    from parlab.viz import pipeline as vp
+    sim = sch.simulate(sch.one_f_one_b(4, 8))
+    late = {r: [(t0 * 1.15 + 0.3 * r, t1 * 1.15 + 0.3 * r - 0.1, a) for t0, t1, a in sp]   # a busy machine's run
+            for r, sp in enumerate(sim.spans)}
+    fig = vp.schedule_timeline(late, overlay=sim.spans, title="measured vs scheduled")
+    over = go.Figure(layout=fig.layout)
+    over.add_traces(list(fig.data[1:]) + [fig.data[0]])                      # the outline drawn last, on top
+    (p_over, p_fig), _ = _problems(tmp_path, over, fig)
+    assert any("bar labels crossed by a bar or shape drawn over them" in p for p in p_over), p_over
+    assert p_fig == []
+
+def test_checker_finds_text_under_plotlys_toolbar_and_parlabs_top_titles_clear_it(tmp_path):
+    """Issue 39: plotly's toolbar (shown on hover at the top right) covered long titles placed at the figure's top:
+    the animations' headings and the replay toggles'. Titles from style.top_title start below it, in both
+    languages."""
+    from parlab.i18n import use_language
+    from parlab.parallel import pipeline as sch
+    from parlab.viz import pipeline as vp, style
+    from parlab.viz.replay import toggle, toggle_figures
+    long = "a long title that runs the whole width of the figure, right up to its edge where the toolbar is"
+    under = go.Figure(go.Scatter(x=[0, 1], y=[0, 1]))
+    under.update_layout(title=dict(text=long, x=0.015, xanchor="left", y=1.0, yref="container", yanchor="top",
+                                   pad=dict(t=8)))                                    # the replay toggle's title
+    clear = go.Figure(go.Scatter(x=[0, 1], y=[0, 1]))
+    clear.update_layout(title=style.top_title(long, x=0.015, xanchor="left"))
+    evs = [Event(rank=r, kind="collective", op="all_reduce", start=0.0, end=1.0, group=tuple(range(8)), nbytes=8000,
+                 label="grad bucket 0 of the embedding and the first layer") for r in range(8)]   # a long heading
+    runs = [Event(rank=r, kind="compute", op="forward", start=0.0, end=1.0 + r) for r in range(2)]
+    figs = []
+    for lang in ("en", "zh_CN"):
+        with use_language(lang):
+            panels = {"1F1B": sch.simulate(sch.one_f_one_b(4, 8)).spans, "ZB-H1": sch.simulate(sch.zero_bubble_h1(4, 8)).spans}
+            figs += [viz.comm_animation(evs, title="DDP: one update, 21 bucket all-reduces on 4 ranks"),
+                     toggle_figures({"this machine (emulated device time)": vp.schedules_figure(panels, title=long),
+                                     "replayed: GPT-3 175B on 32 x H100": vp.schedules_figure(panels, title=long)}),
+                     toggle(runs, runs, title=long, labels=("here", "there"))]
+    (p_under, p_clear, *p_figs), _ = _problems(tmp_path, under, clear, *figs)
+    assert any("lies under plotly's toolbar" in p for p in p_under), p_under
+    assert p_clear == [] and p_figs == [[]] * len(figs), p_figs
+
 def test_animations_have_a_frame_per_algorithm_step_and_stay_legible(tmp_path):
     evs = [Event(rank=r, kind="collective", op="all_reduce", start=0.0, end=1.0, group=tuple(range(8)), nbytes=8000)
            for r in range(8)]

@@ -162,6 +162,41 @@
     return Array.from(out);
   }
 
+  // a bar's label must not be crossed by what is drawn after it: another bar's outline (lesson 05's scheduled cells,
+  // drawn over the measured ones, ran their red sides through the micro-batch numbers), an opaque bar, or a shape
+  // drawn above the data
+  function paintsStroke(st) {
+    return st.stroke && st.stroke !== "none" && rgb(st.stroke) && parseFloat(st.strokeWidth) > 0 &&
+      parseFloat(st.strokeOpacity || 1) > 0;
+  }
+  function paintsFill(st) {
+    return st.fill && st.fill !== "none" && (rgb(st.fill) || /url\(/.test(st.fill)) && parseFloat(st.fillOpacity || 1) > 0;
+  }
+  function coveredTextProblems(gd) {
+    const texts = Array.from(gd.querySelectorAll(".barlayer text.bartext")).filter(el => words(el))
+      .map(el => ({ el, text: words(el), b: box(el) })).filter(t => t.b.w > 0 && t.b.h > 0);
+    if (!texts.length) return [];
+    const painted = Array.from(gd.querySelectorAll(".barlayer .point path, .layer-above .shapelayer path"))
+      .map(el => ({ el, b: box(el), st: getComputedStyle(el) })).filter(p => p.b.w > 0 || p.b.h > 0);
+    const hits = [];
+    for (const t of texts) {
+      const c = { l: t.b.l + 2, r: t.b.r - 2, t: t.b.t + 2, b: t.b.b - 2 };       // the glyphs, not the line box
+      const inX = x => x > c.l && x < c.r, inY = y => y > c.t && y < c.b;
+      const spansX = p => p.b.l < c.r && p.b.r > c.l, spansY = p => p.b.t < c.b && p.b.b > c.t;
+      const over = painted.find(p => {
+        if (p.el.closest(".point") === t.el.closest(".point")) return false;        // its own bar
+        if (!(t.el.compareDocumentPosition(p.el) & Node.DOCUMENT_POSITION_FOLLOWING)) return false;   // drawn under
+        if (!(spansX(p) && spansY(p))) return false;
+        if (paintsFill(p.st)) return true;
+        return paintsStroke(p.st) && ((inX(p.b.l) || inX(p.b.r)) || (inY(p.b.t) || inY(p.b.b)));
+      });
+      if (over) hits.push(t.text);
+    }
+    if (!hits.length) return [];
+    return [`${hits.length} bar labels crossed by a bar or shape drawn over them (an outline's edge through the ` +
+            `text), e.g. "${hits.slice(0, 5).map(short).join('", "')}"`];
+  }
+
   // plotly does not draw an annotation anchored on a data axis outside that axis' range (on a log axis its
   // position is read as log10: a label given the raw value lands far off the plot and silently disappears)
   function hiddenAnnotationProblems(gd) {
@@ -244,6 +279,18 @@
     return out;
   }
 
+  // plotly's toolbar (modebar) shows at the top right while the mouse is over the figure, over whatever is there
+  // (issue 39: long titles ran under it); figcheck draws figures with it, hidden until hovered, as JupyterLab does
+  function toolbarProblems(gd, boxes) {
+    const bar = gd.querySelector(".modebar");
+    if (!bar) return [];
+    const b = box(bar);
+    if (b.w === 0 || b.h === 0) return [];
+    return boxes.filter(t => t.kind !== "tick label" && overlap(t.b, b))
+      .map(t => `${t.kind} "${short(t.text)}" lies under plotly's toolbar (shown on hover at the top right): ` +
+                `start it below style.TOOLBAR_PX (style.top_title) or give it a top margin of 80 px or more`);
+  }
+
   window.parlabCheck = function (gd) {
     const problems = [];
     const fig = box(gd.querySelector(".main-svg") || gd);
@@ -267,13 +314,14 @@
       if (seen.has(n)) problems.push(`legend lists "${short(n)}" twice`);
       seen.add(n);
     }
-    problems.push(...legendColourProblems(gd), ...logLabelProblems(gd));
+    problems.push(...toolbarProblems(gd, boxes), ...legendColourProblems(gd), ...logLabelProblems(gd));
     gd.querySelectorAll(".legend rect.scrollbar").forEach(bar => {     // a legend taller than its figure scrolls:
       const b = box(bar);                                              // its last entries are hidden on a slide
       if (b.h > 0 && b.w > 0) problems.push(`legend does not fit the figure's height: it scrolls (` +
         `${gd.querySelectorAll(".legend .traces").length} entries); make the figure taller or the legend shorter`);
     });
-    problems.push(...fontProblems(gd), ...rangeProblems(gd), ...clippedProblems(gd), ...hiddenAnnotationProblems(gd));
+    problems.push(...fontProblems(gd), ...rangeProblems(gd), ...clippedProblems(gd), ...hiddenAnnotationProblems(gd),
+                  ...coveredTextProblems(gd));
     return Array.from(new Set(problems));
   };
 

@@ -19,6 +19,9 @@ a JupyterLab notebook, and `check.js` measures from the drawn page:
 * no text is smaller than 10 px (plotly shrinks bar labels to fit; ``<sup>`` is 70% of its font);
 * an animation (``parlab.viz.comm_animation``) has at least as many frames as its calls' algorithms have
   steps, and its frames are checked too (first, last and the one with the longest heading);
+* no text lies under plotly's toolbar (the modebar, shown at the top right while the mouse is over a figure;
+  the screenshots do not show it);
+* no bar label is crossed by a bar or shape drawn after it (an outline's edge through the number);
 * every ipywidgets description fits its 80 px label box (longer ones are cut to "microbatc...");
 * every character of a figure's text has a glyph in an installed font (`missing_glyphs`): without a CJK font
   a Chinese title is drawn as empty boxes, which no layout check sees.
@@ -198,7 +201,7 @@ _DRAW = """async (spec) => {
   const gd = document.getElementById('fig');
   Plotly.purge(gd);
   const layout = Object.assign({}, spec.layout || {});
-  await Plotly.newPlot(gd, spec.data || [], layout, {displayModeBar: false, responsive: false});
+  await Plotly.newPlot(gd, spec.data || [], layout, {responsive: false});    // the toolbar as on hover: checked
   if (spec.frames) await Plotly.addFrames(gd, spec.frames);
   return gd.getBoundingClientRect().height;
 }"""

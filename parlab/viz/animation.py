@@ -180,8 +180,9 @@ def comm_animation(trace: Any, title: str | None = None, max_frames: int = 120, 
     lim = CHUNK_R + 0.3 if has_chunks else 1.35
     fig = go.Figure(data=frames[0].data, frames=frames)
     fig.update_layout(
-        title=dict(text=heading(0), y=0.97, yanchor="top"), template="plotly_white", showlegend=False, height=600,
-        margin=dict(t=110, b=90),
+        title=style.top_title(heading(0), several_lines=any("<br>" in f.layout.title.text for f in frames)),
+        template="plotly_white", showlegend=False, height=600,
+        margin=dict(t=120, b=90),                  # below the toolbar: a title, a heading, what moved, the key
         meta={"parlab_animation": {"calls": [[s.op, len(s.group)] for s in all_steps[:calls]],
                                    "per_call": per_call, "frames": len(shown), "cut": bool(cut)}},
         xaxis=dict(visible=False, range=[-lim, lim]),

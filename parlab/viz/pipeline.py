@@ -60,19 +60,32 @@ def _rows(spans) -> list[tuple[int, list]]:
     return sorted((int(r), list(sp)) for r, sp in items)
 
 
-def _shade(colour: str, chunk: int) -> str:
-    """The kind's colour for chunk 0, darker by 20% per further chunk: chunks differ in colour, not only hatch."""
-    k = max(0.0, 1.0 - 0.2 * chunk)
+#: how much darker each further chunk of a kind is: the light kinds (F, W) by less, so that forward's chunk 3 does
+#: not meet backward's chunk 2 (20% for all made them one colour, 38 apart in RGB, in lesson 05's explorer at v=4)
+SHADE_STEP = {"F": 0.15, "B": 0.2, "I": 0.2, "W": 0.15}
+
+
+def _shade(colour: str, chunk: int, step: float = 0.2) -> str:
+    """The kind's colour for chunk 0, darker by `step` per further chunk: chunks differ in colour, not only hatch."""
+    k = max(0.0, 1.0 - step * chunk)
     r, g, b = (int(colour[i:i + 2], 16) for i in (1, 3, 5))
     return f"#{int(r * k):02x}{int(g * k):02x}{int(b * k):02x}"
 
 
 #: a lane with more cells than this draws them without their micro-batch numbers (they would not fit)
 MAX_LABELLED = 48
+#: a timeline's legend: its top this many px below the plot (under the x axis's title), and at most this many
+#: entries a row in a 920-px notebook output ("B backward, chunk 1" is 150 px wide)
+LEGEND_TOP, LEGEND_PER_ROW = 62, 4
+
+
+#: a cell's height in its lane (a lane is 1 tall); under an overlay the cells are thinner and the outline taller,
+#: so the outline's edges show above and below every cell
+CELL_WIDTH, OVERLAID_CELL_WIDTH, OUTLINE_WIDTH = 0.8, 0.7, 0.94
 
 
 def _add_cells(fig: go.Figure, spans, scale: float, ranks: int, row=None, col=None, legend: bool = True,
-               seen: set | None = None) -> None:
+               seen: set | None = None, width: float = CELL_WIDTH) -> None:
     """One bar trace per (kind, chunk): base = start, x = duration, y = rank lane, text = micro-batch (unless a
     lane holds more than MAX_LABELLED cells)."""
     groups: dict[tuple[str, int], list] = {}
@@ -88,9 +101,10 @@ def _add_cells(fig: go.Figure, spans, scale: float, ranks: int, row=None, col=No
             orientation="h", base=[c[1] for c in cells], x=[c[2] for c in cells], y=[f"rank {c[0]}" for c in cells],
             text=[str(c[3].mb) for c in cells] if labelled else None, textposition="inside",
             insidetextanchor="middle",
-            textfont=dict(size=11, color="black" if kind in "FW" else "white"), width=0.8, name=name,
+            textfont=dict(size=11, color="black" if kind in "FW" else "white"), width=width, name=name,
             legendgroup=name, showlegend=legend and name not in seen,
-            marker=dict(color=_shade(KIND_COLORS[kind], chunk), line=dict(color="white", width=0.5 if labelled else 0),
+            marker=dict(color=_shade(KIND_COLORS[kind], chunk, SHADE_STEP[kind]),
+                        line=dict(color="white", width=0.5 if labelled else 0),
                         pattern=dict(shape=PATTERNS[chunk % len(PATTERNS)], fgcolor="rgba(0,0,0,0.35)")),
             hovertemplate=[_("rank {rank}: {action} (stage {stage}, micro-batch {mb})<br>{start:.2f} to {end:.2f}"
                              "<extra></extra>").format(rank=c[0], action=c[3], stage=c[3].stage, mb=c[3].mb,
@@ -100,10 +114,15 @@ def _add_cells(fig: go.Figure, spans, scale: float, ranks: int, row=None, col=No
 
 
 def _add_outline(fig: go.Figure, spans, scale: float, row=None, col=None, legend: bool = True) -> None:
+    """The scheduled cells as red outlines, taller than a cell (OUTLINE_WIDTH); added before the cells, so drawn
+    under them: where a measured cell lies, its opaque fill hides the outline's edges and they never cross its
+    micro-batch number (they did when drawn on top), while the outline's top and bottom and the ends of its sides
+    still show above and below the cell, and whole in the gaps. Listed last in the legend."""
     cells = [(r, t0 * scale, (t1 - t0) * scale, a) for r, sp in _rows(spans) for t0, t1, a in sp]
     fig.add_trace(go.Bar(
         orientation="h", base=[c[1] for c in cells], x=[c[2] for c in cells], y=[f"rank {c[0]}" for c in cells],
-        width=0.95, name=_("scheduled (simulation)"), showlegend=legend, legendgroup="scheduled",
+        width=OUTLINE_WIDTH, name=_("scheduled (simulation)"), showlegend=legend, legendgroup="scheduled",
+        legendrank=2000,
         marker=dict(color="rgba(0,0,0,0)", line=dict(color="#d62728", width=1.5)),
         hovertemplate=[_("scheduled {action}: {start:.2f} to {end:.2f}<extra></extra>").format(
                            action=c[3], start=c[1], end=c[1] + c[2]) for c in cells]),
@@ -119,19 +138,25 @@ def schedule_timeline(spans, title: str | None = None, scale: float = 1.0, time_
     """One lane per rank; each action a cell coloured by kind (F, B, I, W) with its micro-batch number.
 
     `scale` multiplies the times (e.g. 1 / device_time turns measured seconds into unit time); `overlay`,
-    other spans (usually the simulation of the same schedule), is drawn on top as red outlines, so the measured
-    run and its schedule can be compared cell by cell. `ranks` (pipeline size, for the chunk of a virtual
+    other spans (usually the simulation of the same schedule), is drawn as red outlines around and between the
+    cells (under them, so they never cross a number), and the measured run and its schedule can be compared cell
+    by cell. `ranks` (pipeline size, for the chunk of a virtual
     stage) defaults to the number of lanes; `time_unit`, the x axis's title, to "unit time"."""
     p = ranks or len(_rows(spans))
     fig = go.Figure()
-    _add_cells(fig, spans, scale, p)
     if overlay is not None:
         _add_outline(fig, overlay, overlay_scale)
+    _add_cells(fig, spans, scale, p, width=CELL_WIDTH if overlay is None else OVERLAID_CELL_WIDTH)
     lanes = _lanes(spans)
-    fig.update_layout(title=title, barmode="overlay", height=140 + 55 * len(lanes), template="plotly_white",
+    plot_px = (45 if overlay is None else 55) * len(lanes)    # an overlay: room for the outline around each cell
+    # the legend below the x axis's title, in pixels: at p = 2 a fraction of the plot put it on the title, and its
+    # second row (chunks, I and W) needs its own room
+    rows = -(-sum(bool(t.showlegend) for t in fig.data) // LEGEND_PER_ROW)
+    bottom = LEGEND_TOP + 24 * rows + 10
+    fig.update_layout(title=title, barmode="overlay", height=100 + plot_px + bottom, template="plotly_white",
                       uniformtext=dict(minsize=10, mode="show"),   # micro-batch numbers never under 10 px
-                      xaxis_title=_("unit time") if time_unit is None else time_unit, legend_orientation="h",
-                      legend_y=-0.25, bargap=0.1,
+                      xaxis_title=_("unit time") if time_unit is None else time_unit, margin=dict(t=100, b=bottom),
+                      legend=dict(orientation="h", y=-LEGEND_TOP / plot_px, yanchor="top"), bargap=0.1,
                       yaxis=dict(categoryorder="array", categoryarray=lanes[::-1]))
     return fig
 

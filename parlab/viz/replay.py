@@ -14,9 +14,12 @@ import plotly.graph_objects as go
 
 from parlab.cluster.replay import replay, step_time
 from parlab.i18n import _
+from parlab.viz import style
 from parlab.viz.timeline import as_trace, timeline
 
 __all__ = ["toggle", "toggle_figures", "replay_toggle", "pick_unit"]
+
+TOP = 136       # px above the plot: the title under plotly's toolbar (style.TOOLBAR_PX), then the buttons' row
 
 
 def pick_unit(seconds: float) -> str:
@@ -47,14 +50,13 @@ def toggle(measured: Any, replayed: Any, title: str | None = None, labels: tuple
             out.add_trace(t)
         counts.append(len(fig.data))
     layout = views[start][0].layout
-    # both views' legends share the figure, and the buttons take 20 px more of the top than a timeline does
-    height = max(fig.layout.height for fig, _unit, _text in views) + 20
+    # both views' legends share the figure, and the buttons take 36 px more of the top than a timeline does
+    height = max(fig.layout.height for fig, _unit, _text in views) + TOP - 100
     out.update_layout(template="plotly_white", barmode="overlay", hovermode="closest", height=height,
                       yaxis=layout.yaxis, xaxis=layout.xaxis, legend=layout.legend,
-                      # the title on the top line, the buttons on their own line under it: long labels never meet
-                      title=dict(text=views[start][2], x=0.015, xanchor="left", y=1.0, yref="container", yanchor="top",
-                                 pad=dict(t=12)),
-                      margin=dict(t=120))
+                      # the title on the top line (below plotly's toolbar), the buttons on their own line under it:
+                      # long labels never meet
+                      title=style.top_title(views[start][2], x=0.015, xanchor="left"), margin=dict(t=TOP))
     buttons = []
     for i, (fig, unit, text) in enumerate(views):
         visible = [j == i for j, n in enumerate(counts) for _k in range(n)]
@@ -94,8 +96,8 @@ def toggle_figures(views: Mapping[str, go.Figure], start: int = 0) -> go.Figure:
             out.add_trace(t.to_plotly_json() | {"visible": i == start,      # a copy: the caller's figure keeps its own
                                                 "legendgroup": f"{i}-{t.legendgroup or t.name}"})
         counts.append(len(fig.data))
-    height = max(f.layout.height or 450 for f in figs) + 40
-    plot_px = height - 120 - (out.layout.margin.b if out.layout.margin.b is not None else 80)
+    height = max(f.layout.height or 450 for f in figs) + TOP - 80
+    plot_px = height - TOP - (out.layout.margin.b if out.layout.margin.b is not None else 80)
     xaxes = [a for a in axes[0] if a.startswith("xaxis")]
     buttons = []
     for i, fig in enumerate(figs):
@@ -105,9 +107,8 @@ def toggle_figures(views: Mapping[str, go.Figure], start: int = 0) -> go.Figure:
             relayout[f"{a}.title.text"] = fig.layout[a].title.text or ""
             relayout[f"{a}.autorange"] = True
         buttons.append(dict(label=names[i], method="update", args=[{"visible": visible}, relayout]))
-    out.update_layout(height=height, margin=dict(t=120), title=dict(
-                          text=figs[start].layout.title.text, x=0.015, xanchor="left", y=1.0, yref="container",
-                          yanchor="top", pad=dict(t=12)),
+    out.update_layout(height=height, margin=dict(t=TOP),
+                      title=style.top_title(figs[start].layout.title.text, x=0.015, xanchor="left"),
                       # the buttons between the title and the first panel's title
                       updatemenus=[dict(type="buttons", direction="right", buttons=buttons, active=start, x=0.0,
                                         xanchor="left", y=1.0 + 40 / max(plot_px, 1), yanchor="bottom")])

@@ -22,7 +22,7 @@ from parlab.i18n import _
 from parlab.trace import format_bytes
 
 __all__ = ["COMPUTE_COLORS", "COLLECTIVE_COLORS", "P2P_COLORS", "MARK_COLOR", "OTHER_COLOR", "KIND_ORDER",
-           "color", "colors", "human_bytes", "op_label", "event_label"]
+           "TOOLBAR_PX", "top_title", "color", "colors", "human_bytes", "op_label", "event_label"]
 
 COMPUTE_COLORS: dict[str, str] = {
     "forward": "#9ecae1",
@@ -52,6 +52,23 @@ OTHER_COLOR = "#7f7f7f"
 
 # Drawing order in a timeline: later kinds are drawn on top of earlier ones.
 KIND_ORDER = ("compute", "collective", "p2p", "mark")
+
+#: plotly's toolbar (the modebar: zoom, pan, download, ...) shows at a figure's top right while the mouse is over
+#: the figure, from 2 to about 25 px below its top edge, over whatever is drawn there. Nothing of a parlab figure is
+#: written in that band: a title plotly places itself sits in the middle of a top margin of at least 80 px, and one
+#: placed at the very top (`top_title`) starts below the band. `parlab.course.figcheck` checks every lesson figure
+#: against the toolbar as drawn (issue 39: long titles ran under it).
+TOOLBAR_PX = 30
+
+
+def top_title(text: str | None, several_lines: bool | None = None, **kw) -> dict:
+    """A plotly title anchored at the figure's top edge, just below the toolbar's band (`TOOLBAR_PX`), so a title
+    as long as the figure is wide stays readable when the toolbar shows; `kw` adds or overrides keys (x, font, ...).
+    Plotly draws a title of several lines 12 px higher than its pad says: such a one (`several_lines`; by default
+    when `text` holds a ``<br>``; an animation whose later frames do says so) gets 12 px more."""
+    several = several_lines if several_lines is not None else bool(text and "<br>" in text)
+    pad = TOOLBAR_PX + (12 if several else 0)
+    return dict(text=text, y=1.0, yref="container", yanchor="top", pad=dict(t=pad)) | kw
 
 
 def color(kind: str, op: str) -> str:
