@@ -101,8 +101,11 @@ def scaleup(program: Trace | Schedule, model: ModelSpec, hardware: Hardware, lay
 
     events = list(trace.events)
     ends = _last_ends(events)                                     # rank -> when its last event ends
-    if layout.dp * layout.cp > 1 and not any(e.op == "all_reduce" for e in events):
-        for r in ranks:                                           # the replicas' gradient sync, once per step
+    # the replicas' gradient sync, once per step: over dp x cp, and for a mixture of experts over the experts'
+    # own replicas (edp), which exist even with dp = cp = 1 when the experts are split finer than tp (etp < tp)
+    syncs = layout.dp * layout.cp > 1 or any(costs.sync.grad_sync(held[r]) for r in ranks)
+    if syncs and not any(e.op == "all_reduce" for e in events):
+        for r in ranks:
             events.append(Event(r, "collective", "all_reduce", ends[r], ends[r], group=(r,), label=_DP_LABEL))
     if optimizer:
         for r in ranks:                                           # each rank's Adam step, after everything else
