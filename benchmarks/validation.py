@@ -81,7 +81,7 @@ def table(replay: bool = True) -> str:
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description="the cost model against published runs beyond Korthikanti's table 5")
-    ap.add_argument("--planner", action="store_true", help="the planner's closed form only, no replay (seconds)")
+    ap.add_argument("--planner", action="store_true", help="the planner only, no replay (seconds)")
     args = ap.parse_args()
     print(table(replay=not args.planner))
     print("\nAssumed where the sources are silent (one rule per source):\n")
