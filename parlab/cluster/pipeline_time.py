@@ -36,7 +36,6 @@ from __future__ import annotations
 import functools
 
 from parlab.parallel.pipeline import schedules as sch
-from parlab.parallel.pipeline.plan import needs_remote, produces_remote
 from parlab.parallel.pipeline.simulation import UNIT_COSTS
 
 __all__ = ["schedule_for", "simulated_step"]
@@ -61,13 +60,7 @@ def _shape(name: str, pp: int, m: int, v: int):
     another rank as (producer rank, producer's index, index of this rank's action after which the receive is
     posted, -1: before the first), and its sends as (index, receiver, receiver's posting index)."""
     s = schedule_for(name, pp, m, v)
-    S, pl = s.stages, s.placement
-    where = {(a.stage, a.kind, a.mb): (r, i) for r, acts in enumerate(s.actions) for i, a in enumerate(acts)}
-    keys, outs = [], []                              # per rank: the key each action receives, the one it sends
-    for r, acts in enumerate(s.actions):
-        keys.append([None if p is None else p.key for p in (needs_remote(a, S, pl, r) for a in acts)])
-        outs.append([None if p is None else (p.peer, p.key) for p in (produces_remote(a, S, pl, r) for a in acts)])
-    src = [[None if k is None else _producer(where, *k) for k in keys_r] for keys_r in keys]
+    keys, outs, src = _messages(s)
     posted = _posting(s, keys, outs, src)
     needs = tuple(tuple(None if k is None else (*src[r][i], posted[r][k]) for i, k in enumerate(keys_r))
                   for r, keys_r in enumerate(keys))
@@ -76,11 +69,35 @@ def _shape(name: str, pp: int, m: int, v: int):
     return s, tuple(tuple((_OPS[a.kind], a.stage) for a in acts) for acts in s.actions), needs, sends
 
 
-def _producer(where, kind: str, stage: int, mb: int) -> tuple[int, int]:
-    """(rank, index) of the action whose output message (kind, receiving stage, mb) is."""
-    if kind == "act":
-        return where[(stage - 1, "F", mb)]
-    return where.get((stage + 1, "B", mb)) or where[(stage + 1, "I", mb)]
+def _messages(s):
+    """Per rank and action: the message it receives from another rank (its key: kind, receiving stage, mb), the
+    one it sends (receiver, key), and the (rank, index) of the action that produced what it receives; the rules
+    of `parlab.parallel.pipeline.plan.needs_remote` and `produces_remote`, inlined (one pass over the actions)."""
+    S, pl = s.stages, s.placement
+    where = {(a.stage, a.kind, a.mb): (r, i) for r, acts in enumerate(s.actions) for i, a in enumerate(acts)}
+    keys, outs, src = [], [], []
+    for r, acts in enumerate(s.actions):
+        keys_r, outs_r, src_r = [], [], []
+        for a in acts:
+            kind, st, mb = a.kind, a.stage, a.mb
+            got = out = made = None
+            if kind == "F":
+                if st > 0 and pl[st - 1] != r:
+                    got, made = ("act", st, mb), where[(st - 1, "F", mb)]
+                if st < S - 1 and pl[st + 1] != r:
+                    out = (pl[st + 1], ("act", st + 1, mb))
+            elif kind in "BI":
+                if st < S - 1 and pl[st + 1] != r:
+                    got, made = ("grad", st, mb), where.get((st + 1, "B", mb)) or where[(st + 1, "I", mb)]
+                if st > 0 and pl[st - 1] != r:
+                    out = (pl[st - 1], ("grad", st - 1, mb))
+            keys_r.append(got)
+            outs_r.append(out)
+            src_r.append(made)
+        keys.append(keys_r)
+        outs.append(outs_r)
+        src.append(src_r)
+    return keys, outs, src
 
 
 def _posting(s, keys, outs, src) -> list[dict[tuple, int]]:

@@ -80,7 +80,6 @@ __all__ = ["Estimate", "estimate", "enumerate_layouts", "plan", "explain", "form
 SIMULATED = 50      # enumerate_layouts: how many of the fastest fitting pipelined layouts it times by simulation
 
 
-
 @dataclass(frozen=True)
 class Estimate:
     """One layout and everything the planner estimated for it (bytes per GPU, seconds per step)."""
@@ -362,9 +361,10 @@ def enumerate_layouts(model: ModelSpec, cluster: Cluster, global_batch: int, *, 
     return out
 
 
-def plan(model: ModelSpec, cluster: Cluster, global_batch: int, **kw) -> list[Estimate]:
-    """The layouts that fit, fastest first (ties: less memory). Raises if none fits, saying by how much."""
-    allk = enumerate_layouts(model, cluster, global_batch, **kw)
+def plan(model: ModelSpec, cluster: Cluster, global_batch: int, every=None, **kw) -> list[Estimate]:
+    """The layouts that fit, fastest first (ties: less memory). Raises if none fits, saying by how much. `every`:
+    `enumerate_layouts` of the same arguments when the caller has it already (``parlab plan`` prints both)."""
+    allk = enumerate_layouts(model, cluster, global_batch, **kw) if every is None else every
     ok = sorted((e for e in allk if e.fits), key=lambda e: (e.step_s, e.total_bytes))
     if not ok:
         best = min(allk, key=lambda e: e.total_bytes)
