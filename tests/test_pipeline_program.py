@@ -353,3 +353,27 @@ def test_selective_recomputation_under_context_parallelism_passes_the_ring_again
     zb = StepCosts(model_preset("gpt3-175b"), hw, Layout(tp=8, pp=4, dp=2, dp_overlap=True), 4)
     t = zb.sync.grad_sync([0])
     assert zb.exposed_grad_sync([0], "backward_weight") == pytest.approx(max(0.0, t - zb.action("backward_weight", 0)))
+
+
+@pytest.mark.parametrize("name, v", [("1f1b", 1), ("1f1b", 2), ("gpipe", 1), ("zb-h1", 1)])
+def test_the_planners_simulation_is_the_replay_of_the_built_program(name, v):
+    # pipeline_time runs the schedule with the replay's rules (receives posted in the merged order, a message
+    # moving once both ends posted it, the tied exchange, sync and Adam at the end): the same step to float
+    # rounding, without building the program. With every receive posted early (simulation.simulate, a message
+    # arriving its time after its sender finished) the pipeline ends earlier, here 0.1-0.9%: a receive posted late
+    # pays the whole transfer after it
+    from parlab.cluster.pipeline_time import _ends, _shape, schedule_for, simulated_step
+    from parlab.cluster.replay import step_time
+    from parlab.cluster.scaleup import scaleup
+    from parlab.cluster.costs import ModelSpec
+    from parlab.parallel.pipeline.simulation import simulate
+    model = ModelSpec("m", layers=16, hidden=1024, heads=16, vocab=50000, seq=2048, tied=True, kv_heads=8)
+    hw, layout = preset("dgx-h100"), Layout(tp=2, pp=4, dp=2, virtual=v, zero=1, sequence_parallel=True)
+    costs, schedule = StepCosts(model, hw, layout, 4 * v), schedule_for(name, 4, 8, v)
+    replayed = step_time(scaleup(schedule, model, hw, layout))
+    assert simulated_step(costs, 8, name) == pytest.approx(replayed, rel=1e-12)
+    ops = {"F": "forward", "B": "backward", "I": "backward_input", "W": "backward_weight"}
+    early = simulate(schedule, lambda a: costs.action(ops[a.kind], a.stage), comm=costs.message()).makespan
+    _, actions, needs, sends = _shape(name, 4, 8, v)
+    posted = _ends(needs, sends, [[costs.action(*a) for a in r] for r in actions], costs.message())[0]
+    assert early < max(posted)
