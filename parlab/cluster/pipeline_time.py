@@ -15,9 +15,10 @@ builds from the same schedule:
                      `StepCosts.message()` after the later of the two posts: a receive posted late pays the whole
                      transfer after it, though the sender finished long before (the rendezvous the closed form
                      and `parlab.parallel.pipeline.simulation.simulate` leave out)
-    end of the step  every send waited for; the tied embedding's gradients exchanged between the first and last
-                     stage's ranks (two messages in turn); then each rank's exposed gradient sync
-                     (`StepCosts.exposed_grad_sync`) and its Adam step (`SyncCosts.optimizer`)
+    end of the step  the tied embedding's gradients exchanged between the first and last stage's ranks (two
+                     messages in turn); then each rank's exposed gradient sync (`StepCosts.exposed_grad_sync`) and
+                     its Adam step (`SyncCosts.optimizer`), beside its sends still in flight: the rank ends when
+                     both are done (the program waits for its sends after the step's other work)
 
 The step is the last rank's end; a message also ends the hardware's `p2p_delay` (or `comm_delay`) later, as in
 the replay. It equals the replay of the built program to float rounding on every schedule here
