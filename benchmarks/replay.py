@@ -282,7 +282,7 @@ def megatron_flops(B, s, l, h, V):
 
 def published():
     """Megatron's GPT-3 175B run on 384 GPUs (Narayanan et al. 2021, table 2), replayed from a program built from
-    its schedule (plain 1F1B: the table does not say it interleaved), beside the planner's closed form; and the
+    its schedule (plain 1F1B: the table does not say it interleaved), beside the planner's estimate; and the
     kernel-level efficiency at which the replay would match. Korthikanti et al.'s eight runs: cost_model.py."""
     from parlab.cluster.costs import preset as model_preset
     from parlab.cluster.scaleup import Layout, compare, scaleup

@@ -2,13 +2,14 @@
 stated layout replayed on its GPU's preset, nothing fitted per row, and what each modelling factor changes.
 
     python benchmarks/validation.py            # markdown tables for benchmarks/README.md (a few minutes)
-    python benchmarks/validation.py --planner  # the planner's closed form only (seconds)
+    python benchmarks/validation.py --planner  # the planner only, no replay (seconds)
 
 The replay builds each run's 1F1B program from its schedule (`parlab.cluster.pipeline_program`) and re-times it
-(`parlab.cluster.scaleup.compare`, which gives the planner's closed form beside it). The factor columns are the
-planner's closed form with one factor of the model switched off: every network card of a group's GPUs used at
-once across nodes (off: one card per group, as before), the GEMMs' waves of tiles (off: FLOPs at the kernel-level
-rate), and for runs that used one, the fused attention kernel (off: materialised scores).
+(`parlab.cluster.scaleup.compare`, which gives the planner beside it: the same schedule run under the replay's
+rules, `parlab.cluster.pipeline_time`). The factor columns are the planner with one factor of the model switched
+off: every network card of a group's GPUs used at once across nodes (off: one card per group, as before), the GEMMs'
+waves of tiles (off: FLOPs at the kernel-level rate), and for runs that used one, the fused attention kernel (off:
+materialised scores).
 Pure arithmetic: the numbers do not depend on the machine; the run time does.
 """
 from __future__ import annotations
@@ -81,7 +82,7 @@ def table(replay: bool = True) -> str:
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description="the cost model against published runs beyond Korthikanti's table 5")
-    ap.add_argument("--planner", action="store_true", help="the planner's closed form only, no replay (seconds)")
+    ap.add_argument("--planner", action="store_true", help="the planner only, no replay (seconds)")
     args = ap.parse_args()
     print(table(replay=not args.planner))
     print("\nAssumed where the sources are silent (one rule per source):\n")

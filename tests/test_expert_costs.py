@@ -77,6 +77,19 @@ def test_the_experts_gradients_sync_over_their_expert_data_parallel_group():
     assert s.grad_sync([0]) == pytest.approx(want, rel=1e-12)
 
 
+def test_the_replay_syncs_the_experts_gradients_even_without_data_parallelism():
+    # tp 2 with the experts unsplit (etp 1): each tp rank routes its own sequence shard through whole experts, so
+    # the two copies of every expert differ after the backward and sync over edp = 2, though dp = cp = 1
+    from parlab.cluster.scaleup import scaleup
+    from parlab.parallel.pipeline import one_f_one_b
+    layout = Layout(tp=2, pp=2, sequence_parallel=True, etp=1)
+    c = StepCosts(SMALL, hw_preset("dgx-h100"), layout, 2)
+    assert c.experts.edp == 2 and c.sync.grad_sync([0]) > 0
+    out = scaleup(one_f_one_b(2, 4), SMALL, hw_preset("dgx-h100"), layout)
+    syncs = [e for e in out.events if e.label == "dp grads (virtual)"]
+    assert sorted(e.duration for e in syncs) == pytest.approx(sorted(c.sync.grad_sync([s]) for s in (0, 1)), rel=1e-12)
+
+
 def test_the_planner_keeps_e_over_ep_experts_per_gpu_with_their_states_sharded_over_edp():
     cluster = Cluster(nodes=2)
     e1, e8 = (estimate(MIX, cluster, 64, ep=ep) for ep in (1, 8))

@@ -234,6 +234,24 @@ def test_plan_on_a_hardware_times_with_the_replays_cost_model(capsys):
     assert "no hardware preset or file named 'no-such-gpu'" in capsys.readouterr().out
 
 
+def test_enumerate_layouts_simulates_the_fastest_fitting_pipelines(monkeypatch):
+    # every layout by the closed form, the SIMULATED fastest fitting ones with a pipeline again by running their
+    # schedule (what estimate gives one layout by default); the rest keep the closed form's bubble
+    import parlab.cluster.planner as P
+    from parlab.cluster.hardware import preset as hw_preset
+    monkeypatch.setattr(P, "SIMULATED", 3)
+    model, hw = preset("llama-7b"), hw_preset("dgx-a100")
+    cluster = P.cluster_for(hw, 16)
+    every = enumerate_layouts(model, cluster, 32, hardware=hw, micro_batches=(1,), zero_stages=(1,),
+                              recompute=("selective",))
+    piped = [e for e in every if e.pp > 1 and e.fits]
+    timed = {s: [estimate(model, cluster, 32, tp=e.tp, pp=e.pp, cp=e.cp, zero=1, recompute="selective",
+                          hardware=hw, simulate=s).step_s for e in piped] for s in (False, True)}
+    assert len(piped) > 3 and all(a != b for a, b in zip(timed[False], timed[True]))
+    best = sorted(range(len(piped)), key=lambda i: timed[False][i])[:3]
+    assert [e.step_s for e in piped] == [timed[i in best][i] for i in range(len(piped))]
+
+
 def test_plan_times_fp8_products_and_refuses_a_format_it_cannot_time(capsys):
     """`--precision fp8`: every layout faster than in bf16 (the header gives the fp8 peak); without --hardware
     (the MFU path knows no number format), or on an A100 (no FP8 tensor cores), it says what to do instead."""

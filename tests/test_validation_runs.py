@@ -28,7 +28,7 @@ def test_every_run_is_transcribed_as_its_source_prints_it():
 
 def test_the_cost_model_is_within_the_issues_bounds_on_the_megatron_runs_it_was_not_built_on():
     # the 16 Megatron rows of [1] tables 1 and 2, each with its stated layout and the source's one rule for what it
-    # leaves unsaid; the planner's closed form (within 0.5% of the replay: benchmarks/README.md). The bounds are
+    # leaves unsaid; the planner (the replay's step: it runs the schedule as the replay does). The bounds are
     # issue 40's acceptance (10% mean, 20% worst), not a tolerance of ours; the other rows' errors and why are in
     # benchmarks/README.md
     errs = []

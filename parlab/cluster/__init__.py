@@ -21,6 +21,8 @@ Read in this order:
                      the router and grouped expert products, the all-to-alls, the experts' states per rank.
 * ``sync_costs.py`` `SyncCosts`: the gradient sync of each ZeRO stage and the Adam step, per pipeline rank.
 * ``closed_form.py`` `step_terms`: the same costs added up in closed form (the planner's reading of the replay).
+* ``pipeline_time.py`` `simulated_step`: a pipeline step timed by running its schedule with those costs under the
+                     replay's rules (the planner's exact bubble), without building the program.
 * ``scaleup.py``    a pipeline program (traced tiny run, or built) replayed as a named model (GPT-3 175B, GPT 1T)
                      on a big cluster.
 * ``transformer.py`` the arithmetic of a dense GPT, one formula per function: parameters (Megatron eq. 2), model

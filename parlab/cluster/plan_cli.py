@@ -92,7 +92,7 @@ def main(argv=None) -> int:
                        virtual=tuple(dict.fromkeys(a.virtual)), precision=a.precision, attention=a.attention,
                        ep=tuple(dict.fromkeys(a.ep)))
         every = enumerate_layouts(model, cluster, batch, **options)
-        ranked = plan(model, cluster, batch, **options)
+        ranked = plan(model, cluster, batch, every=every)
     except ValueError as err:
         print(_("error: {error}").format(error=err))
         return 2

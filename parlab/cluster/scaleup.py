@@ -101,8 +101,11 @@ def scaleup(program: Trace | Schedule, model: ModelSpec, hardware: Hardware, lay
 
     events = list(trace.events)
     ends = _last_ends(events)                                     # rank -> when its last event ends
-    if layout.dp * layout.cp > 1 and not any(e.op == "all_reduce" for e in events):
-        for r in ranks:                                           # the replicas' gradient sync, once per step
+    # the replicas' gradient sync, once per step: over dp x cp, and for a mixture of experts over the experts'
+    # own replicas (edp), which exist even with dp = cp = 1 when the experts are split finer than tp (etp < tp)
+    syncs = layout.dp * layout.cp > 1 or any(costs.sync.grad_sync(held[r]) for r in ranks)
+    if syncs and not any(e.op == "all_reduce" for e in events):
+        for r in ranks:
             events.append(Event(r, "collective", "all_reduce", ends[r], ends[r], group=(r,), label=_DP_LABEL))
     if optimizer:
         for r in ranks:                                           # each rank's Adam step, after everything else
@@ -124,22 +127,20 @@ def compare(program: Trace | Schedule, model: ModelSpec, hardware: Hardware, lay
             published_s: float | None = None, **options) -> dict:
     """The replayed step time next to the planner's estimate (`parlab.cluster.planner.estimate`) for the same layout,
     model, batch and hardware (and, when given, a published step time; errors are relative to it). The planner is
-    given the hardware, so it reads the same cost model in closed form (`StepCosts.step_terms`); the two differ
-    by what the closed form leaves out (the order of each rank's steps in the fill and drain). The schedule is
-    the program's (ZB-H1 when it splits the backward); `global_batch` must be dp x micro-batch x the program's
-    micro-batches. `options` go to `scaleup` only (memory_ops, optimizer, dropout): the planner always counts the
-    memory-bound ops and Adam, and the model's own dropout."""
+    given the hardware, so it reads the same cost model (`StepCosts.step_terms`, the pipeline's bubble from
+    running the schedule as the replay does, `parlab.cluster.pipeline_time`): on a program built from a `Schedule`
+    the two agree to float rounding; a traced one keeps what its tiny run did (e.g. a tied embedding's exchange
+    that the named model does not make). The schedule is the program's (`_planner_schedule`: ZB-H1 when it
+    splits the backward, GPipe when every rank runs all its forwards first); `global_batch` must be dp x
+    micro-batch x the program's micro-batches. `options` go to `scaleup` only (memory_ops, optimizer, dropout):
+    the planner always counts the memory-bound ops and Adam, and the model's own dropout."""
     trace = program_of(program, model.tied)
     mbs = {int(hit[2]) for e in trace.events if e.kind == "compute" for hit in [_LABEL.search(e.label)] if hit}
     m = len(mbs)
     if global_batch != layout.dp * layout.micro_batch * m:
         raise ValueError(f"global batch {global_batch} is not the program's: dp {layout.dp} x micro-batch "
                          f"{layout.micro_batch} x {m} micro-batches = {layout.dp * layout.micro_batch * m}")
-    ops = {e.op for e in trace.events if e.kind == "compute"}
-    if isinstance(program, Schedule) and program.name.startswith("gpipe"):
-        schedule = "gpipe"
-    else:
-        schedule = "zb-h1" if "backward_weight" in ops else "1f1b"   # GPipe and 1F1B: the same step time
+    schedule = _planner_schedule(trace, layout.virtual)
     rep = step_time(scaleup(trace, model, hardware, layout, **options))
     est = planner_estimate(model, hardware, layout, global_batch, schedule)
     out = {"replay_s": rep, "planner_s": est.step_s}
@@ -148,16 +149,32 @@ def compare(program: Trace | Schedule, model: ModelSpec, hardware: Hardware, lay
     return out
 
 
+def _planner_schedule(trace: Trace, virtual: int) -> str:
+    """The planner's name of a pipeline program's schedule: "zb-h1" when it splits the backward, "gpipe" when every
+    rank runs all its forwards before its first backward (1F1B's last rank alternates them from the first
+    micro-batch on; with one micro-batch the two are the same program), else "1f1b" (interleaved with virtual > 1)."""
+    runs: dict[int, list[str]] = defaultdict(list)
+    for e in sorted(trace.events, key=lambda e: e.start):
+        if e.kind == "compute" and e.op in _ACTIONS and _LABEL.search(e.label):
+            runs[e.rank].append(e.op)
+    if any("backward_weight" in ops for ops in runs.values()):
+        return "zb-h1"
+    forwards_first = all(ops.index("backward") == ops.count("forward") for ops in runs.values() if "backward" in ops)
+    return "gpipe" if virtual == 1 and forwards_first else "1f1b"
+
+
 def planner_estimate(model: ModelSpec, hardware: Hardware, layout: Layout, global_batch: int,
-                     schedule: str = "1f1b"):
+                     schedule: str = "1f1b", simulate: bool = True):
     """`parlab.cluster.planner.estimate` of one `Layout` (every field of it) on `hardware`, on the cluster of
-    `layout.gpus` GPUs that `hardware` describes: the closed form of the replay's cost model for that layout."""
+    `layout.gpus` GPUs that `hardware` describes: the replay's cost model in closed form, its pipeline bubble
+    simulated (`parlab.cluster.pipeline_time`; `simulate` False: the closed form's)."""
     from parlab.cluster.planner import cluster_for, estimate
     return estimate(model, cluster_for(hardware, layout.gpus), global_batch, tp=layout.tp, pp=layout.pp, cp=layout.cp,
                     micro_batch=layout.micro_batch, zero=layout.zero, recompute=layout.recompute,
                     sequence_parallel=layout.sequence_parallel, virtual=layout.virtual, hardware=hardware,
                     tp_overlap=layout.tp_overlap, dp_overlap=layout.dp_overlap, schedule=schedule,
-                    precision=layout.precision, attention=layout.attention, ep=layout.ep, etp=layout.etp)
+                    precision=layout.precision, attention=layout.attention, ep=layout.ep, etp=layout.etp,
+                    simulate=simulate)
 
 
 def scale_work(trace: Trace, flops: float = 1.0, comm_bytes: float = 1.0, mem_bytes: float | None = None,

@@ -303,9 +303,10 @@ class StepCosts:
         compute = k * (self.t_core + self.t_mem_core) / cp
         return (cp - 1) * max(0.0, msg - compute)
 
-    def step_terms(self, m: int, schedule: str = "1f1b") -> dict[str, float]:
-        """The step of `schedule` over m micro-batches in closed form (`parlab.cluster.closed_form.step_terms`)."""
-        return step_terms(self, m, schedule)
+    def step_terms(self, m: int, schedule: str = "1f1b", simulate: bool = False) -> dict[str, float]:
+        """The step of `schedule` over m micro-batches in closed form (`parlab.cluster.closed_form.step_terms`;
+        `simulate`: its bubble from running the schedule, `parlab.cluster.pipeline_time`)."""
+        return step_terms(self, m, schedule, simulate)
 
     def message(self, tied: bool = False) -> float:
         """One pipeline message (2 b s h / (tp cp) bytes), or the tied-embedding gradient (2 V h / tp)."""
