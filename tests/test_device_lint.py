@@ -33,6 +33,12 @@ ALLOWED: dict[tuple[str, str, str], str] = {
         "added to the CPU starts, then the indices move with idx.to(self.tokens.device)",
     ("parallel/data/naive.py", "factory", "torch.tensor(x.shape)"):
         "copied into a slice of `meta` (on the input's device) by assignment, which copies across devices",
+    ("models/moe.py", "factory", "torch.arange(rows)"):
+        "MoE.group_order builds token indices on the CPU (positions brought there with .cpu()); forward moves the "
+        "order to x.device before indexing",
+    ("parallel/hybrid.py", "factory", "torch.arange(seq_len)"):
+        "routing_groups returns index data for the one-process reference's MoE.positions, which group_order reads "
+        "on the CPU",
     ("parallel/context/ring_plan.py", "factory", "torch.arange(j * size, (j + 1) * size)"):
         "shard_positions returns index data on the CPU; shard_sequence moves it to x.device before use",
     ("labs/context_parallel.py", "factory", "torch.zeros(1, lab.args.seq_len)"):
