@@ -72,7 +72,7 @@ from parlab.parallel.context import (check_seq_len, ring_attention, shard_positi
                                      ulysses_attention)
 from parlab.parallel.expert import average_expert_gradients, expert_parallel, is_expert_param
 from parlab.parallel.groups import ProcessGroups
-from parlab.parallel.pipeline import (SCHEDULES, PipelineParallel, Schedule, add_back_grads, average_grads,
+from parlab.parallel.pipeline import (SCHEDULES, PipelineParallel, Schedule, add_back_grads,
                                       set_aside_grads)
 from parlab.parallel.tensor import (check_divisible, dense_state_dict, gpt_plan, mark_sequence_parallel, parallelize,
                                     plan_matches, sync_sequence_parallel_grads, vocab_parallel_mean_loss)
@@ -194,7 +194,7 @@ class HybridGPT:
         tokens_tp = self.grid.tp if self.sequence_parallel else 1   # the tp ranks' tokens: one loss
         dense = [p for n, p in self.module.named_parameters() if not (ep and is_expert_param(n))]
         if self.zero_stage == 0 and g.size("dp-cp") > 1:     # plain DP: one flat all-reduce
-            average_grads(dense, g.dp_cp)
+            comm.average_grads(dense, g.dp_cp, "pipeline dp grads")
         if ep:          # ZeRO: its expert optimizer averages over edp at the step; the 1/ep is here either way
             average_expert_gradients(self.module, g.ep, g.edp if g.size("edp") > 1 and not self.zero_stage else None,
                                      divide_by=self.grid.ep * self.grid.etp / tokens_tp)

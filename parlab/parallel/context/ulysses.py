@@ -227,15 +227,7 @@ class ContextParallelGPT(nn.Module):
     @torch.no_grad()
     def average_gradients(self) -> None:
         """Average every parameter's gradient over the CP group (one all-reduce of one flat bucket)."""
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        if self.P == 1 or not params:
-            return
-        flat = torch.cat([p.grad.reshape(-1) for p in params])   # (n_params,)
-        comm.all_reduce(flat, op=comm.ReduceOp.AVG, group=self.group, label="cp grad average")
-        offset = 0
-        for p in params:
-            p.grad.copy_(flat[offset: offset + p.numel()].view_as(p.grad))
-            offset += p.numel()
+        comm.average_grads(self.model.parameters(), self.group, "cp grad average")
 
     @torch.no_grad()
     def global_loss(self, loss: torch.Tensor) -> torch.Tensor:

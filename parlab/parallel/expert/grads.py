@@ -49,15 +49,8 @@ def average_gradients(model: nn.Module, group=None, ep_group=None, edp_group=Non
     spread over `ep_group` (default: the same ranks) and replicated over `edp_group` (None: no replicas):
     dense over `group`, experts over `edp_group` and / ep (module docstring). A missing gradient counts as zero
     (a rank can receive no tokens for an expert)."""
-    dense = []
-    for name, p in model.named_parameters():
-        if p.requires_grad and not is_expert_param(name):
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            dense.append(p.grad)
-    if comm.get_world_size(group) > 1:
-        for g in dense:
-            comm.all_reduce(g, op=comm.ReduceOp.AVG, group=group, label=f"{label} dense")
+    dense = [p for name, p in model.named_parameters() if p.requires_grad and not is_expert_param(name)]
+    comm.average_grads(dense, group, f"{label} dense", missing_as_zero=True)   # one flat all-reduce
     average_expert_gradients(model, ep_group, edp_group, label)
 
 

@@ -23,7 +23,7 @@ Read bottom-up, in the order the data flows:
 
 Lesson 05 and exercise 05.
 """
-from parlab.parallel.pipeline.executor import (PipelineParallel, add_back_grads, average_grads, measured_bubble,
+from parlab.parallel.pipeline.executor import (PipelineParallel, add_back_grads, measured_bubble,
                                                measured_costs, measured_spans, set_aside_grads)
 from parlab.parallel.pipeline.plan import Post, merged_plan, pair_plans
 from parlab.parallel.pipeline.schedules import (KINDS, SCHEDULES, Action, Schedule, ScheduleError, bubble_formula,
@@ -36,4 +36,4 @@ from parlab.parallel.pipeline.simulation import (UNIT_COSTS, Simulation, message
 __all__ = ["KINDS", "Action", "Schedule", "ScheduleError", "naive", "gpipe", "one_f_one_b", "interleaved_1f1b",
            "zero_bubble_h1", "dualpipe_v", "SCHEDULES", "bubble_formula", "split_layers", "Simulation", "validate", "simulate",
            "unit_cost", "UNIT_COSTS", "message_order", "message_sequence", "Post", "merged_plan", "pair_plans",
-           "PipelineStages", "PipelineParallel", "average_grads", "set_aside_grads", "add_back_grads", "measured_spans", "measured_bubble", "measured_costs"]
+           "PipelineStages", "PipelineParallel", "set_aside_grads", "add_back_grads", "measured_spans", "measured_bubble", "measured_costs"]

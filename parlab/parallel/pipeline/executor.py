@@ -73,7 +73,7 @@ from parlab.parallel.pipeline.simulation import unit_cost, validate
 from parlab.parallel.pipeline.stages import PipelineStages
 from parlab.trace import Trace, region
 
-__all__ = ["PipelineParallel", "average_grads", "set_aside_grads", "add_back_grads", "measured_spans",
+__all__ = ["PipelineParallel", "set_aside_grads", "add_back_grads", "measured_spans",
            "measured_bubble", "measured_costs"]
 
 
@@ -247,7 +247,7 @@ class PipelineParallel(PipelineStages):
         self.messages.end()                                   # every isend waited (gloo rule)
         self._sync_tied()
         if self.dp_group is not None:
-            average_grads(self.module.parameters(), self.dp_group)
+            comm.average_grads(self.module.parameters(), self.dp_group, "pipeline dp grads")
         add_back_grads(st.earlier)
         return st.loss_sum if st.last else None
 
@@ -265,17 +265,6 @@ class PipelineParallel(PipelineStages):
         """The emulated accelerator's share of action `a` (nothing when device_time is 0)."""
         if self.device_time:
             time.sleep(self.device_time * unit_cost(a, self.schedule.chunks))
-
-
-def average_grads(params, group, label: str = "pipeline dp grads") -> None:
-    """Average the gradients over data-parallel replicas: one flat all-reduce."""
-    prms = [q for q in params if q.grad is not None]
-    if not prms:
-        return
-    flat = torch.cat([q.grad.reshape(-1) for q in prms])  # (numel of this rank's grads,)
-    comm.all_reduce(flat, op=torch.distributed.ReduceOp.AVG, group=group, label=label)
-    for q, g in zip(prms, flat.split([q.numel() for q in prms])):
-        q.grad.copy_(g.view_as(q))
 
 
 def set_aside_grads(params) -> dict:
