@@ -23,7 +23,7 @@ RUNS = [
     ("expert_parallel", 2, ["--experts", "4", "--capacity-factor", "1.0"]),   # 2 experts a rank, some dropped
     ("hybrid", 4, ["--tp", "2", "--pp", "2", "--sp"]),        # TP+SP x PP
     ("hybrid", 4, ["--cp", "2", "--zero", "1", "--ep", "2", "--experts", "4"]),   # dp 2 x cp 2, EP 2 + ZeRO-1
-    ("hybrid", 4, ["--tp", "2", "--sp", "--ep", "2", "--experts", "4"]),   # TP+SP x dp 2, EP 2 over the tp ranks
+    ("hybrid", 4, ["--tp", "2", "--sp", "--ep", "2", "--experts", "4", "--etp", "2"]),   # TP+SP, EP 2, etp 2
     ("pipeline", 2, ["--schedule", "zb-h1", "--microbatches", "4", "--dtype", "bfloat16"]),  # autocast, fp32 W
 ]
 
@@ -187,6 +187,7 @@ def test_gpu_tests_import_on_cpu():
     ("hybrid", ["--ep", "2"], "--ep 2 spreads the experts of MoE layers over 2 ranks: give --experts E"),
     ("hybrid", ["--ep", "2", "--experts", "3"], "--experts 3 must be a multiple of --ep 2"),
     ("hybrid", ["--experts", "-1"], "--experts must be 0 .* got -1"),
+    ("hybrid", ["--tp", "2", "--etp", "4", "--experts", "4"], "--etp 4 must be 1 .* or equal to --tp 2"),
     ("zero", ["--trace", "no/such/folder/t.json"], "the folder .*no/such/folder does not exist; create it, or pass "
                                                    "--no-trace"),
     ("zero", ["--trace", "."], "--trace .: that is a folder; name a file in it"),

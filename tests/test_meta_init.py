@@ -218,3 +218,25 @@ def test_hybrid_materialises_only_its_stage_shards():
         tied = {"lm_head.weight": "wte.weight"}
         assert {n for n, _ in drawn} == {tied.get(n, n) for n in want}      # its stage's parameters only
         assert sum(k for _, k in drawn) < dense_numel
+
+
+MOE = GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=4, n_embd=32, experts=4, top_k=2)
+
+
+def _hybrid_experts(etp):
+    groups = build_groups(ParallelGrid(4, tp=2, ep=2, etp=etp))
+    kw = dict(copy=False, lr=1e-3, sequence_parallel=True)
+    h = build_hybrid(GPT(MOE, seed=4, device="meta"), groups, device="cpu", **kw)
+    ref = build_hybrid(GPT(MOE, seed=4), groups, **kw)
+    return _named(h.module), _named(ref.module), meta_parameters(h.module)
+
+
+@pytest.mark.parametrize("etp", [1, 2])
+def test_experts_split_by_ep_and_etp_materialise_as_the_dense_models_shards(etp):
+    """An expert of the meta-built model takes two chunks of the dense stacked weight: its ep rank's experts, then
+    (etp = tp) its etp rank's part of each: `dense_chunk` as a list, applied in order."""
+    for r, (got, want, still_meta) in enumerate(parlab.run(_hybrid_experts, 4, etp)):
+        assert still_meta == [] and list(got) == list(want)
+        for name in want:
+            assert torch.equal(got[name], want[name]), (r, name)
+        assert got["blocks.0.mlp.experts.fc.weight"].shape[:2] == (2, 4 * 32 // etp)      # (E/ep, F/etp, H)

@@ -2,12 +2,13 @@
 (`parlab.parallel.topology`, order tp-cp-dp-pp: tp neighbours share a node, pp crosses nodes);
 `parlab.parallel.hybrid.build_hybrid` shards the layers over tp, cuts stages over pp, splits sequences over cp and
 averages gradients (or ZeRO) over dp-cp. With --experts E --ep k the MLPs become mixtures of E experts spread
-over k ranks of the same grid (expert grid etp-ep-edp-pp, the experts whole: etp = 1; with --tp, --sp is
-required, as in Megatron-core). The report shows the bytes each dimension moved: TP > DP > PP in volume.
+over k ranks of the same grid (expert grid etp-ep-edp-pp: the experts whole, --etp 1, or each split over the tp
+ranks, --etp equal to --tp; with --tp, --sp is required, as in Megatron-core). The report shows the bytes each
+dimension moved: TP > DP > PP in volume.
 
     torchrun --nproc_per_node=8 -m parlab.labs.hybrid --tp 2 --pp 2 --layers 4 --batch 32
     torchrun --nproc_per_node=8 -m parlab.labs.hybrid --pp 2 --ep 2 --experts 4 --zero 1
-    torchrun --nproc_per_node=8 -m parlab.labs.hybrid --tp 2 --sp --pp 2 --ep 2 --experts 4
+    torchrun --nproc_per_node=8 -m parlab.labs.hybrid --tp 2 --sp --pp 2 --ep 2 --experts 4 --etp 2
     torchrun --nnodes=2 --nproc_per_node=8 ... -m parlab.labs.hybrid --tp 2 --pp 4 --gpus-per-node 8
 """
 from __future__ import annotations
@@ -39,6 +40,9 @@ def add_args(p):
     g.add_argument("--experts", type=int, default=0, help=_("experts per MoE layer, a multiple of --ep (default: 0, "
                                                             "a dense model)"))
     g.add_argument("--top-k", type=positive_int, default=2, help=_("experts each token is sent to"))
+    g.add_argument("--etp", type=positive_int, default=1,
+                   help=_("expert tensor parallelism: 1 (default: each expert whole on its rank) or --tp (each "
+                          "expert's MLP split over the tp ranks)"))
     g.add_argument("--gpus-per-node", type=positive_int, default=None,
                    help=_("for the layout printout (default: torchrun's LOCAL_WORLD_SIZE or srun's tasks per node)"))
 
@@ -51,6 +55,9 @@ def check_experts(a) -> str | None:
     if a.ep > 1 and a.experts == 0:
         return _("--ep {ep} spreads the experts of MoE layers over {ep} ranks: give --experts E, a "
                  "multiple of {ep}").format(ep=a.ep)
+    if a.etp not in (1, a.tp):
+        return _("--etp {etp} must be 1 (experts whole) or equal to --tp {tp} (experts split over the tp "
+                 "ranks)").format(etp=a.etp, tp=a.tp)
     if a.experts and a.experts % a.ep:
         return _("--experts {experts} must be a multiple of --ep {ep} (each expert-parallel rank holds "
                  "experts / ep of them)").format(experts=a.experts, ep=a.ep)
@@ -65,7 +72,7 @@ def main(argv=None):
         if a.experts:
             lab.config = dataclasses.replace(lab.config, experts=a.experts, top_k=a.top_k)
         gpn = a.gpus_per_node or local_world_size(default=lab.world_size)      # torchrun's, or srun's
-        grid = ParallelGrid(lab.world_size, tp=a.tp, pp=a.pp, cp=a.cp, ep=a.ep, etp=1 if a.experts else None,
+        grid = ParallelGrid(lab.world_size, tp=a.tp, pp=a.pp, cp=a.cp, ep=a.ep, etp=a.etp if a.experts else None,
                             gpus_per_node=gpn)                          # experts whole on their ep ranks
         schedule = make_schedule(a.schedule, a.pp, m, a.chunks)
         check_layout(lab.config, grid, schedule, batch_size=a.batch, seq_len=a.seq_len, sequence_parallel=a.sp,

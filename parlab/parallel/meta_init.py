@@ -61,7 +61,7 @@ def materialize(model: GPT, device: torch.device | str, seed: int | None = None)
 
     `model` is a ``GPT(config, seed, device="meta")``, possibly cut down (pipeline stages set to None) and
     sharded (tensor-parallel layers whose parameters carry ``dense_chunk = (dim, n, i)``: chunk i of n of the
-    dense parameter along dim). Each parameter gets exactly the value it has in the dense ``GPT(config, seed)``
+    dense parameter along dim; or a list of such chunks, taken one after the other). Each parameter gets exactly the value it has in the dense ``GPT(config, seed)``
     (or its chunk of it), in its own dtype: drawn on the CPU in float32, one parameter at a time, then moved.
     So the process allocates this rank's part plus one dense parameter at a time, never the whole model.
     Parameters already materialised are left alone; tied parameters stay tied; attributes set on a parameter
@@ -86,8 +86,9 @@ def materialize(model: GPT, device: torch.device | str, seed: int | None = None)
                 value = models._initial_value(name, shapes[name], name.rpartition(".")[0] in layer_norms,
                                        config.n_layer, seed)  # the dense parameter, float32 on the CPU
                 chunk = getattr(p, "dense_chunk", None)
-                if chunk is not None:                         # a tensor-parallel shard: its slice only
-                    dim, n, i = chunk
+                # a shard: its slice only; a list of chunks is applied in order (an expert of expert parallelism,
+                # then its expert-tensor-parallel part)
+                for dim, n, i in ([] if chunk is None else chunk if isinstance(chunk, list) else [chunk]):
                     if dim is not None:                       # a copy: a view would keep the dense one alive
                         value = value.chunk(n, dim)[i].clone()
                 if value.shape != p.shape:

@@ -54,9 +54,9 @@ class ExpertParallelMoE(MoE):
         mine = local_experts(moe.num_experts, group)
         etp, t = (1, 0) if etp_group is None else (comm.get_world_size(etp_group), comm.get_rank(etp_group))
         hidden, ffn = moe.router.in_features, moe.experts.fc.weight.shape[1]
-        if ffn % etp or (etp > 1 and moe.router.weight.is_meta):
+        if ffn % etp:
             raise ValueError(_("expert tensor parallelism over {etp} ranks needs the experts' hidden size {ffn} "
-                               "divisible by etp, and a model built off the meta device").format(etp=etp, ffn=ffn))
+                               "divisible by etp").format(etp=etp, ffn=ffn))
         super().__init__(hidden, ffn // etp, moe.num_experts, moe.top_k, bias=moe.experts.fc.bias is not None,
                          capacity_factor=moe.capacity_factor, norm_topk=moe.norm_topk,
                          aux_loss_coeff=moe.aux_loss_coeff, z_loss_coeff=moe.z_loss_coeff, dropout=moe.drop.p,
@@ -69,8 +69,9 @@ class ExpertParallelMoE(MoE):
         self.to(device=ref.device, dtype=ref.dtype)
         if ref.is_meta:         # built on the meta device: materialize() draws this rank's experts later
             ep, r = comm.get_world_size(group), comm.get_rank(group)
-            for p in self.experts.parameters():
-                p.dense_chunk = (0, ep, r)                                            # experts r E/ep .. of E
+            for name, p in self.experts.named_parameters():                           # experts r E/ep .. of E,
+                p.dense_chunk = [(0, ep, r)] + ([(split[name], etp, t)] if name in split else [])   # then etp's part
+                p.tp_dim = split.get(name)
             return
         with torch.no_grad():
             self.router.weight.copy_(moe.router.weight)                               # (E, H), replicated
