@@ -192,3 +192,21 @@ def test_a_mixture_of_experts_counts_every_expert_in_its_parameters_and_top_k_in
                        (dict(moe_every=0), "moe_every must be a positive integer")):
         with pytest.raises(ValueError, match=words):
             ModelSpec(**{**mixtral.__dict__, **bad})
+
+
+def test_a_mixture_of_experts_keeps_its_routed_copies_activations_k_times():
+    """Mixtral 8x7B routes each token to 2 experts: its MLP activations (SwiGLU: 8 f / h per token) and the experts'
+    inputs (2) are kept for both copies; with experts in every other layer, half as many extra on average."""
+    import dataclasses
+    from parlab.cluster.costs import preset as model_preset
+    mixtral = model_preset("mixtral-8x7b")
+    dense = dataclasses.replace(mixtral, experts=0, top_k=1)
+    s, b, h, f = mixtral.seq, 1, mixtral.hidden, mixtral.ffn
+    for tp, sp in ((1, False), (8, True)):
+        extra = T.activation_bytes_per_layer(mixtral, b, tp, sp) - T.activation_bytes_per_layer(dense, b, tp, sp)
+        assert extra == pytest.approx(s * b * h * (2 + 8 * f / h) / tp, rel=REL)     # one more copy of each
+    half = dataclasses.replace(mixtral, moe_every=2)
+    extra = T.activation_bytes_per_layer(half, b) - T.activation_bytes_per_layer(dense, b)
+    assert extra == pytest.approx(s * b * h * (2 + 8 * f / h) / 2, rel=REL)
+    assert T.activation_bytes_per_layer(mixtral, b, recompute="full") == T.activation_bytes_per_layer(dense, b,
+                                                                                                     recompute="full")

@@ -192,13 +192,22 @@ def activation_bytes_per_layer(model, micro_batch: int, tp: int = 1, sequence_pa
     scores  = 5 a s / h (softmax output 2, its dropout mask 1 and output 2, per head): / tp; 0 with selective;
               4 a / h with a fused `attention` kernel (its log-sum-exp statistics, fp32), whatever the recompute
     all in units of s b h, / cp (each context-parallel rank holds s / cp tokens). Full recomputation keeps the
-    layer's input alone: 2 s b h (/ tp with sequence parallelism)."""
+    layer's input alone: 2 s b h (/ tp with sequence parallelism).
+
+    A mixture of experts (a fraction mu = moe_layers / layers of the layers): each token's k = top_k routed copies
+    run the experts, so an MoE layer keeps the f-wide MLP activations k times and the experts' inputs k times
+    (2 (k - 1) more in `whole`: the permuted copies, / tp with sequence parallelism as each tp rank routes its own
+    tokens); per rank the same under expert parallelism with balanced routing (each rank's experts process as many
+    copies as its tokens made) and under expert tensor parallelism (etp x the tokens, f / etp wide). The router's
+    logits (E / h) and dropped tokens are left out."""
     rc = recompute_mode(recompute)
     s, h, a, f, b = model.seq, model.hidden, model.heads, model.ffn, micro_batch
     if rc == "full":
         return BYTES_16BIT * s * b * h / ((tp if sequence_parallel else 1) * cp)
-    whole = 10 - (1 if model.swiglu else 0)
-    sharded = 4 + 4 * model.kv_width / h + (8 if model.swiglu else 4) * f / h   # Q, O; K, V (GQA: narrower)
+    routed = (model.top_k - 1) * model.moe_layers / model.layers         # extra routed copies, mean per layer
+    whole = 10 - (1 if model.swiglu else 0) + 2 * routed
+    mlp = (8 if model.swiglu else 4) * f / h * (1 + routed)               # the f-wide activations, k x in MoE
+    sharded = 4 + 4 * model.kv_width / h + mlp                            # Q, O; K, V (GQA: narrower)
     if check_attention(attention) == "fused":
         scores = 4 * a / h                        # log-sum-exp: 4 bytes per head and token  # (b, a/tp, s) fp32
     else:
