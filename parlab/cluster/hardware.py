@@ -273,7 +273,9 @@ class Hardware:
                inside each node and a binary tree across nodes, reduced up and broadcast down: 2 (log2(nodes)
                inter + (n/nodes - 1) intra) steps, and each rank moves the whole payload up and down once:
                2 x nbytes / bandwidth (NCCL's double binary tree: Sanders et al. 2009).
-        send / recv: one step, nbytes / bandwidth, no base latency."""
+        send / recv: one step, nbytes / bandwidth, no base latency.
+        all-to-all across nodes: its bytes to peers on the rank's own node over NVLink, the rest over the network
+        cards, at once (`_all_to_all_bytes_time`)."""
         if n < 1:
             raise ValueError(f"a collective needs at least one rank, got n={n}")
         if op not in COLLECTIVE_FACTORS:
@@ -292,6 +294,8 @@ class Hardware:
         if n == 1:
             return 0.0
         steps, factor = COLLECTIVE_FACTORS[op](n)
+        if op == "all_to_all" and crosses_nodes and nodes > 1:
+            return self.base_latency + steps * hop + _all_to_all_bytes_time(self, factor * nbytes, n, nodes, bw)
         ring = self.base_latency + steps * hop + factor * nbytes / bw
         if op != "all_reduce" or algorithm == "ring" or (algorithm == "auto" and not crosses_nodes):
             return ring
@@ -299,6 +303,15 @@ class Hardware:
         tree_steps = 2 * (math.ceil(math.log2(max(nodes, 2))) * self.inter_latency + (per_node - 1) * self.intra_latency)
         tree = self.base_latency + tree_steps + 2 * nbytes / bw
         return tree if algorithm == "tree" else min(ring, tree)
+
+
+def _all_to_all_bytes_time(hw: Hardware, moved: float, n: int, nodes: int, inter: float) -> float:
+    """Seconds of the `moved` bytes an all-to-all sends from one rank, to its n - 1 peers equally: those on its own
+    node (k - 1 of them, k = n / nodes) over NVLink, the others through its share of the network cards (`inter`),
+    both at once (NCCL's all-to-all posts a send to every peer): the slower part sets the time."""
+    k = max(1, n // nodes)
+    intra, _ = hw.link(False)
+    return max(moved * (k - 1) / (n - 1) / intra, moved * (n - k) / (n - 1) / inter)
 
 
 #: output tile of one GEMM thread block, (rows, columns): the example of NVIDIA's "Matrix Multiplication Background
