@@ -141,6 +141,8 @@ class Hardware:
     sms: int | None = None          # streaming multiprocessors: GEMMs are timed by waves of tiles (`gemm_time`)
     intra_efficiency: float = 1.0   # fraction of intra_bw a transfer inside a node sustains (NCCL's own figure)
     nics_per_node: int | None = None  # network cards (rails) per node; None: one per GPU (`inter_bandwidth`)
+    # kernel-level efficiency per number format where it was measured apart (`at`; others keep `efficiency`)
+    precision_efficiency: dict | None = field(default=None, hash=False)
 
     def __post_init__(self) -> None:
         check(self)
@@ -172,15 +174,18 @@ class Hardware:
 
     def at(self, precision: str) -> "Hardware":
         """The same machine computing its products in `precision` ("bf16", "fp8", "tf32", ...): `peak_flops` is
-        that format's dense tensor-core rate. A format the GPU has no tensor cores for is refused, naming those
-        it has (the A100 has no FP8)."""
+        that format's dense tensor-core rate, and `efficiency` the format's own measured fraction of it where
+        `precision_efficiency` gives one (the H100's fp8 GEMMs sustain less of their peak than bf16's). A format
+        the GPU has no tensor cores for is refused, naming those it has (the A100 has no FP8)."""
         rates = self.precision_flops or {}
         if precision not in rates:
             known = ", ".join(rates) or _("none given (set precision_flops)")
             raise ValueError(_("{hardware} has no {precision!r} rate; its number formats: {known}").format(
                 hardware=self.name, precision=precision, known=known))
-        return replace(self, name=f"{self.name} ({precision})", peak_flops=rates[precision],
-                       bmm_flops=None if self.bmm_flops is None else self.bmm_flops * rates[precision] / self.peak_flops)
+        efficiency = (self.precision_efficiency or {}).get(precision, self.efficiency)
+        return replace(self, name=f"{self.name} ({precision})", peak_flops=rates[precision], efficiency=efficiency,
+                       bmm_flops=None if self.bmm_flops is None else
+                       self.bmm_flops * rates[precision] * efficiency / (self.peak_flops * self.efficiency))
 
     # ------------------------------------------------------------------ models
     @property
@@ -356,8 +361,10 @@ def _dgx_h100() -> Hardware:
         intra_bw=450e9,         # NVLink 4: 900 GB/s bidirectional per GPU (18 links) = 450 GB/s each way
         inter_bw=50e9,          # DGX H100: 8 x 400 Gb/s NDR InfiniBand (ConnectX-7), one per GPU = 50 GB/s
         gpus_per_node=8,        # DGX H100 user guide: 8 GPUs per system
-        # kernel level: optimized GEMMs reach 80-90% of the H100's peak (Shah et al., FlashAttention-3,
-        # arXiv:2407.08608, section 1, contrasting FlashAttention-2's 35%); the low end, 0.8
+        # kernel level, measured: torch.matmul in BF16 on an H100 SXM sustains 794.5 of its 989 TFLOP/s (80.3%;
+        # best shape 2048x2048x13312, torch 2.7.0+cu126; Bekman, "Machine Learning Engineering Open Book",
+        # github.com/stas00/ml-engineering, compute/accelerator/README.md, "Maximum Achievable Matmul FLOPS
+        # comparison table", found by its mamf-finder.py); 0.80, the figure to the two places it is good for
         efficiency=0.8,
         mfu=0.5,                # end to end: the A100's figure (no published H100 Megatron table here)
         # special functions: "989 TFLOPS of FP16 matmul but only 3.9 TFLOPS of special functions" (Shah et al.,
@@ -366,12 +373,15 @@ def _dgx_h100() -> Hardware:
         # dense tensor-core rates, H100 SXM (NVIDIA H100 datasheet, whose TF32, BF16, FP16 and FP8 figures are
         # with sparsity, twice these): FP64 67, TF32 494.5, BF16 = FP16 989, FP8 1,979 TFLOP/s
         precision_flops={"fp64": 67e12, "tf32": 494.5e12, "bf16": 989e12, "fp16": 989e12, "fp8": 1979e12},
+        # FP8 (float8_e4m3fn) matmul on an H100 SXM, measured: 1,402.6 of 1,979 TFLOP/s (70.9%; best shape
+        # 1024x9216x14336, torch 2.7.0+cu126; the same MAMF table); no other format measured apart here
+        precision_efficiency={"fp8": 1402.6 / 1979},
         sms=132,                # H100 SXM: 132 streaming multiprocessors (NVIDIA H100 Tensor Core GPU architecture)
         # NCCL plans an NVLink 4 link at 20.6 GB/s per direction (src/graph/topo.h, SM90_NVLINK_BW 20.6) of its
         # 25: 18 links x 20.6 = 371 of the 450 GB/s the datasheet's figure gives
         intra_efficiency=20.6 / 25.0,
         source="NVIDIA H100 datasheet and architecture whitepaper, DGX H100 user guide; NCCL tuning.cc latencies, "
-               "topo.h NVLink bandwidth")
+               "topo.h NVLink bandwidth; ml-engineering's MAMF table (measured BF16 and FP8 matmul rates)")
 
 
 PRESETS: dict[str, Hardware] = {"dgx-a100": _dgx_a100(), "dgx-h100": _dgx_h100()}

@@ -67,6 +67,12 @@ def check(hw) -> None:
                 for k, v in hw.precision_flops.items()):
             raise ValueError(f"hardware {hw.name!r}: precision_flops maps a number format to a positive "
                              f"FLOP/s, e.g. {{'bf16': 312e12}}, got {hw.precision_flops!r}")
+    if hw.precision_efficiency is not None:
+        if not isinstance(hw.precision_efficiency, dict) or not all(
+                isinstance(k, str) and not isinstance(v, bool) and isinstance(v, (int, float)) and 0 < v <= 1
+                for k, v in hw.precision_efficiency.items()):
+            raise ValueError(f"hardware {hw.name!r}: precision_efficiency maps a number format to a fraction in "
+                             f"(0, 1], e.g. {{'fp8': 0.71}}, got {hw.precision_efficiency!r}")
     for k, like in (("plain_kernel_overhead", "kernel_overhead"), ("p2p_delay", "comm_delay"),
                     ("p2p_cpu", "comm_cpu")):
         v = getattr(hw, k)
