@@ -8,7 +8,8 @@ Read in this order:
 * ``formulas.py``   the closed forms lesson 00 quotes: speed-up, efficiency, training FLOPs, GPU-days (no torch).
 * ``hardware.py``   `Hardware`: how fast a GPU computes (GEMMs in waves of tiles) and how fast its links move
                      bytes (DGX A100 / H100 presets, each number cited; or this machine, measured by
-                     ``calibrate/``); ``hardware_checks.py`` the rules a description must satisfy.
+                     ``calibrate/``); ``hardware_checks.py`` the rules a description must satisfy;
+                     ``collective_time.py`` how long a collective takes on it (ring, tree, all-to-all, messages).
 * ``program.py``    a trace turned into per-rank programs: the ordered steps a replay re-times.
 * ``replay.py``     `replay(trace, hardware)`: every rank's program re-timed on the hardware model, its waits
                      and overlaps kept; an ordinary trace comes back, drawn like any other.
