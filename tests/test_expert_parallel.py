@@ -323,9 +323,9 @@ H_LAYOUTS = [  # (pp, cp, ep, microbatches, free routing, ZeRO stage): dp = 4 / 
 ]
 
 
-def _h_config(free):
+def _h_config(free, layers=None):
     return GPTConfig(**{**H_CFG.__dict__, **({"capacity_factor": None, "aux_loss_coeff": 0.0, "z_loss_coeff": 0.0}
-                                             if free else {})})
+                                             if free else {}), **({"n_layer": layers} if layers else {})})
 
 
 def _h_batch(step):
@@ -334,12 +334,12 @@ def _h_batch(step):
     return x, torch.roll(x, -1, dims=1)
 
 
-def _hybrid_rank(pp, cp, ep, m, free, zero=0, schedule="1f1b"):
+def _hybrid_rank(pp, cp, ep, m, free, zero=0, schedule="1f1b", layers=None):
     from parlab.parallel.groups import build_groups
     from parlab.parallel.hybrid import build_hybrid
     from parlab.parallel.topology import ParallelGrid
     groups = build_groups(ParallelGrid(4, pp=pp, cp=cp, ep=ep))
-    h = build_hybrid(GPT(_h_config(free), seed=0, dtype=torch.float64), groups, microbatches=m, lr=LR,
+    h = build_hybrid(GPT(_h_config(free, layers), seed=0, dtype=torch.float64), groups, microbatches=m, lr=LR,
                      zero_stage=zero, schedule=schedule)
     losses = [h.train_step(*_h_batch(s)).item() for s in range(STEPS)]
     return losses, {k: v.clone() for k, v in h.dense_state_dict().items()}, list(local_experts(H_CFG.experts, groups.ep))
@@ -352,18 +352,24 @@ def test_expert_parallel_composes_with_dp_pp_cp_zero_as_one_process(pp, cp, ep, 
     _check_as_one_process(pp, cp, ep, m, free, zero)
 
 
-def test_zero_bubble_gives_the_expert_layers_their_weight_gradients_as_one_process():
-    """ZB-H1 splits each backward into I and W, and W computes the gradients of the modules the executor recorded;
-    the expert layers are put in after the pipeline is built (it recorded the dense MLPs), and went without any
-    gradient, silently, until the executor recorded every module again at each step."""
-    _check_as_one_process(2, 1, 2, 2, False, 0, "zb-h1")
+@pytest.mark.parametrize("schedule", ["zb-h1", "dualpipe-v"])
+def test_zero_bubble_gives_the_expert_layers_their_weight_gradients_as_one_process(schedule):
+    """ZB-H1 and DualPipeV split each backward into I and W, and W computes the gradients of the modules the
+    executor recorded; the expert layers are put in after the pipeline is built (it recorded the dense MLPs), and
+    went without any gradient, silently, until the executor recorded every module again at each step. DualPipeV
+    (two stages a rank, V-shaped) needs 4 layers for its 4 stages."""
+    from parlab.parallel.pipeline import dualpipe_v
+    if schedule == "zb-h1":
+        _check_as_one_process(2, 1, 2, 2, False, 0, "zb-h1")
+    else:
+        _check_as_one_process(2, 1, 2, 4, False, 0, dualpipe_v(2, 4), layers=4)
 
 
-def _check_as_one_process(pp, cp, ep, m, free, zero, schedule="1f1b"):
+def _check_as_one_process(pp, cp, ep, m, free, zero, schedule="1f1b", layers=None):
     from parlab.parallel.hybrid import routing_groups
     from parlab.parallel.topology import ParallelGrid
     groups = routing_groups(ParallelGrid(4, pp=pp, cp=cp, ep=ep), H_CFG.seq_len, m)   # each rank's micro-batches
-    ref = routed_as_ranks(GPT(_h_config(free), seed=0, dtype=torch.float64), *groups)
+    ref = routed_as_ranks(GPT(_h_config(free, layers), seed=0, dtype=torch.float64), *groups)
     opt = torch.optim.AdamW(ref.parameters(), lr=LR)
     ref_losses = []
     for s in range(STEPS):
@@ -373,7 +379,7 @@ def _check_as_one_process(pp, cp, ep, m, free, zero, schedule="1f1b"):
         opt.zero_grad()
         ref_losses.append(loss.item())
     ref_state = ref.state_dict()
-    for r, (losses, state, mine) in enumerate(parlab.run(_hybrid_rank, 4, pp, cp, ep, m, free, zero, schedule,
+    for r, (losses, state, mine) in enumerate(parlab.run(_hybrid_rank, 4, pp, cp, ep, m, free, zero, schedule, layers,
                                                          echo=False)):
         assert losses == pytest.approx(ref_losses, rel=TOL), f"rank {r}"
         assert state and (not pp > 1 or len(state) < len(ref_state))          # a stage holds its part only
