@@ -60,13 +60,13 @@ def average_expert_gradients(model: nn.Module, ep_group=None, edp_group=None, la
     replicas) and divided by `divide_by` (default: the size of `ep_group`; ep etp / tp under sequence
     parallelism, module docstring); a missing gradient counts as zero."""
     ep = comm.get_world_size(ep_group) if divide_by is None else divide_by
-    for name, p in model.named_parameters():
-        if not (p.requires_grad and is_expert_param(name)):
-            continue
+    experts = [p for name, p in model.named_parameters() if p.requires_grad and is_expert_param(name)]
+    for p in experts:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-        if edp_group is not None and comm.get_world_size(edp_group) > 1:
-            comm.all_reduce(p.grad, op=comm.ReduceOp.AVG, group=edp_group, label=f"{label} experts")
+    if edp_group is not None:
+        comm.average_grads(experts, edp_group, f"{label} experts")       # one flat all-reduce over the replicas
+    for p in experts:
         p.grad.div_(ep)
 
 
