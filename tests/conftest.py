@@ -7,6 +7,8 @@ launch test only, starts fresh interpreters without it)."""
 import pytest
 import torch
 
+import nbval_kernel_retry  # noqa: F401  (a kernel that dies while starting is started again, for the suite's
+                           # own nbval run of tests/notebooks/launcher.ipynb too: it failed one CI run so)
 from parlab import comm
 
 # tests/gpu/ needs CUDA (NCCL collectives, CUDA events, meta construction on a GPU): it is collected only where
