@@ -19,6 +19,7 @@ The lecturer's steps (nbgrader 0.9's documented layout, ``source/<assignment>/``
    (`parlab.course.translated`, named NAME_zh) are released as the Chinese exercises parlab builds, and exercise
    05's three hand-ins in Chinese get the same scores.
 """
+import json
 import os
 import re
 import shutil
@@ -169,6 +170,26 @@ def test_nbgrader_autograde_scores_every_check_as_parlab_grade_does(nbgrader_cou
     # exercise 00: the ring phases earn their two checks; an all-reduce by the library is a right sum but not a
     # ring, and both of ring_all_reduce's checks refuse it
     assert total == {"solution": (5, 4), "edited": (2, 2), "cheat": (0, 0)}, total
+
+
+def test_nbgrader_runs_a_chinese_notebook_in_chinese_and_its_figures_pass_in_chromium(nbgrader_course, tmp_path):
+    """A Chinese notebook (metadata parlab.lang) is autograded with parlab speaking Chinese, whatever the language
+    of the shell running nbgrader (`GuardedExecute`): the failing check's message, and the figure exercise 05
+    draws from the student's schedule, are in Chinese. The figures nbgrader drew (exercise 05, both languages: the
+    exercises' only executed figures with outputs kept in the suite) pass the browser figure check."""
+    from parlab.course import figcheck
+    root = nbgrader_course[0]
+    autograded = root / "autograded"
+    errors = [o for c in course.read(autograded / "edited" / "all" / f"{EX}_zh.ipynb").cells
+              for o in c.get("outputs", []) if o.get("output_type") == "error" and o["ename"] != "NotImplementedError"]
+    assert errors and all(re.search(r"[\u4e00-\u9fff]", o["evalue"]) for o in errors), [o["evalue"][:200] for o in errors]
+    if figcheck.chromium_path() is None:
+        pytest.skip("needs Debian's chromium (apt-get install -y chromium); .ci/run installs it")
+    solved = [autograded / "solution" / "all" / f"{EX}{suffix}.ipynb" for suffix in ("", "_zh")]
+    problems = figcheck.run(solved, tmp_path)
+    assert problems == [], "\n".join(problems)
+    shown = json.loads((tmp_path / "figures.json").read_text())
+    assert sorted(f["name"].split("/")[0] for f in shown) == [EX, f"{EX}_zh"], shown
 
 
 def test_nbgrader_feedback_loads_plotly_js_once_from_its_cdn_instead_of_a_copy_per_page(nbgrader_course):

@@ -93,14 +93,16 @@ def _has_solution(nb: nbformat.NotebookNode) -> list[bool]:
 
 
 def make_exercise(solution: nbformat.NotebookNode, name: str = "") -> nbformat.NotebookNode:
-    """The student notebook: solution regions replaced, outputs stripped, a note saying where it came from."""
+    """The student notebook: solution regions replaced, outputs stripped, a note saying where it came from. The
+    solution's language (``metadata.parlab.lang``, a translated course's) is kept: graders run its kernel in it."""
+    lang = solution.metadata.get("parlab", {}).get("lang")
     nb = strip_notebook(solution)
     has_solution = _has_solution(nb)
     for i, cell in enumerate(nb.cells):
         if cell.cell_type == "code":
             cell.source = strip_solution(cell.source, where=f"{name or 'notebook'}, cell {i}")
     nbgrader_metadata(nb, has_solution)
-    nb.metadata["parlab"] = {"generated": GENERATED_NOTE.format(name=name)}
+    nb.metadata["parlab"] = {"generated": GENERATED_NOTE.format(name=name), **({"lang": lang} if lang else {})}
     return nb
 
 

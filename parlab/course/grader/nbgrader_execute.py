@@ -13,12 +13,19 @@ pass: 12 of 12 under plain nbgrader, 0 and "tampered" under ``parlab grade``. `G
   rebinding get the same error output (a solution that rebinds the checks after its first parts passed earned
   them under nbgrader and 0 under ``parlab grade`` before: tests/test_nbgrader.py);
 * the cells after the last graded one (demonstrations) are not run: they score nothing, and a slow one would
-  only cost the class's grading time.
+  only cost the class's grading time;
+* the kernel speaks the notebook's language: a notebook of the Chinese course (``metadata.parlab.lang``, written
+  by `parlab.course.translated`) is run with ``PARLAB_LANG`` set to it, so its checks explain themselves in
+  Chinese in the student's feedback whatever the language of the shell that runs nbgrader (without it, a class
+  graded from an English shell read English failures in Chinese notebooks).
 
 Everything else is nbgrader's Execute (its timeout, its kernel, its error handling), configured as usual.
 """
 from __future__ import annotations
 
+import os
+
+from nbclient.util import run_sync
 from nbformat.v4 import new_code_cell, new_output
 from nbgrader.preprocessors import Execute
 from nbgrader.utils import is_grade
@@ -43,6 +50,14 @@ class GuardedExecute(Execute):
                     nb.cells[i].outputs.append(new_output("error", ename="Tampered", evalue=message,
                                                           traceback=[message]))
         return nb, resources
+
+    async def async_start_new_kernel(self, **kwargs):
+        lang = self.nb.metadata.get("parlab", {}).get("lang")
+        if lang:                                       # the Chinese course's notebooks: feedback in Chinese
+            kwargs["env"] = {**(kwargs.get("env") or os.environ), "PARLAB_LANG": lang}
+        await super().async_start_new_kernel(**kwargs)
+
+    start_new_kernel = run_sync(async_start_new_kernel)     # nbclient's sync face, bound to this coroutine
 
     def preprocess_cell(self, cell, resources, index):
         if index > self._last_graded:                  # a demonstration after the last check: not run
