@@ -187,7 +187,10 @@ def test_gpu_tests_import_on_cpu():
     ("hybrid", ["--ep", "2"], "--ep 2 spreads the experts of MoE layers over 2 ranks: give --experts E"),
     ("hybrid", ["--ep", "2", "--experts", "3"], "--experts 3 must be a multiple of --ep 2"),
     ("hybrid", ["--experts", "-1"], "--experts must be 0 .* got -1"),
-    ("hybrid", ["--tp", "2", "--etp", "4", "--experts", "4"], "--etp 4 must be 1 .* or equal to --tp 2"),
+    ("hybrid", ["--tp", "2", "--ep", "2", "--etp", "4", "--experts", "4"], "--etp 4 must be 1 .* or equal to --tp 2"),
+    ("hybrid", ["--tp", "2", "--sp", "--etp", "2"], "--etp 2 splits each expert's MLP .* give --experts E"),
+    ("hybrid", ["--tp", "2", "--sp", "--etp", "2", "--experts", "4"], "with --ep 1 every rank holds each expert "
+                                                                      "whole: leave --etp at 1"),
     ("zero", ["--trace", "no/such/folder/t.json"], "the folder .*no/such/folder does not exist; create it, or pass "
                                                    "--no-trace"),
     ("zero", ["--trace", "."], "--trace .: that is a folder; name a file in it"),

@@ -55,6 +55,13 @@ def check_experts(a) -> str | None:
     if a.ep > 1 and a.experts == 0:
         return _("--ep {ep} spreads the experts of MoE layers over {ep} ranks: give --experts E, a "
                  "multiple of {ep}").format(ep=a.ep)
+    if a.etp > 1 and a.experts == 0:
+        return _("--etp {etp} splits each expert's MLP over the tp ranks: it needs MoE layers, give --experts E "
+                 "and --ep").format(etp=a.etp)
+    if a.etp > 1 and a.ep == 1:
+        return _("--etp {etp} splits the experts over the tp ranks beside expert parallelism, which parlab "
+                 "composes with --ep 2 or more; with --ep 1 every rank holds each expert whole: leave --etp at "
+                 "1").format(etp=a.etp)
     if a.etp not in (1, a.tp):
         return _("--etp {etp} must be 1 (experts whole) or equal to --tp {tp} (experts split over the tp "
                  "ranks)").format(etp=a.etp, tp=a.tp)
