@@ -156,6 +156,9 @@ def test_plan_command_uses_the_fused_attention_kernel_unless_told_otherwise(caps
     out = capsys.readouterr().out
     assert "attention kernel: materialised" in out
     assert "materialised:" in next(line for line in out.splitlines() if line.startswith("Best:"))
+    assert "runs as none" not in out                                  # selective is tried, materialised
+    assert main(argv + ["--recompute", "selective"]) == 0             # asked for by name, fused: said why it is n
+    assert "selective recomputation redoes the attention scores" in capsys.readouterr().out
 
 
 def test_tiny_gpt_state_bytes_match_measured_bytes():
