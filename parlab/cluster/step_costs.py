@@ -79,7 +79,9 @@ __all__ = ["Layout", "StepCosts", "check_inputs", "layer_forward_flops", "layer_
 class Layout:
     """How the big model is laid out: tp x cp x dp x pp GPUs, `virtual` model chunks per pipeline rank
     (interleaved 1F1B), b sequences per micro-batch, recomputation, sequence parallelism, the ZeRO stage (1: the
-    distributed optimizer), communication overlap and the number format of the products (module docstring)."""
+    distributed optimizer), communication overlap, the number format of the products and the attention kernel:
+    "fused" by default (FlashAttention, Dao et al. 2022, what runs use since), "materialised" for the papers of
+    2021-2022, whose kernels wrote the scores out (module docstring)."""
 
     tp: int = 1
     pp: int = 1
