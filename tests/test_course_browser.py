@@ -36,7 +36,7 @@ from parlab.course.figcheck import CHROMIUM_ARGS, chromium_path
 ROOT = Path(__file__).resolve().parents[1]
 LESSON, EXERCISE = "lessons/07_hybrid_4d.ipynb", "exercises/05_pipeline_schedules.ipynb"
 EXPLORER_CONTROLS = ("model", "GPU", "GPUs", "number format", "tp", "pp", "cp", "ZeRO", "global batch", "micro-batch",
-                     "schedule", "chunks v", "recompute", "SP")
+                     "schedule", "chunks v", "recompute", "SP", "attention")
 
 pytestmark = pytest.mark.skipif(chromium_path() is None, reason="needs Debian's chromium: apt-get install chromium")
 

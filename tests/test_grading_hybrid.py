@@ -118,20 +118,31 @@ def test_swapped_dimensions_duplicates_and_placeholders_are_rejected():
 
 
 # ---------------------------------------------------------------------- choosing a layout
-GOOD = dict(tp=8, pp=2, micro_batch=1, zero=2, recompute=False)          # the planner's best for the task
+GOOD = dict(tp=8, pp=2, micro_batch=1, zero=2, recompute=False)          # the solution's layout for the task
+
+
+def test_reference_layout_is_the_planners_best_with_materialised_attention_and_near_it_fused():
+    """The solution's layout was the planner's best when the scores were materialised; with the fused kernel (the
+    default since 2022) the activations shrink and tp4 pp4 ZeRO-3 edges ahead by 2%, well inside the 10% allowed."""
+    from parlab.cluster.costs import preset
+    model, cluster = preset("llama-65b"), Cluster(nodes=4)
+    mat = planner.plan(model, cluster, 128, attention="materialised")[0]
+    assert (mat.tp, mat.pp, mat.micro_batch, mat.zero, mat.recompute) == (8, 2, 1, 2, False)
+    fused = planner.plan(model, cluster, 128)[0]
+    assert estimate(model, cluster, 128, **GOOD).step_s / fused.step_s - 1 < 0.03
 
 
 def test_reference_layout_passes(capsys):
     grading.check_layout(lambda: GOOD)
     out = capsys.readouterr().out
-    assert "tp8 pp2 dp2" in out and "0.0% from the planner's best" in out
+    assert "tp8 pp2 dp2" in out and "2.0% from the planner's best" in out
     grading.check_layout(lambda: dict(tp=8, pp=4, zero=0))             # +1%: within the 10% allowed
 
 
 @pytest.mark.parametrize("layout, says", [
     (dict(tp=1, pp=1), "does not fit"),                                 # plain DP: 16 bytes x 65B per GPU
     (dict(tp=16, pp=2, zero=0), "across nodes"),                        # fits, but TP leaves the node
-    (dict(tp=1, pp=1, micro_batch=4, zero=3, recompute=True), "slow"),  # FSDP + recomputation: +20%
+    (dict(tp=1, pp=1, micro_batch=4, zero=3, recompute=True), "slow"),  # FSDP + recomputation: +22%
     (dict(tp=3, pp=2), "not valid"),                                    # 64 heads
     (dict(tp=8, pp=2, micro_batch=3), "multiple of dp"),                # 128 sequences
     (dict(tp=8, pp=2, dp=4), "not 4"),                                  # dp is the rest
@@ -152,7 +163,7 @@ def test_messages_explain_with_numbers():
     assert "25 GB/s" in str(err.value) and "keep tp <= 8" in str(err.value)
     with pytest.raises(AssertionError) as err:
         grading.check_layout(lambda: dict(tp=1, pp=1, micro_batch=4, zero=3, recompute=True))
-    assert "20% more" in str(err.value) and "compute (recomputation" in str(err.value)
+    assert "22% more" in str(err.value) and "compute (recomputation" in str(err.value)
 
 
 # ---------------------------------------------------------------------- the search

@@ -20,6 +20,7 @@ from parlab.parallel.topology import ParallelGrid
 GB = 1e9
 GPT3 = preset("gpt3-175b")
 MEGATRON = Cluster(nodes=128)           # 128 DGX A100 80 GB nodes = 1024 GPUs, defaults: 312 TFLOP/s, NVLink, IB
+MAT = dict(attention="materialised")   # Megatron's kernels of 2021-2022 wrote the scores out (the default is fused)
 
 
 def test_parameter_counts_match_the_closed_forms_and_the_papers():
@@ -37,16 +38,17 @@ def test_parameter_counts_match_the_closed_forms_and_the_papers():
 
 def test_memory_closed_forms():
     one = Cluster(nodes=1, gpus_per_node=1, gpu_mem_gb=10_000)
-    e = estimate(GPT3, one, 1)
+    e = estimate(GPT3, one, 1, **MAT)
     psi = GPT3.param_count()
     assert e.params_bytes == pytest.approx(2 * psi)                       # 16-bit weights: ~350 GB
     assert e.params_bytes / GB == pytest.approx(349.2, abs=0.1)
     assert e.params_bytes + e.grads_bytes + e.optimizer_bytes == pytest.approx(16 * psi)   # 2 + 2 + 12
     s, h, a = 2048, 12288, 96                           # Korthikanti table 2, per layer, sequence parallel on
     assert e.activation_bytes == pytest.approx(96 * s * h * (34 + 5 * a * s / h))
-    sp = estimate(GPT3, Cluster(nodes=1, gpus_per_node=8, gpu_mem_gb=10_000), 8, tp=8)
+    sp = estimate(GPT3, Cluster(nodes=1, gpus_per_node=8, gpu_mem_gb=10_000), 8, tp=8, **MAT)
     assert sp.activation_bytes == pytest.approx(96 * s * h * (34 + 5 * a * s / h) / 8)
-    no_sp = estimate(GPT3, Cluster(nodes=1, gpus_per_node=8, gpu_mem_gb=10_000), 8, tp=8, sequence_parallel=False)
+    no_sp = estimate(GPT3, Cluster(nodes=1, gpus_per_node=8, gpu_mem_gb=10_000), 8, tp=8, sequence_parallel=False,
+                     **MAT)
     assert no_sp.activation_bytes == pytest.approx(96 * s * h * (10 + 24 / 8 + 5 * a * s / (h * 8)))
 
 
@@ -74,20 +76,20 @@ def test_step_time_terms_follow_their_formulas():
 def test_monotonic_in_zero_stage_and_recomputation():
     totals = [estimate(GPT3, MEGATRON, 1536, tp=8, pp=8, zero=z).total_bytes for z in range(4)]
     assert totals == sorted(totals, reverse=True) and len(set(totals)) == 4
-    plain = estimate(GPT3, MEGATRON, 1536, tp=4, pp=8, zero=1)
-    rc = estimate(GPT3, MEGATRON, 1536, tp=4, pp=8, zero=1, recompute=True)
+    plain = estimate(GPT3, MEGATRON, 1536, tp=4, pp=8, zero=1, **MAT)   # selective recomputes materialised scores
+    rc = estimate(GPT3, MEGATRON, 1536, tp=4, pp=8, zero=1, recompute=True, **MAT)
     assert rc.activation_bytes < plain.activation_bytes / 10
     assert rc.compute_s == pytest.approx(plain.compute_s * T.hardware_flops(GPT3, 1536, "full")
                                          / T.model_flops(GPT3, 1536)) and rc.step_s > plain.step_s
-    sel = estimate(GPT3, MEGATRON, 1536, tp=4, pp=8, zero=1, recompute="selective")
+    sel = estimate(GPT3, MEGATRON, 1536, tp=4, pp=8, zero=1, recompute="selective", **MAT)
     assert rc.activation_bytes < sel.activation_bytes < plain.activation_bytes
     assert plain.compute_s < sel.compute_s < rc.compute_s
     assert (sel.recomputation, rc.recomputation, plain.recomputation) == ("selective", "full", "none")
 
 
 def test_megatron_gpt3_layout_is_chosen():
-    every = enumerate_layouts(GPT3, MEGATRON, 1536)
-    ranked = plan(GPT3, MEGATRON, 1536)
+    every = enumerate_layouts(GPT3, MEGATRON, 1536, **MAT)        # as Megatron ran it in 2021
+    ranked = plan(GPT3, MEGATRON, 1536, **MAT)
     print("\n" + format_table(ranked, 5) + "\n" + explain(ranked, every))
     assert all(e.tp == 8 and e.pp > 1 for e in ranked[:5])     # TP fills a node, never leaves it; PP across
     # the published t = 8, p = 8 (dp = 16) is among the first three (it is first today; the next ones are
@@ -139,6 +141,24 @@ def test_main_prints_a_table(capsys):
     assert "no layout" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         main(["--model", "custom", "--layers", "2"])
+
+
+def test_plan_command_uses_the_fused_attention_kernel_unless_told_otherwise(capsys):
+    """FlashAttention (Dao et al. 2022) is the default since 2022: `parlab plan` says which kernel it assumed, and
+    --attention materialised (the 2021-2022 Megatron runs) marks every layout that writes the scores out."""
+    argv = ["--model", "llama-7b", "--nodes", "1", "--top", "3"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "attention kernel: fused (FlashAttention)" in out
+    best = next(line for line in out.splitlines() if line.startswith("Best:"))
+    assert "materialised" not in best
+    assert main(argv + ["--attention", "materialised"]) == 0
+    out = capsys.readouterr().out
+    assert "attention kernel: materialised" in out
+    assert "materialised:" in next(line for line in out.splitlines() if line.startswith("Best:"))
+    assert "runs as none" not in out                                  # selective is tried, materialised
+    assert main(argv + ["--recompute", "selective"]) == 0             # asked for by name, fused: said why it is n
+    assert "selective recomputation redoes the attention scores" in capsys.readouterr().out
 
 
 def test_tiny_gpt_state_bytes_match_measured_bytes():
@@ -210,8 +230,11 @@ def test_plan_command_tries_the_recomputation_settings_asked_for(capsys):
     def rc_column():
         rows = [line for line in capsys.readouterr().out.splitlines() if "|" in line and line.split()[0].isdigit()]
         return [line.split("|")[0].split()[-1] for line in rows]
-    assert main(argv + ["--recompute", "selective", "--no-sp"]) == 0
+    # selective recomputation redoes the scores a materialising kernel wrote; the fused default keeps none
+    assert main(argv + ["--recompute", "selective", "--no-sp", "--attention", "materialised"]) == 0
     assert rc_column() == ["s"] * 3
+    assert main(argv + ["--recompute", "selective", "--no-sp"]) == 0
+    assert rc_column() == ["n"] * 3
     assert main(argv + ["--recompute", "none"]) == 0
     assert rc_column() == ["n"] * 3
     with pytest.raises(SystemExit) as stop:

@@ -407,8 +407,8 @@ def test_scaleup_recosts_every_action_with_the_big_model_and_keeps_the_schedule(
     t_tp = hw.collective_time("all_reduce", 2 * model.seq * model.hidden, 8)      # (b, s, h) 16-bit, in a node
     # 16 of 32 layers: their products' FLOPs at peak, their memory-bound ops' bytes at 0.8 of HBM, 2 TP all-reduces
     expected = (16 * layer_forward_flops(model, 1, 8) / hw.peak_flops
-                + 16 * layer_forward_bytes(model, 1, 8, dropout=False) / (hw.mem_bw * hw.mem_efficiency)
-                + 2 * 16 * t_tp)                                            # LLaMA trains without dropout
+                + 16 * layer_forward_bytes(model, 1, 8, dropout=False, fused=True) / (hw.mem_bw * hw.mem_efficiency)
+                + 2 * 16 * t_tp)                      # LLaMA trains without dropout; Layout's default kernel is fused
     assert fwd[0].duration == pytest.approx(expected, rel=1e-12)
     # without the memory-bound ops and the optimizer: the FLOPs-only model
     bare = scaleup(tr, model, hw, Layout(tp=8, pp=p, dp=4, micro_batch=1), memory_ops=False, optimizer=False)

@@ -381,7 +381,7 @@ def test_animation_heading_gives_a_calls_total_per_rank_not_per_arrow():
 
 def test_explorer_controls_speak_the_course_language_and_keep_their_values():
     """Lesson 07's explorer: each control labelled in the language in force, the recomputation modes' words
-    translated while the values the explorer receives stay the code's; 14 controls laid out in 4 rows."""
+    translated while the values the explorer receives stay the code's; 15 controls laid out in 4 rows."""
     import ipywidgets
 
     from parlab.i18n import use_language
@@ -389,7 +389,8 @@ def test_explorer_controls_speak_the_course_language_and_keep_their_values():
     settings = dict(model=(["gpt-175b"], "gpt-175b"), gpu=(["a100-80gb", "h100-80gb"], "a100-80gb"),
                     gpus=([8, 64], 64), precision=(["bf16", "fp8"], "bf16"), tp=([4, 8], 8), pp=([8], 8),
                     cp=([1], 1), zero=([0, 1], 0), batch=([64], 64), micro=([1], 1), schedule=(["1f1b"], "1f1b"),
-                    v=([1, 3], 3), recompute=(["none", "selective", "full"], "selective"), sp=True)
+                    v=([1, 3], 3), recompute=(["none", "selective", "full"], "selective"), sp=True,
+                    attention=(["fused", "materialised"], "fused"))
     with use_language("en"):
         en = explorer_controls(**settings)
     with use_language("zh_CN"):
@@ -401,7 +402,9 @@ def test_explorer_controls_speak_the_course_language_and_keep_their_values():
     assert zh["recompute"].options == (("无", "none"), ("选择性", "selective"), ("完全", "full"))
     assert zh["recompute"].value == "selective" and zh["sp"].value is True and zh["sp"].description == "序列并行 SP"
     grid = explorer_panel(en, ipywidgets.Output()).children[0]
-    assert grid.layout.grid_template_rows == "repeat(4, auto)" and len(grid.children) == 14
+    assert zh["attention"].options == (("融合（FlashAttention）", "fused"), ("分数写入显存", "materialised"))
+    assert zh["attention"].value == "fused" and zh["attention"].description == "注意力内核"
+    assert grid.layout.grid_template_rows == "repeat(4, auto)" and len(grid.children) == 15
     with pytest.raises(ValueError, match="no explorer control"):
         explorer_controls(precison=(["bf16"], "bf16"))
     with pytest.raises(ValueError, match="not one of its options"):
@@ -416,7 +419,8 @@ def test_explorer_capacity_labels_sit_beside_the_memory_plot():
     from parlab.cluster.planner import estimate
     from parlab.viz.explorer import layout_figure
     cluster = dataclasses.replace(CLUSTERS["a100-80gb"], nodes=8)
-    est = estimate(preset("gpt3-175b"), cluster, 64, tp=8, pp=8, micro_batch=2, recompute="none")
+    est = estimate(preset("gpt3-175b"), cluster, 64, tp=8, pp=8, micro_batch=2, recompute="none",
+                   attention="materialised")                            # the scores kept: 2022's kernels
     assert est.total_bytes / 1e9 > 80                                   # the bar runs past both lines
     fig = layout_figure(est, cluster)
     labels = {a.text: a for a in fig.layout.annotations if a.text in ("80 GB GPU", "usable")}

@@ -40,11 +40,13 @@ def main(argv=None) -> int:
     p.add_argument("--precision", default="bf16", metavar="FORMAT",
                    help=_("number format of the products: bf16 (default), or fp8 where the hardware lists its rate "
                           "(dgx-h100); needs --hardware"))
-    p.add_argument("--attention", choices=T.ATTENTION, default="materialised",
-                   help=_("attention kernel: materialised (default; the scores written to memory, Megatron 2022) or "
-                          "fused (FlashAttention: no scores stored, the backward recomputes them)"))
+    p.add_argument("--attention", choices=T.ATTENTION, default="fused",
+                   help=_("attention kernel: fused (default: FlashAttention, Dao et al. 2022, arXiv:2205.14135, the "
+                          "kernel of Megatron-Core and PyTorch's scaled_dot_product_attention since then: no scores "
+                          "stored, the backward recomputes them) or materialised (the scores written to memory, as "
+                          "the Megatron runs of 2021-2022 did)"))
     p.add_argument("--global-batch", type=int, default=None, help=_("sequences per step (default 2 x GPUs)"))
-    p.add_argument("--recompute", nargs="+", choices=T.RECOMPUTE, default=list(T.RECOMPUTE),
+    p.add_argument("--recompute", nargs="+", choices=T.RECOMPUTE, default=None,
                    help=_("activation recomputation settings to try (rc column: n, s, y)"))
     p.add_argument("--no-sp", action="store_true", help=_("tensor parallelism without sequence parallelism"))
     p.add_argument("--virtual", nargs="+", type=int, default=[1], metavar="V",
@@ -88,7 +90,7 @@ def main(argv=None) -> int:
         batch = a.global_batch or 2 * cluster.world
         if any(v < 1 for v in a.virtual):
             p.error(_("--virtual takes positive chunk counts, got {virtual}").format(virtual=a.virtual))
-        options = dict(recompute=tuple(dict.fromkeys(a.recompute)), sequence_parallel=not a.no_sp, hardware=hw,
+        options = dict(recompute=tuple(dict.fromkeys(a.recompute or T.RECOMPUTE)), sequence_parallel=not a.no_sp, hardware=hw,
                        virtual=tuple(dict.fromkeys(a.virtual)), precision=a.precision, attention=a.attention,
                        ep=tuple(dict.fromkeys(a.ep)))
         every = enumerate_layouts(model, cluster, batch, **options)
@@ -109,6 +111,11 @@ def main(argv=None) -> int:
                 "token; expert parallelism tried: {ep}").format(experts=model.experts, top_k=model.top_k,
                                                                 active=model.active_params() / 1e9,
                                                                 ep=" ".join(map(str, dict.fromkeys(a.ep)))))
+    print(_("attention kernel: {kernel}").format(kernel=_("fused (FlashAttention)") if a.attention == "fused" else
+                                                       _("materialised (the scores written to memory)")))
+    if a.attention == "fused" and "selective" in (a.recompute or ()):      # asked for it by name
+        print(_("selective recomputation redoes the attention scores, which the fused kernel never keeps: it runs as "
+                "none (rc n); --attention materialised to try it"))
     print(_("{valid} valid layouts, {fit} fit.").format(valid=len(every), fit=len(ranked)) + "\n")
     print(format_table(ranked, a.top))
     print()

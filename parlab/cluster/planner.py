@@ -120,7 +120,7 @@ class Estimate:
     virtual: int = 1          # model chunks per pipeline rank (interleaved 1F1B [3] section 2.2.2; 1: plain 1F1B)
     schedule: str = "1f1b"    # the pipeline schedule: 1f1b (interleaved when virtual > 1), gpipe or zb-h1
     precision: str = "bf16"   # the number format of the products (the hardware's rate for it; memory unchanged)
-    attention: str = "materialised"   # the attention kernel (`transformer.ATTENTION`): "fused" stores no scores
+    attention: str = "fused"  # the attention kernel (`transformer.ATTENTION`): "fused" stores no scores
     ep: int = 1               # expert parallelism (a mixture of experts; `expert_costs`), the experts' tp etp
     etp: int = 1
     ep_s: float = 0.0         # the all-to-alls (and etp gathers) of the MoE layers, exposed
@@ -131,9 +131,8 @@ class Estimate:
                 f"{f' v{self.virtual}' if self.virtual > 1 else ''}{'' if self.schedule == '1f1b' else ' ' + self.schedule}"
                 f" Z{self.zero}{' rc' if self.recompute else ''}{' sel' if self.selective else ''}"
                 f"{'' if self.sequence_parallel or self.tp == 1 else ' no-sp'}"
-                f"{'' if self.precision == 'bf16' else ' ' + self.precision}"
-                f"{' fused' if self.attention == 'fused' else ''}{f' ep{self.ep}' if self.ep > 1 else ''}"
-                f"{f' etp{self.etp}' if self.etp != self.tp else ''}")
+                f"{'' if self.precision == 'bf16' else ' ' + self.precision}{' materialised' * (self.attention != 'fused')}"
+                f"{f' ep{self.ep}' if self.ep > 1 else ''}{f' etp{self.etp}' if self.etp != self.tp else ''}")
 
     @property
     def recomputation(self) -> str:
@@ -155,7 +154,7 @@ def estimate(model: ModelSpec, cluster: Cluster, global_batch: int, *, tp: int =
              micro_batch: int = 1, zero: int = 0, recompute: bool | str = False,
              sequence_parallel: bool = True, virtual: int = 1, hardware=None, tp_overlap: bool = False,
              dp_overlap: bool = False, schedule: str = "1f1b", precision: str = "bf16",
-             attention: str = "materialised", ep: int = 1, etp: int | None = None, simulate: bool = True) -> Estimate:
+             attention: str = "fused", ep: int = 1, etp: int | None = None, simulate: bool = True) -> Estimate:
     """Memory and step time of one layout (see the module docstring for every formula). `recompute`: False or
     "none", "selective", True or "full"; `sequence_parallel`: Megatron's SP with tensor parallelism [2];
     `virtual`: chunks per pipeline rank of the interleaved schedule [3] (1: plain 1F1B). `hardware`: a
@@ -167,8 +166,9 @@ def estimate(model: ModelSpec, cluster: Cluster, global_batch: int, *, tp: int =
     bubble) or "zb-h1" (Qi et al.: 1F1B's memory, the bubble (pp - 1)(F + B_input - W)). `precision`: the number
     format the products run in ("bf16", or "fp8" where the hardware lists its rate), as `step_costs.Layout`'s; an
     option of the replay's cost model, so it needs `hardware` too. The memory counted is the same (bf16 weights and
-    activations, fp32 Adam states) in either. `attention`: the attention kernel, "materialised" or "fused"
-    (FlashAttention: no a s^2 scores kept, `transformer.activation_bytes_per_layer`; timed as `step_costs` says).
+    activations, fp32 Adam states) in either. `attention`: the attention kernel, "fused" (default: FlashAttention,
+    Dao et al. 2022, arXiv:2205.14135, Megatron-Core's and PyTorch SDPA's kernel since: no a s^2 scores kept) or
+    "materialised" (the scores written out, as Megatron's runs of 2021-22 and [2] did); timed as `step_costs` says.
     `ep`, `etp`: a mixture of experts' expert parallelism and the experts' tensor parallelism (default tp), folded
     onto each stage's tp x cp x dp ranks (`parlab.cluster.expert_costs`): E / ep experts per rank, their states
     sharded over their edp replicas, the all-to-alls timed ("ep_s"). `simulate` (with `hardware` and pp > 1): the
@@ -293,15 +293,15 @@ def _divisors(n: int) -> list[int]:
 def enumerate_layouts(model: ModelSpec, cluster: Cluster, global_batch: int, *, micro_batches=(1, 2, 4, 8),
                       zero_stages=(0, 1, 2, 3), recompute=(False, True), cp_max: int = 8,
                       min_cp_chunk: int = 4096, sequence_parallel: bool = True, hardware=None,
-                      virtual=(1,), precision: str = "bf16", attention: str = "materialised",
+                      virtual=(1,), precision: str = "bf16", attention: str = "fused",
                       ep=(1,)) -> list[Estimate]:
     """Every valid layout with its estimate, fitting or not (see `plan` for the ranked fitting ones).
     `recompute`: the recomputation settings tried (False / "none", "selective", True / "full"); `hardware`:
     time every layout with the replay's cost model in closed form (`estimate`); `virtual`: the interleaving chunks
     per pipeline rank tried (v > 1 where the interleaved schedule applies: pp >= 2, pp dividing the micro-batches
     and pp x v the layers); `precision`: the number format of every layout's products (needs `hardware`);
-    `attention`: the attention kernel of every layout ("materialised" or "fused"); `ep`: the expert-parallel
-    sizes tried for a mixture of experts (those that fold onto a layout's tp x cp x dp ranks; etp = tp).
+    `attention`: the attention kernel of every layout ("fused", the default, or "materialised"); `ep`: the
+    expert-parallel sizes tried for a mixture of experts (those that fold onto a layout's tp x cp x dp ranks; etp tp).
     With `hardware`, every layout is timed by the closed form and the `SIMULATED` fastest fitting ones with pp > 1
     again by simulating their schedule (`estimate(..., simulate=True)`); layouts without a pipeline are exact
     either way, the others beyond those keep the closed form's bubble.

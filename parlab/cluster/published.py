@@ -74,7 +74,8 @@ class PublishedRun:
         m = lay["global_batch"] // lay["dp"]
         schedule = interleaved_1f1b(lay["pp"], m, v) if v > 1 else one_f_one_b(lay["pp"], m)
         return schedule, Layout(tp=lay["tp"], pp=lay["pp"], dp=lay["dp"], recompute=self.recompute,
-                                sequence_parallel=self.sequence_parallel, virtual=v)
+                                sequence_parallel=self.sequence_parallel, virtual=v,
+                                attention="materialised")     # Megatron's kernels of 2022: the scores written out
 
     @property
     def label(self) -> str:

@@ -42,11 +42,12 @@ Data parallelism and the optimizer (the gradient sync of each ZeRO stage, ZeRO-2
 Adam step): `parlab.cluster.sync_costs.SyncCosts` (`StepCosts.sync`); ZeRO-2/3's per micro-batch traffic runs
 beside the action it belongs to and only what exceeds that action's compute is charged to it.
 
-Attention kernel: `attention` "materialised" (the default; Megatron's kernels of 2022, which the table 5 runs
-used) costs the scores as above; "fused" (FlashAttention, cuDNN: training runs from 2022 on) never writes them:
-the scores' bytes become Q, K, V read and O written (`attention_core_bytes`), the backward recomputes Q K^T
-(FlashAttention-2 section 4.1: 5 products against the forward's 2), and selective recomputation has nothing left
-to redo.
+Attention kernel: `attention` "fused" (the default: FlashAttention, Dao et al. 2022, arXiv:2205.14135, and
+cuDNN's fused attention, what Megatron-Core and PyTorch's scaled_dot_product_attention run since then) never
+writes the scores: their bytes become Q, K, V read and O written (`attention_core_bytes`), the backward
+recomputes Q K^T (FlashAttention-2 section 4.1: 5 products against the forward's 2), and selective recomputation
+has nothing left to redo. "materialised" (Megatron's kernels of 2021-2022, which the table 5 runs used; every
+reproduction of those papers names it) costs the scores as above.
 
 Number format: `precision` "bf16" (the default: the hardware's peak_flops) or another the hardware lists
 (`Hardware.at`) for the matrix products; activations and messages stay 16-bit. "fp8" is mixed as Transformer
@@ -78,7 +79,9 @@ __all__ = ["Layout", "StepCosts", "check_inputs", "layer_forward_flops", "layer_
 class Layout:
     """How the big model is laid out: tp x cp x dp x pp GPUs, `virtual` model chunks per pipeline rank
     (interleaved 1F1B), b sequences per micro-batch, recomputation, sequence parallelism, the ZeRO stage (1: the
-    distributed optimizer), communication overlap and the number format of the products (module docstring)."""
+    distributed optimizer), communication overlap, the number format of the products and the attention kernel:
+    "fused" by default (FlashAttention, Dao et al. 2022, what runs use since), "materialised" for the papers of
+    2021-2022, whose kernels wrote the scores out (module docstring)."""
 
     tp: int = 1
     pp: int = 1
@@ -92,7 +95,8 @@ class Layout:
     tp_overlap: bool = False         # the backward's TP communication hidden behind weight-gradient GEMMs
     dp_overlap: bool = False         # the gradient sync beside the rank's last backward
     precision: str = "bf16"
-    attention: str = "materialised"  # the attention kernel: "materialised" scores or "fused" (FlashAttention)
+    attention: str = "fused"         # the attention kernel: "fused" (FlashAttention, the default since 2022) or
+    #                                  "materialised" scores (Megatron 2021-2022: what its papers' runs used)
     ep: int = 1                      # expert parallelism: the experts split over ep ranks (`expert_costs`)
     etp: int | None = None           # the experts' tensor parallelism (None: tp)
 

@@ -64,7 +64,8 @@ __all__ = ["RECOMPUTE", "ATTENTION", "recompute_mode", "check_attention", "param
 BYTES_16BIT = 2
 RECOMPUTE = ("none", "selective", "full")
 #: attention kernels: "materialised" writes the a s^2 scores (softmax, dropout) to memory, as Megatron did in 2022
-#: ([2]); "fused" (FlashAttention [5], cuDNN's fused attention; the default of training runs from 2022 on) never does
+#: ([2]); "fused" (FlashAttention [5], cuDNN's fused attention; the default of training runs from 2022 on, of
+#: Megatron-Core and PyTorch's scaled_dot_product_attention, and so of every function here) never does
 ATTENTION = ("materialised", "fused")
 
 
@@ -182,7 +183,7 @@ def hfu(model, batch: int, step_s: float, gpus: int, peak_flops: float, recomput
 
 
 def activation_bytes_per_layer(model, micro_batch: int, tp: int = 1, sequence_parallel: bool = False,
-                               recompute="none", cp: int = 1, attention: str = "materialised") -> float:
+                               recompute="none", cp: int = 1, attention: str = "fused") -> float:
     """Bytes one layer keeps for the backward pass of one micro-batch ([2] table 2, any MLP width).
 
     whole   = 4 (LayerNorm inputs) + 2 + 1 (attention input, dropout mask) + 2 + 1 (MLP input, dropout mask;
@@ -190,7 +191,9 @@ def activation_bytes_per_layer(model, micro_batch: int, tp: int = 1, sequence_pa
     sharded = 6 + 2 (Q, K, V; projection input) + 4 f / h (GELU: input and output of the f-wide MLP) or
               8 f / h (SwiGLU: gate, up, silu(gate), their product): 24 for GPT; / tp
     scores  = 5 a s / h (softmax output 2, its dropout mask 1 and output 2, per head): / tp; 0 with selective;
-              4 a / h with a fused `attention` kernel (its log-sum-exp statistics, fp32), whatever the recompute
+              4 a / h with a fused `attention` kernel (its log-sum-exp statistics, fp32), whatever the recompute:
+              "fused" is the default (FlashAttention [5], the kernel of training runs since 2022); table 2's
+              5 a s / h is attention="materialised"
     all in units of s b h, / cp (each context-parallel rank holds s / cp tokens). Full recomputation keeps the
     layer's input alone: 2 s b h (/ tp with sequence parallelism).
 
@@ -219,7 +222,7 @@ def activation_bytes_per_layer(model, micro_batch: int, tp: int = 1, sequence_pa
 def first_stage_activation_bytes(model, micro_batch: int, tp: int = 1, pp: int = 1, virtual: int = 1,
                                  micro_batches: int | None = None, sequence_parallel: bool = False,
                                  recompute="none", cp: int = 1, stage_layers: int | None = None,
-                                 attention: str = "materialised") -> float:
+                                 attention: str = "fused") -> float:
     """Activations the first pipeline stage holds at its peak ([2] section 4.2.3): 1F1B keeps min(p, m)
     micro-batches in flight on l / p layers, so about l layers' worth when m >= p; the interleaved schedule with
     v chunks per rank keeps (1 + (p - 1) / (p v)) times that ([2] eq. 6). Layers only: the embedding's

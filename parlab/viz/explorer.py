@@ -112,7 +112,7 @@ def published_figure(rows, title: str | None = None, other: str = "Calculon") ->
 CONTROLS = {"model": "model", "gpu": "GPU", "gpus": "GPUs", "precision": "number format",
             "tp": "tp", "pp": "pp", "cp": "cp", "zero": "ZeRO",
             "batch": "global batch", "micro": "micro-batch", "schedule": "schedule", "v": "chunks v",
-            "recompute": "recompute", "sp": "SP"}
+            "recompute": "recompute", "sp": "SP", "attention": "attention"}
 
 
 def control_names() -> dict[str, str]:
@@ -120,12 +120,14 @@ def control_names() -> dict[str, str]:
     return {"model": _("model"), "gpu": _("GPU"), "gpus": _("GPUs"), "precision": _("number format"),
             "tp": "tp", "pp": "pp", "cp": "cp", "zero": "ZeRO", "batch": _("global batch"),
             "micro": _("micro-batch"), "schedule": _("schedule"), "v": _("chunks v"), "recompute": _("recompute"),
-            "sp": _("SP")}
+            "sp": _("SP"), "attention": _("attention")}
 
 
 def _option_names() -> dict[str, str]:
-    """The words among the options a student reads (recomputation modes); other options are names (gpt-175b)."""
-    return {"none": _("none"), "selective": _("selective"), "full": _("full")}
+    """The words among the options a student reads (recomputation modes, attention kernels); other options are names
+    (gpt-175b)."""
+    return {"none": _("none"), "selective": _("selective"), "full": _("full"), "fused": _("fused"),
+            "materialised": _("materialised")}
 
 
 def explorer_controls(**settings) -> dict:
@@ -155,7 +157,7 @@ def explorer_controls(**settings) -> dict:
 
 def explorer_panel(controls: dict, output, rows: int = 4):
     """The controls in a grid filled column by column, `rows` to a column, above `output` (the figures they
-    redraw): 14 controls take 4 rows instead of 14."""
+    redraw): 15 controls take 4 rows instead of 15."""
     import ipywidgets as widgets
 
     columns = -(-len(controls) // rows)
