@@ -72,16 +72,21 @@ MOVED = {
     "parlab.grading": "parlab.course.grading",
     "parlab.grader": "parlab.course.grader",
     "parlab.viz.check": "parlab.course.figcheck",
+    # issue 39: names that collided with another module's
+    "parlab.course.grading.sequence_parallel": "parlab.course.grading.ulysses",
 }
+#: moved packages: an old path under one of them is the same path under the new package
+_PACKAGES = ("parlab.grading", "parlab.grader")
 
 
 def new_name(old: str) -> str | None:
     """The new path of an old module path (its own entry, or under a moved package), or None."""
     if old in MOVED:
         return MOVED[old]
-    for prefix in ("parlab.grading.", "parlab.grader."):
-        if old.startswith(prefix):
-            return MOVED[prefix[:-1]] + old[len(prefix) - 1:]
+    for package in _PACKAGES:
+        if old.startswith(package + "."):
+            new = MOVED[package] + old[len(package):]
+            return MOVED.get(new, new)                # a module renamed inside the moved package too
     return None
 
 

@@ -30,7 +30,7 @@ from parlab.i18n import _
 from parlab.cluster import planner
 from parlab.cluster.costs import Cluster, ModelSpec, preset
 from parlab.parallel.topology import DIMS, ParallelGrid
-from parlab.course.grading import call_student
+from parlab.course.grading.runner import call_student
 from parlab.course.grading.guard import fresh_seed, graded, protect
 
 __all__ = ["check_groups_4d", "check_layout", "check_layout_search", "judge_layout", "LAYOUTS_4D",
