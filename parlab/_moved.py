@@ -70,13 +70,14 @@ MOVED = {
     "parlab.handout": "parlab.course.handout",
     "parlab.workspace": "parlab.course.workspace",
     "parlab.grading": "parlab.course.grading",
-    "parlab.grader": "parlab.course.grader",
+    "parlab.grader": "parlab.course.gradebook",
     "parlab.viz.check": "parlab.course.figcheck",
     # issue 39: names that collided with another module's
+    "parlab.course.grader": "parlab.course.gradebook",
     "parlab.course.grading.sequence_parallel": "parlab.course.grading.ulysses",
 }
 #: moved packages: an old path under one of them is the same path under the new package
-_PACKAGES = ("parlab.grading", "parlab.grader")
+_PACKAGES = ("parlab.grading", "parlab.grader", "parlab.course.grader")
 
 
 def new_name(old: str) -> str | None:
@@ -113,7 +114,7 @@ class _MovedFinder(importlib.abc.MetaPathFinder):
         new = new_name(fullname)
         if new is None:
             return None
-        return importlib.machinery.ModuleSpec(fullname, _Alias(new), is_package=new.endswith(("grading", "grader")))
+        return importlib.machinery.ModuleSpec(fullname, _Alias(new), is_package=new.endswith(("grading", "gradebook")))
 
 
 def install() -> None:

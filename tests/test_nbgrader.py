@@ -13,7 +13,7 @@ The lecturer's steps (nbgrader 0.9's documented layout, ``source/<assignment>/``
    ring_all_reduce done with the library's all-reduce (the built-in collective its traffic check refuses); a
    solution whose answer cell rebinds every check to a no-op. nbgrader's score for every graded cell equals the
    one ``parlab grade`` gives the same notebooks, the cheats 0 from both
-   (`parlab.course.grader.nbgrader_execute`). (A blank scores 0 under nbval: tests/test_notebooks.py.)
+   (`parlab.course.gradebook.nbgrader_execute`). (A blank scores 0 under nbval: tests/test_notebooks.py.)
 
 3. the same in Chinese, in the same assignment (one nbgrader run each): the Chinese source notebooks
    (`parlab.course.translated`, named NAME_zh) are released as the Chinese exercises parlab builds, and exercise
@@ -173,7 +173,7 @@ def test_nbgrader_autograde_scores_every_check_as_parlab_grade_does(nbgrader_cou
 
 def test_nbgrader_feedback_loads_plotly_js_once_from_its_cdn_instead_of_a_copy_per_page(nbgrader_course):
     # the notebook renderer puts the 4.8 MB plotly.js bundle into each notebook; the course's config makes each
-    # feedback page load it from plotly's CDN instead (parlab.course.grader.nbgrader_feedback; 5.0 MB before)
+    # feedback page load it from plotly's CDN instead (parlab.course.gradebook.nbgrader_feedback; 5.0 MB before)
     import plotly.offline
     root = nbgrader_course[0]
     pages = sorted((root / "feedback").glob("*/all/*.html"))
