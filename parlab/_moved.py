@@ -36,7 +36,7 @@ MOVED = {
     "parlab.dp_loss": "parlab.parallel.data.loss",
     "parlab.meters": "parlab.parallel.data.meters",
     "parlab.zero": "parlab.parallel.zero.optimizer",
-    "parlab.zero_comm": "parlab.parallel.zero.comm",
+    "parlab.zero_comm": "parlab.parallel.zero.bucket_sync",
     "parlab.zero_flat": "parlab.parallel.zero.flat",
     "parlab.fsdp": "parlab.parallel.zero.fsdp",
     "parlab.memory": "parlab.parallel.zero.memory",
@@ -74,6 +74,7 @@ MOVED = {
     "parlab.viz.check": "parlab.course.figcheck",
     # issue 39: names that collided with another module's
     "parlab.course.grader": "parlab.course.gradebook",
+    "parlab.parallel.zero.comm": "parlab.parallel.zero.bucket_sync",
     "parlab.course.grading.sequence_parallel": "parlab.course.grading.ulysses",
 }
 #: moved packages: an old path under one of them is the same path under the new package
