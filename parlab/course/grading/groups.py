@@ -1,9 +1,9 @@
 """Checks for exercise 01: the process groups of a tp x dp x pp grid (seed 000; Megatron-LM's parallel_state).
 
-The student writes ``tp_groups``, ``dp_groups`` and ``pp_groups(world_size, tp, pp)`` and an all-reduce over this
-rank's dp group, and
+The student writes ``tp_groups``, ``dp_groups`` and ``pp_groups(world_size, tp, pp)`` and
+``all_reduce_in_dp_group(x, tp, pp)``, and
 
-    check_groups(fn, dim)     the `dim` groups (in any order) equal ``ParallelGrid(world_size, tp=tp, pp=pp).groups(dim)``
+    check_groups(fn, dim)     the `dim` groups (in any order) equal ``ParallelGrid(world, tp=tp, pp=pp).groups(dim)``
                               on the layouts of `GROUP_LAYOUTS`; a wrong answer is explained (the groups of another
                               dimension, a rank in two groups, a rank in the wrong group) with the layout's rule
     check_dp_all_reduce(fn)   on 8 simulated ranks, every rank gets the sum over its own dp group, from a
