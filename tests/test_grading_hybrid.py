@@ -145,7 +145,7 @@ def test_bad_layouts_are_rejected(layout, says):
 
 
 def test_messages_explain_with_numbers():
-    e = estimate(planner.preset("llama-65b"), Cluster(nodes=4), 128, tp=16, pp=2)
+    e = estimate(planner.model_preset("llama-65b"), Cluster(nodes=4), 128, tp=16, pp=2)
     assert e.fits and e.crosses["tp"]                                   # the TP case above is not a memory failure
     with pytest.raises(AssertionError) as err:
         grading.check_layout(lambda: dict(tp=16, pp=2))
@@ -168,7 +168,7 @@ def test_search_must_not_call_the_planner():
         return dict(tp=best.tp, pp=best.pp)
     with pytest.raises(AssertionError, match="write the search"):
         grading.check_layout_search(lazy)
-    assert planner.plan(planner.preset("llama-7b"), Cluster(gpu_mem_gb=40.0), 32)   # restored afterwards
+    assert planner.plan(planner.model_preset("llama-7b"), Cluster(gpu_mem_gb=40.0), 32)   # restored afterwards
 
 
 def test_search_that_ignores_memory_or_nodes_is_rejected():
