@@ -76,6 +76,7 @@ MOVED = {
     "parlab.course.grader": "parlab.course.gradebook",
     "parlab.parallel.zero.comm": "parlab.parallel.zero.bucket_sync",
     "parlab.course.grading.sequence_parallel": "parlab.course.grading.ulysses",
+    "parlab.data": "parlab.corpus",
 }
 #: moved packages: an old path under one of them is the same path under the new package
 _PACKAGES = ("parlab.grading", "parlab.grader", "parlab.course.grader")

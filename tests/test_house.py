@@ -18,7 +18,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 PKG = ROOT / "parlab"
 TECHNIQUES = ("data", "zero", "tensor", "pipeline", "context", "expert")
 #: the layers of CONTRIBUTING.md, bottom first: a module may import from its own layer and the ones below
-LAYERS = {"i18n": 0, "trace": 0, "models": 0, "data": 0, "comm": 1, "launch": 1, "parallel": 2, "cluster": 3,
+LAYERS = {"i18n": 0, "trace": 0, "models": 0, "corpus": 0, "comm": 1, "launch": 1, "parallel": 2, "cluster": 3,
           "viz": 4, "course": 5, "labs": 6, "cli": 6}
 #: pure planning: no torch.distributed, no parlab module that communicates, in anything they import
 PURE = ["parlab.parallel.topology", "parlab.parallel.pipeline.schedules", "parlab.parallel.pipeline.simulation",

@@ -8,7 +8,7 @@ import torch
 import parlab
 from parlab import comm
 from parlab.parallel import pipeline as sch
-from parlab.data import BatchSampler, load_corpus
+from parlab.corpus import BatchSampler, load_corpus
 from parlab.parallel.zero import FullyShardedDataParallel
 from parlab.parallel.groups import build_groups
 from parlab.parallel.hybrid import build_hybrid

@@ -6,7 +6,7 @@ import torch
 
 import parlab
 from parlab import comm
-from parlab.data import BatchSampler, load_corpus
+from parlab.corpus import BatchSampler, load_corpus
 from parlab.models import GPT, GPTConfig
 from parlab.parallel.zero import ShardedOptimizer, iter_owned, partition_parameters
 from parlab.parallel.zero.flat import (chunk_bounds, join_chunks, make_layouts, merge_state, owned_runs, split_chunks,

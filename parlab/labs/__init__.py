@@ -51,7 +51,7 @@ from typing import Callable, Iterable
 
 import torch
 
-from parlab.data import BatchSampler, CharTokenizer, load_corpus
+from parlab.corpus import BatchSampler, CharTokenizer, load_corpus
 from parlab.i18n import _
 from parlab.labs import loop
 from parlab.labs.loop import gather_to_main, peak_memory

@@ -25,7 +25,7 @@ import random
 import torch
 
 from parlab import comm
-from parlab.data import BatchSampler, load_corpus
+from parlab.corpus import BatchSampler, load_corpus
 from parlab.parallel.data import assign_buckets
 from parlab.models import GPT, GPTConfig
 from parlab.i18n import _

@@ -26,7 +26,7 @@ import torch
 
 from parlab import comm
 from parlab.i18n import _
-from parlab.data import BatchSampler, load_corpus
+from parlab.corpus import BatchSampler, load_corpus
 from parlab.parallel.zero import FullyShardedDataParallel
 from parlab.parallel.zero import STAGES, measure, model_state_bytes
 from parlab.models import GPT, GPTConfig
