@@ -13,7 +13,7 @@ import argparse
 import time
 
 from parlab.cluster import transformer as T
-from parlab.cluster.hardware import preset
+from parlab.cluster.hardware import hardware_preset
 from parlab.cluster.published import CALCULON_TABLE5, KORTHIKANTI, KORTHIKANTI_MODELS, SELENE_PEAK_FLOPS
 from parlab.cluster.replay import step_time
 from parlab.cluster.scaleup import planner_estimate, scaleup
@@ -61,7 +61,7 @@ def planner_step(run, hw) -> float:
 def table5_replay() -> str:
     """Table 5's step times replayed on the DGX A100 preset from programs built from the paper's schedules, with
     each first-principles factor switched off in turn, Calculon's estimates and the planner's beside them."""
-    a100 = preset("dgx-a100")
+    a100 = hardware_preset("dgx-a100")
     variants = {"replay": a100, "no waves": a100.with_(sms=None), "NVLink at 300 GB/s": a100.with_(intra_efficiency=1.0),
                 "neither (before)": a100.with_(sms=None, intra_efficiency=1.0)}
     lines = ["| run | published | replay | without waves | NVLink at 300 GB/s | neither | Calculon | planner | "

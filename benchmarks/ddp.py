@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 import parlab
-from parlab.data import BatchSampler, load_corpus
+from parlab.corpus import BatchSampler, load_corpus
 from parlab.parallel.data import DistributedDataParallel
 from parlab.models import GPT, GPTConfig
 

@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from parlab import course                       # noqa: E402
-from parlab.course.grader import Limits, grade          # noqa: E402
+from parlab.course.gradebook import Limits, grade          # noqa: E402
 
 DEADLOCK = """def ring_reduce_scatter(chunks):
     rank, n = comm.get_rank(), comm.get_world_size()

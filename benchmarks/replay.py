@@ -57,7 +57,7 @@ from parlab.cluster.calibrate.programs import ring_attention_step, traced_step  
 from parlab.parallel.data import DistributedDataParallel  # noqa: E402
 from parlab.parallel.zero import FullyShardedDataParallel  # noqa: E402
 from parlab.parallel.groups import build_groups  # noqa: E402
-from parlab.cluster.hardware import load, preset  # noqa: E402
+from parlab.cluster.hardware import load, hardware_preset  # noqa: E402
 from parlab.models import GPT, GPTConfig  # noqa: E402
 from parlab.parallel.pipeline import PipelineParallel  # noqa: E402
 from parlab.cluster.replay import measured_step, replay, step_time, timed  # noqa: E402
@@ -260,7 +260,7 @@ def replay16():
     tr = res.trace
     times = []
     for _ in range(5):
-        out, secs = timed(replay, tr, preset("dgx-h100"))
+        out, secs = timed(replay, tr, hardware_preset("dgx-h100"))
         times.append(secs)
     print(f"16-rank trace: {len(tr)} events; replay on DGX H100 takes {statistics.median(times) * 1e3:.1f} ms "
           f"(median of 5; min {min(times) * 1e3:.1f}, max {max(times) * 1e3:.1f}); replayed step "
@@ -284,9 +284,9 @@ def published():
     """Megatron's GPT-3 175B run on 384 GPUs (Narayanan et al. 2021, table 2), replayed from a program built from
     its schedule (plain 1F1B: the table does not say it interleaved), beside the planner's estimate; and the
     kernel-level efficiency at which the replay would match. Korthikanti et al.'s eight runs: cost_model.py."""
-    from parlab.cluster.costs import preset as model_preset
+    from parlab.cluster.costs import model_preset
     from parlab.cluster.scaleup import Layout, compare, scaleup
-    gpt3, a100 = model_preset("gpt3-175b"), preset("dgx-a100")
+    gpt3, a100 = model_preset("gpt3-175b"), hardware_preset("dgx-a100")
     t_meg = megatron_flops(1536, 2048, 96, 12288, 51200) / (384 * 153e12)
     lay, batch = Layout(tp=8, pp=12, dp=4, recompute="full", attention="materialised"), 1536
     schedule = sch.one_f_one_b(lay.pp, batch // lay.dp)

@@ -18,7 +18,7 @@ import argparse
 import dataclasses
 import time
 
-from parlab.cluster.hardware import Hardware, preset
+from parlab.cluster.hardware import Hardware, hardware_preset
 from parlab.cluster.scaleup import compare, planner_estimate
 from parlab.cluster.step_costs import Layout
 from parlab.cluster.validation import NOT_EXPRESSED, VALIDATION
@@ -42,7 +42,7 @@ def planner_s(run, hw, layout) -> float:
 
 
 def factors(run) -> dict[str, float]:
-    hw = preset(run.hardware)
+    hw = hardware_preset(run.hardware)
     lay = layout_of(run)
     out = {"one card per group": planner_s(run, OneRail(**hw.to_dict()), lay),
            "no waves": planner_s(run, hw.with_(sms=None), lay)}
@@ -57,7 +57,7 @@ def table(replay: bool = True) -> str:
              + " | ".join(cols) + " | replay run time |", "|---" * (8 + len(cols) + 1) + "|"]
     errs: dict[str, list[float]] = {k: [] for k in ("replay", "planner", *cols)}
     for run in VALIDATION:
-        hw, lay = preset(run.hardware), layout_of(run)
+        hw, lay = hardware_preset(run.hardware), layout_of(run)
         t0 = time.perf_counter()
         if replay:
             res = compare(run.replay_inputs()[0], run.model, hw, lay, run.global_batch)

@@ -46,7 +46,7 @@ import torch
 import torch.distributed as dist
 
 import parlab
-from parlab.data import BatchSampler, load_corpus
+from parlab.corpus import BatchSampler, load_corpus
 from parlab.parallel.zero import FullyShardedDataParallel
 from parlab.parallel.zero.memory import measure
 from parlab.models import GPT, GPTConfig

@@ -7,8 +7,10 @@ from nbconvert.preprocessors import CSSHTMLHeaderPreprocessor  # noqa: E402
 from nbgrader.preprocessors import (AssignLatePenalties, CheckCellMetadata, GetGrades, IgnorePattern,  # noqa: E402
                                     LimitOutput, SaveAutoGrades)
 
-from parlab.course.grader.nbgrader_execute import GuardedExecute  # noqa: E402
-from parlab.course.grader.nbgrader_feedback import PlotlyFromCDN  # noqa: E402
+# parlab.course.gradebook was named parlab.course.grader until issue 39: a course's older copy of this file, which
+# imports the old path, keeps working unchanged (parlab/_moved.py maps the old path to these same modules)
+from parlab.course.gradebook.nbgrader_execute import GuardedExecute  # noqa: E402
+from parlab.course.gradebook.nbgrader_feedback import PlotlyFromCDN  # noqa: E402
 
 # nbgrader's autograde steps, with its Execute replaced by parlab's GuardedExecute: a graded cell scores 0 when
 # an answer cell rebound the grading code (as `parlab grade` reports "tampered"), and the demonstrations after

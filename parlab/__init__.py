@@ -11,7 +11,7 @@ The map of the library, in the order its imports run (each package's ``__init__`
     trace/      what the ranks did: events, regions, the byte model, the cost meter            (pure data)
     comm/       the only place that talks: traced collectives and point-to-point, strict mode
     launch/     starting ranks: run() for simulated ranks, init() under torchrun / srun
-    models/     the tiny GPT (and its MoE MLP) every technique shards;  data.py  a shipped character data set
+    models/     the tiny GPT (and its MoE MLP) every technique shards;  corpus.py  a shipped character data set
     parallel/   the techniques: data/, zero/, tensor/, pipeline/, context/, expert/ on a topology; hybrid.py composes them
     cluster/    the virtual cluster: hardware, replay, scale-up, cost model, planner, calibration
     viz/        plotly figures and widgets, drawn from traces, spans and grids

@@ -36,7 +36,7 @@ MOVED = {
     "parlab.dp_loss": "parlab.parallel.data.loss",
     "parlab.meters": "parlab.parallel.data.meters",
     "parlab.zero": "parlab.parallel.zero.optimizer",
-    "parlab.zero_comm": "parlab.parallel.zero.comm",
+    "parlab.zero_comm": "parlab.parallel.zero.bucket_sync",
     "parlab.zero_flat": "parlab.parallel.zero.flat",
     "parlab.fsdp": "parlab.parallel.zero.fsdp",
     "parlab.memory": "parlab.parallel.zero.memory",
@@ -70,18 +70,26 @@ MOVED = {
     "parlab.handout": "parlab.course.handout",
     "parlab.workspace": "parlab.course.workspace",
     "parlab.grading": "parlab.course.grading",
-    "parlab.grader": "parlab.course.grader",
+    "parlab.grader": "parlab.course.gradebook",
     "parlab.viz.check": "parlab.course.figcheck",
+    # issue 39: names that collided with another module's
+    "parlab.course.grader": "parlab.course.gradebook",
+    "parlab.parallel.zero.comm": "parlab.parallel.zero.bucket_sync",
+    "parlab.course.grading.sequence_parallel": "parlab.course.grading.ulysses",
+    "parlab.data": "parlab.corpus",
 }
+#: moved packages: an old path under one of them is the same path under the new package
+_PACKAGES = ("parlab.grading", "parlab.grader", "parlab.course.grader")
 
 
 def new_name(old: str) -> str | None:
     """The new path of an old module path (its own entry, or under a moved package), or None."""
     if old in MOVED:
         return MOVED[old]
-    for prefix in ("parlab.grading.", "parlab.grader."):
-        if old.startswith(prefix):
-            return MOVED[prefix[:-1]] + old[len(prefix) - 1:]
+    for package in _PACKAGES:
+        if old.startswith(package + "."):
+            new = MOVED[package] + old[len(package):]
+            return MOVED.get(new, new)                # a module renamed inside the moved package too
     return None
 
 
@@ -108,7 +116,7 @@ class _MovedFinder(importlib.abc.MetaPathFinder):
         new = new_name(fullname)
         if new is None:
             return None
-        return importlib.machinery.ModuleSpec(fullname, _Alias(new), is_package=new.endswith(("grading", "grader")))
+        return importlib.machinery.ModuleSpec(fullname, _Alias(new), is_package=new.endswith(("grading", "gradebook")))
 
 
 def install() -> None:

@@ -6,7 +6,7 @@
     parlab course html [NB ...] --out DIR  execute notebooks (default: the lessons) and export HTML pages
     parlab course open [--no-browser]    copy the course to my-course/ and open JupyterLab on its START page
     parlab grid --world 16 --tp 2 --pp 4 --gpus-per-node 8   print the rank groups of a layout
-    parlab grade SUBMISSIONS [--out DIR] [--jobs N]   grade a folder of exercise submissions (parlab.course.grader)
+    parlab grade SUBMISSIONS [--out DIR] [--jobs N]   grade a folder of exercise submissions (parlab.course.gradebook)
 
 Each subcommand is one ``add_<name>(subparsers)`` function that registers its
 parser and sets ``func`` (a function of the parsed arguments returning the exit
@@ -274,7 +274,7 @@ def add_plan(sub) -> None:
 def add_grade(sub) -> None:
     p = sub.add_parser("grade", help=_("grade a folder of exercise submissions: gradebook, feedback, summary"))
     try:
-        from parlab.course.grader import add_arguments, run_from_args
+        from parlab.course.gradebook import add_arguments, run_from_args
     except ImportError:         # the library alone, without the course extra: _main says what to install
         return
     add_arguments(p)

@@ -12,7 +12,7 @@ import parlab
 from parlab import comm
 from parlab.parallel.zero import checkpoint
 from parlab.parallel.zero import CheckpointError
-from parlab.data import BatchSampler, load_corpus
+from parlab.corpus import BatchSampler, load_corpus
 from parlab.parallel.zero import FullyShardedDataParallel as FSDP
 from parlab.models import GPT, GPTConfig
 from parlab.parallel.zero import ShardedOptimizer

@@ -7,7 +7,7 @@ import random
 import pytest
 
 from parlab.cluster.costs import ModelSpec
-from parlab.cluster.hardware import preset
+from parlab.cluster.hardware import hardware_preset
 from parlab.cluster.scaleup import compare, planner_estimate
 from parlab.cluster.step_costs import Layout
 from parlab.parallel import pipeline as sch
@@ -32,7 +32,7 @@ def _case(rng: random.Random):
                     attention=rng.choice(["materialised", "fused"]))
     if rng.random() < 1 / 3:             # drawn after the dense fields, so the dense cases stay what they were
         model, layout = _experts(rng, model, layout)
-    return model, preset(hw), schedule, layout, dp * layout.micro_batch * m
+    return model, hardware_preset(hw), schedule, layout, dp * layout.micro_batch * m
 
 
 def _experts(rng: random.Random, model, layout):

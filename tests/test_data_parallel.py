@@ -16,7 +16,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import parlab
-from parlab.data import BatchSampler, load_corpus
+from parlab.corpus import BatchSampler, load_corpus
 from parlab.parallel.data import NAIVE_PHASES, DistributedDataParallel, NaiveDataParallel, traffic_by_phase
 from parlab.parallel.data import assign_buckets
 from parlab.models import GPT, GPTConfig

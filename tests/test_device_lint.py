@@ -25,11 +25,11 @@ CPU_INPUTS = "grader inputs are built on the CPU from a seeded generator; grader
 CPU_ONLY_DIRS = {"course/grading/": CPU_INPUTS + " (parlab.run's default backend): the checks never touch a GPU"}
 # (file under parlab/, rule, source of the call) -> why it is benign
 ALLOWED: dict[tuple[str, str, str], str] = {
-    ("data.py", "factory", "torch.tensor(CharTokenizer().encode(make_text(n_chars, seed)), dtype=torch.long)"):
+    ("corpus.py", "factory", "torch.tensor(CharTokenizer().encode(make_text(n_chars, seed)), dtype=torch.long)"):
         "the corpus is built once on the CPU; the sampler moves each batch's indices to the tokens' device",
-    ("data.py", "factory", "torch.randint(n_starts, (self.batch_size,), generator=g)"):
+    ("corpus.py", "factory", "torch.randint(n_starts, (self.batch_size,), generator=g)"):
         "a CPU generator draws the starts (same stream on every device); moved with idx.to(tokens.device)",
-    ("data.py", "factory", "torch.arange(self.seq_len)"):
+    ("corpus.py", "factory", "torch.arange(self.seq_len)"):
         "added to the CPU starts, then the indices move with idx.to(self.tokens.device)",
     ("parallel/data/naive.py", "factory", "torch.tensor(x.shape)"):
         "copied into a slice of `meta` (on the input's device) by assignment, which copies across devices",

@@ -4,28 +4,28 @@ import dataclasses
 
 import pytest
 
-from parlab.cluster.costs import Cluster, ModelSpec, preset
+from parlab.cluster.costs import Cluster, ModelSpec, model_preset
 from parlab.cluster.expert_costs import dispatch_bytes
-from parlab.cluster.hardware import preset as hw_preset
+from parlab.cluster.hardware import hardware_preset
 from parlab.cluster.plan_cli import main
 from parlab.cluster.planner import enumerate_layouts, estimate
 from parlab.cluster.step_costs import Layout, StepCosts
 
-MIX = preset("mixtral-8x7b")
+MIX = model_preset("mixtral-8x7b")
 SMALL = ModelSpec("moe", layers=2, hidden=1024, heads=16, vocab=32000, seq=2048, ffn=2048, swiglu=True, bias=False,
                   tied=False, learned_pos=False, dropout=False, kv_heads=8, experts=8, top_k=2)
 
 
 @pytest.mark.parametrize("model, layout, words", [
     (MIX, Layout(dp=16, ep=16), "ep=16 must divide the 8 experts of mixtral-8x7b"),
-    (preset("llama-7b"), Layout(dp=8, ep=2), "llama-7b is dense"),
+    (model_preset("llama-7b"), Layout(dp=8, ep=2), "llama-7b is dense"),
     (MIX, Layout(dp=2, ep=4), r"etp x ep = 4 must divide the tp x cp x dp = 2 ranks"),
     (MIX, Layout(tp=2, dp=4, ep=2), "needs sequence parallelism"),
     (MIX, Layout(dp=8, ep=8, etp=3), "etp=3 must divide mixtral-8x7b's expert MLP width 14336"),
 ])
 def test_a_layout_the_experts_cannot_take_is_refused_saying_how_to_fix_it(model, layout, words):
     with pytest.raises(ValueError, match=words):
-        StepCosts(model, hw_preset("dgx-h100"), layout, 1)
+        StepCosts(model, hardware_preset("dgx-h100"), layout, 1)
     with pytest.raises(ValueError, match=words):
         estimate(model, Cluster(gpus_per_node=layout.gpus), 4 * layout.dp, tp=layout.tp, ep=layout.ep, etp=layout.etp,
                  sequence_parallel=layout.sequence_parallel)
@@ -34,7 +34,7 @@ def test_a_layout_the_experts_cannot_take_is_refused_saying_how_to_fix_it(model,
 
 
 def test_the_dispatch_all_to_all_moves_the_routed_copies_and_ep_minus_one_over_ep_of_them_leave():
-    hw = hw_preset("dgx-h100")
+    hw = hardware_preset("dgx-h100")
     # dispatch payload: k b s / (cp tp) routed copies of h 16-bit values: top-2, b 2, s 2048 / (cp 2 x tp 1), h 1024
     assert dispatch_bytes(SMALL, 2, tp=1, cp=2) == 2 * 2 * 2 * 1024 * 1024
     c = StepCosts(SMALL, hw, Layout(dp=4, cp=2, ep=8, micro_batch=2), 1)
@@ -51,7 +51,7 @@ def test_an_moe_layer_without_expert_parallelism_costs_its_dense_twin_plus_the_r
     # top-2 of 8 experts of width f against one dense MLP of width 2f: the same products' FLOPs and activation
     # bytes, so without waves of tiles (FLOPs at the kernel rate) they differ by the router (T x h @ h x E, forward;
     # its two gradients, backward) and the permutation's bytes (module docstring: 2 x 2 x 2 k T h), nothing else
-    hw = hw_preset("dgx-a100").with_(sms=None)
+    hw = hardware_preset("dgx-a100").with_(sms=None)
     twin = dataclasses.replace(SMALL, experts=0, top_k=1, ffn=2 * SMALL.ffn)
     moe, dense = (StepCosts(m, hw, Layout(dp=2, micro_batch=2), 1) for m in (SMALL, twin))
     T, h = 2 * 2048, 1024
@@ -64,7 +64,7 @@ def test_an_moe_layer_without_expert_parallelism_costs_its_dense_twin_plus_the_r
 
 
 def test_the_experts_gradients_sync_over_their_expert_data_parallel_group():
-    hw = hw_preset("dgx-h100")
+    hw = hardware_preset("dgx-h100")
     c = StepCosts(SMALL, hw, Layout(dp=16, ep=8), 1)               # 2 nodes: experts split 8 ways, edp = 2
     s = c.sync
     assert c.experts.edp == 2 and c.experts.nodes["edp"] == 2      # rank 0's expert replica is rank 8, next node
@@ -83,9 +83,9 @@ def test_the_replay_syncs_the_experts_gradients_even_without_data_parallelism():
     from parlab.cluster.scaleup import scaleup
     from parlab.parallel.pipeline import one_f_one_b
     layout = Layout(tp=2, pp=2, sequence_parallel=True, etp=1)
-    c = StepCosts(SMALL, hw_preset("dgx-h100"), layout, 2)
+    c = StepCosts(SMALL, hardware_preset("dgx-h100"), layout, 2)
     assert c.experts.edp == 2 and c.sync.grad_sync([0]) > 0
-    out = scaleup(one_f_one_b(2, 4), SMALL, hw_preset("dgx-h100"), layout)
+    out = scaleup(one_f_one_b(2, 4), SMALL, hardware_preset("dgx-h100"), layout)
     syncs = [e for e in out.events if e.label == "dp grads (virtual)"]
     assert sorted(e.duration for e in syncs) == pytest.approx(sorted(c.sync.grad_sync([s]) for s in (0, 1)), rel=1e-12)
 
@@ -101,7 +101,7 @@ def test_the_planner_keeps_e_over_ep_experts_per_gpu_with_their_states_sharded_o
     dense = e8.params_bytes / 2 - 32 * mlp
     assert z.optimizer_bytes == pytest.approx(12 * (dense / 16 + 32 * mlp / 2), rel=1e-9)
     with pytest.raises(ValueError, match="llama-7b is dense"):
-        enumerate_layouts(preset("llama-7b"), cluster, 64, ep=(1, 2))
+        enumerate_layouts(model_preset("llama-7b"), cluster, 64, ep=(1, 2))
 
 
 def test_plan_tries_the_ep_sizes_asked_for_and_refuses_the_ones_the_model_cannot_take(capsys):

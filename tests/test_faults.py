@@ -89,11 +89,11 @@ BAD_ARGS = [  # (case, call, exception, message)
     ("schedule stages=-1", lambda: __import__("parlab.parallel.pipeline.schedules").parallel.pipeline.one_f_one_b(-1, 4), ValueError,
      "stages must be a positive integer"),
     ("GPTConfig n_layer=0", lambda: parlab.models.GPTConfig(n_layer=0), ValueError, "n_layer must be a positive"),
-    ("BatchSampler batch_size=0", lambda: parlab.data.BatchSampler(torch.arange(100), 0, 8), ValueError,
+    ("BatchSampler batch_size=0", lambda: parlab.corpus.BatchSampler(torch.arange(100), 0, 8), ValueError,
      "batch_size must be a positive integer, got 0"),
-    ("BatchSampler batch_size=True", lambda: parlab.data.BatchSampler(torch.arange(100), True, 8), ValueError,
+    ("BatchSampler batch_size=True", lambda: parlab.corpus.BatchSampler(torch.arange(100), True, 8), ValueError,
      "batch_size must be a positive integer, got True"),
-    ("BatchSampler seq_len=8.0", lambda: parlab.data.BatchSampler(torch.arange(100), 4, 8.0), ValueError,
+    ("BatchSampler seq_len=8.0", lambda: parlab.corpus.BatchSampler(torch.arange(100), 4, 8.0), ValueError,
      "seq_len must be a positive integer, got 8.0"),
     ("ParallelGrid tp=0", lambda: parlab.parallel.topology.ParallelGrid(4, tp=0), ValueError, "tp must be a positive int"),
     ("ColumnParallelLinear in_features=0", lambda: _in_one_rank(_column_zero), RankError,
@@ -107,7 +107,7 @@ BAD_ARGS = [  # (case, call, exception, message)
 
 @pytest.mark.parametrize("case,call,exc,message", BAD_ARGS, ids=[c[0] for c in BAD_ARGS])
 def test_bad_argument_is_refused_up_front(case, call, exc, message):
-    import parlab.data  # noqa: F401  (the cases reach these modules through the parlab package)
+    import parlab.corpus  # noqa: F401  (the cases reach these modules through the parlab package)
     import parlab.models  # noqa: F401
     import parlab.parallel.topology  # noqa: F401
     with pytest.raises(exc, match=message):

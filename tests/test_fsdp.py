@@ -10,7 +10,7 @@ import torch.nn as nn
 
 import parlab
 from parlab import comm
-from parlab.data import BatchSampler, load_corpus
+from parlab.corpus import BatchSampler, load_corpus
 from parlab.parallel.zero import FullyShardedDataParallel as FSDP
 from parlab.parallel.zero import gathered_timeline
 from parlab.models import GPT, GPTConfig, clone_model

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from parlab import cli, course
-from parlab.course.grader.collect import collect, released_exercises
+from parlab.course.gradebook.collect import collect, released_exercises
 
 ROOT = Path(__file__).resolve().parents[1]
 CPU_LIMIT = 2          # seconds of CPU per check and rank: the solutions' ranks need well under one (they wait)
@@ -265,7 +265,7 @@ def test_rebinding_parlab_internals_is_reported_as_tampered():
 def test_cells_that_lost_their_metadata_are_matched_by_cell_id():
     """An answered notebook whose nbgrader metadata was dropped (some editors do; or a solution notebook handed in)
     keeps its answers and its graded cells: they are matched to the release by the stable cell id."""
-    from parlab.course.grader.collect import restore
+    from parlab.course.gradebook.collect import restore
     stem = "00_ring_allreduce"
     released = course.read(ROOT / "exercises" / f"{stem}.ipynb")
     sub = answered(stem)

@@ -465,9 +465,9 @@ def groups_4d_prebuilt(world, tp, cp, pp):
 
 
 def choose_layout_by_planner():
-    from parlab.cluster.costs import Cluster, preset
+    from parlab.cluster.costs import Cluster, model_preset
     from parlab.cluster.planner import plan
-    best = plan(preset("llama-65b"), Cluster(nodes=4), 128)[0]
+    best = plan(model_preset("llama-65b"), Cluster(nodes=4), 128)[0]
     return dict(tp=best.tp, pp=best.pp, micro_batch=best.micro_batch, zero=best.zero, recompute=best.recompute)
 
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from parlab import comm
-from parlab.course.grading import sequence_parallel as grading
+from parlab.course.grading import ulysses as grading
 from parlab.models import causal_attention
 from parlab.parallel.context import ulysses_attention as parlabs_ulysses
 

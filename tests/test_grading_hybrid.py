@@ -124,8 +124,8 @@ GOOD = dict(tp=8, pp=2, micro_batch=1, zero=2, recompute=False)          # the s
 def test_reference_layout_is_the_planners_best_with_materialised_attention_and_near_it_fused():
     """The solution's layout was the planner's best when the scores were materialised; with the fused kernel (the
     default since 2022) the activations shrink and tp4 pp4 ZeRO-3 edges ahead by 2%, well inside the 10% allowed."""
-    from parlab.cluster.costs import preset
-    model, cluster = preset("llama-65b"), Cluster(nodes=4)
+    from parlab.cluster.costs import model_preset
+    model, cluster = model_preset("llama-65b"), Cluster(nodes=4)
     mat = planner.plan(model, cluster, 128, attention="materialised")[0]
     assert (mat.tp, mat.pp, mat.micro_batch, mat.zero, mat.recompute) == (8, 2, 1, 2, False)
     fused = planner.plan(model, cluster, 128)[0]
@@ -156,7 +156,7 @@ def test_bad_layouts_are_rejected(layout, says):
 
 
 def test_messages_explain_with_numbers():
-    e = estimate(planner.preset("llama-65b"), Cluster(nodes=4), 128, tp=16, pp=2)
+    e = estimate(planner.model_preset("llama-65b"), Cluster(nodes=4), 128, tp=16, pp=2)
     assert e.fits and e.crosses["tp"]                                   # the TP case above is not a memory failure
     with pytest.raises(AssertionError) as err:
         grading.check_layout(lambda: dict(tp=16, pp=2))
@@ -179,7 +179,7 @@ def test_search_must_not_call_the_planner():
         return dict(tp=best.tp, pp=best.pp)
     with pytest.raises(AssertionError, match="write the search"):
         grading.check_layout_search(lazy)
-    assert planner.plan(planner.preset("llama-7b"), Cluster(gpu_mem_gb=40.0), 32)   # restored afterwards
+    assert planner.plan(planner.model_preset("llama-7b"), Cluster(gpu_mem_gb=40.0), 32)   # restored afterwards
 
 
 def test_search_that_ignores_memory_or_nodes_is_rejected():

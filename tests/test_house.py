@@ -18,7 +18,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 PKG = ROOT / "parlab"
 TECHNIQUES = ("data", "zero", "tensor", "pipeline", "context", "expert")
 #: the layers of CONTRIBUTING.md, bottom first: a module may import from its own layer and the ones below
-LAYERS = {"i18n": 0, "trace": 0, "models": 0, "data": 0, "comm": 1, "launch": 1, "parallel": 2, "cluster": 3,
+LAYERS = {"i18n": 0, "trace": 0, "models": 0, "corpus": 0, "comm": 1, "launch": 1, "parallel": 2, "cluster": 3,
           "viz": 4, "course": 5, "labs": 6, "cli": 6}
 #: pure planning: no torch.distributed, no parlab module that communicates, in anything they import
 PURE = ["parlab.parallel.topology", "parlab.parallel.pipeline.schedules", "parlab.parallel.pipeline.simulation",
@@ -164,7 +164,7 @@ def test_every_face_maps_its_chapter(face):
     assert doc and len(doc.splitlines()) >= 3, f"{face}/__init__.py needs a docstring mapping its chapter"
     files = sorted(p.stem for p in FACES[face].parent.glob("*.py") if p.stem not in ("__init__", "__main__"))
     subpackages = sorted(p.name for p in FACES[face].parent.iterdir() if (p / "__init__.py").exists())
-    if face in ("parlab.labs", "parlab.viz", "parlab.course.grading", "parlab.course.grader"):
+    if face in ("parlab.labs", "parlab.viz", "parlab.course.grading", "parlab.course.gradebook"):
         return                                  # these faces are entry points and helpers, not chapters
     missing = [f for f in files + subpackages if f not in doc]
     assert missing == [], f"{face}'s docstring does not say what {missing} implement"

@@ -40,8 +40,8 @@ def _lesson_05_inputs(P=4, M=8, V=2):
     """What cells 875bc42c and 5348769c read from the cells before them, on simulated schedules: traces and
     replays stubbed by simulations (F = 1, B = 2, ZB-H1's I = 1.2 and W = 0.8 as replayed on GPUs, the last
     stage's F 2% longer)."""
-    from parlab.cluster.costs import preset as model_preset
-    from parlab.cluster.hardware import preset as hardware_preset
+    from parlab.cluster.costs import model_preset
+    from parlab.cluster.hardware import hardware_preset
     from parlab.cluster.scaleup import Layout
     from parlab.parallel import pipeline as sch
     from parlab.viz import pipeline as vp

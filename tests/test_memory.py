@@ -5,7 +5,7 @@ import torch
 
 import parlab
 from parlab import comm
-from parlab.data import BatchSampler, load_corpus
+from parlab.corpus import BatchSampler, load_corpus
 from parlab.parallel.zero import FullyShardedDataParallel as FSDP
 from parlab.cluster import transformer as T
 from parlab.cluster.costs import from_gpt_config

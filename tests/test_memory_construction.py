@@ -8,7 +8,7 @@ import torch
 import parlab
 from parlab import comm
 from parlab.parallel import pipeline as sch
-from parlab.data import BatchSampler, load_corpus
+from parlab.corpus import BatchSampler, load_corpus
 from parlab.parallel.zero import FullyShardedDataParallel
 from parlab.parallel.groups import build_groups
 from parlab.parallel.hybrid import build_hybrid
@@ -130,10 +130,11 @@ def test_fsdp_device_option_places_the_shards():
 # ----------------------------------------------------------------------------- the labs' memory report
 def _lab(device, monkeypatch):
     import parlab.labs as labs
+    import parlab.labs.loop
     args = argparse.Namespace(steps=2, batch=2, seq_len=4, quiet=True, no_trace=True, dtype="float32")
     ctx = Context(rank=0, world_size=1, local_rank=0, device=torch.device(device), backend="test")
     lab = labs.Lab("test", args, ctx, CFG, BatchSampler(load_corpus(n_chars=2000), 2, 4))
-    monkeypatch.setattr(labs, "gather_to_main", lambda obj: [obj])
+    monkeypatch.setattr(parlab.labs.loop, "gather_to_main", lambda obj: [obj])
     return lab
 
 

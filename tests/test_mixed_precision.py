@@ -7,7 +7,7 @@ import torch
 
 import parlab
 from parlab import comm
-from parlab.data import BatchSampler, load_corpus
+from parlab.corpus import BatchSampler, load_corpus
 from parlab.parallel.zero import FullyShardedDataParallel
 from parlab.labs import Lab, parser
 from parlab.parallel.zero import LossScaler

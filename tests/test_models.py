@@ -1,4 +1,4 @@
-"""Tests for the reference GPT (parlab.models) and the shipped data (parlab.data)."""
+"""Tests for the reference GPT (parlab.models) and the shipped data (parlab.corpus)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from parlab.data import ALPHABET, BatchSampler, CharTokenizer, load_corpus, make_text, micro_batches
+from parlab.corpus import ALPHABET, BatchSampler, CharTokenizer, load_corpus, make_text, micro_batches
 from parlab.models import GPT, CausalSelfAttention, GPTConfig, causal_attention, clone_model
 
 

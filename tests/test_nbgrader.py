@@ -13,7 +13,7 @@ The lecturer's steps (nbgrader 0.9's documented layout, ``source/<assignment>/``
    ring_all_reduce done with the library's all-reduce (the built-in collective its traffic check refuses); a
    solution whose answer cell rebinds every check to a no-op. nbgrader's score for every graded cell equals the
    one ``parlab grade`` gives the same notebooks, the cheats 0 from both
-   (`parlab.course.grader.nbgrader_execute`). (A blank scores 0 under nbval: tests/test_notebooks.py.)
+   (`parlab.course.gradebook.nbgrader_execute`). (A blank scores 0 under nbval: tests/test_notebooks.py.)
 
 3. the same in Chinese, in the same assignment (one nbgrader run each): the Chinese source notebooks
    (`parlab.course.translated`, named NAME_zh) are released as the Chinese exercises parlab builds, and exercise
@@ -32,7 +32,7 @@ import nbformat
 import pytest
 
 from parlab import course
-from parlab.course import grader, translated
+from parlab.course import gradebook, translated
 
 nbgrader_api = pytest.importorskip("nbgrader.api", reason='nbgrader is not installed: pip install -e ".[nbgrader]" (the test command does)')
 
@@ -107,9 +107,9 @@ def nbgrader_course(tmp_path_factory):
             nbformat.write(nb, str(folder / name.replace("_zh", "")))
     zh_course = translated.write_course(ROOT, "zh_CN", root.parent / (root.name + "-zh"))
     with ThreadPoolExecutor(1) as pool:                                 # parlab grades while nbgrader works
-        parlab_grades = pool.submit(grader.grade, plain / "en", root / "parlab-gradebook", jobs=2,
+        parlab_grades = pool.submit(gradebook.grade, plain / "en", root / "parlab-gradebook", jobs=2,
                                     progress=lambda line: None)
-        parlab_grades_zh = pool.submit(grader.grade, plain / "zh", root / "parlab-gradebook-zh", jobs=2,
+        parlab_grades_zh = pool.submit(gradebook.grade, plain / "zh", root / "parlab-gradebook-zh", jobs=2,
                                        progress=lambda line: None, lang="zh_CN",
                                        exercises=zh_course / "exercises")
         (root / "source" / "all").mkdir(parents=True)
@@ -194,7 +194,7 @@ def test_nbgrader_runs_a_chinese_notebook_in_chinese_and_its_figures_pass_in_chr
 
 def test_nbgrader_feedback_loads_plotly_js_once_from_its_cdn_instead_of_a_copy_per_page(nbgrader_course):
     # the notebook renderer puts the 4.8 MB plotly.js bundle into each notebook; the course's config makes each
-    # feedback page load it from plotly's CDN instead (parlab.course.grader.nbgrader_feedback; 5.0 MB before)
+    # feedback page load it from plotly's CDN instead (parlab.course.gradebook.nbgrader_feedback; 5.0 MB before)
     import plotly.offline
     root = nbgrader_course[0]
     pages = sorted((root / "feedback").glob("*/all/*.html"))

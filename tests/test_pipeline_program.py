@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import parlab
-from parlab.cluster.costs import preset as model_preset
-from parlab.cluster.hardware import GEMM_TILE, preset
+from parlab.cluster.costs import model_preset
+from parlab.cluster.hardware import GEMM_TILE, hardware_preset
 from parlab.cluster.pipeline_program import pipeline_trace
 from parlab.cluster.published import KORTHIKANTI
 from parlab.cluster.replay import step_time
@@ -47,7 +47,7 @@ def test_the_built_program_is_the_traced_program_and_replays_to_the_same_time(na
     built = pipeline_trace(SCHEDULES[name](p, m))
     assert _order(built) == _order(traced)          # the same steps, in the same order, on every rank
     v = 2 if name == "interleaved" else 1
-    model, hw = model_preset("gpt3-175b"), preset("dgx-a100")
+    model, hw = model_preset("gpt3-175b"), hardware_preset("dgx-a100")
     layout = Layout(tp=8, pp=p, dp=4, micro_batch=1, recompute="selective", sequence_parallel=True, virtual=v)
     a, b = scaleup(traced, model, hw, layout), scaleup(built, model, hw, layout)
     # the same costs summed in the same program order: equal to float rounding
@@ -59,11 +59,11 @@ def test_a_built_program_needs_a_schedule():
     with pytest.raises(ValueError, match="needs a parlab.parallel.pipeline.Schedule"):
         pipeline_trace("1f1b")
     with pytest.raises(ValueError, match="a parlab.Trace of a PipelineParallel step or a"):
-        scaleup([1, 2], model_preset("gpt3-175b"), preset("dgx-a100"), Layout(pp=2))
+        scaleup([1, 2], model_preset("gpt3-175b"), hardware_preset("dgx-a100"), Layout(pp=2))
 
 
 def test_gemm_time_counts_waves_of_tiles_over_the_sms():
-    hw = preset("dgx-a100")
+    hw = hardware_preset("dgx-a100")
     rate = hw.peak_flops * hw.efficiency
     tm, tn = GEMM_TILE
     # 8 x 36 = 288 tiles on 108 SMs: 3 waves, the last one 2/3 full
@@ -79,7 +79,7 @@ def test_gemm_time_counts_waves_of_tiles_over_the_sms():
 
 
 def test_nvlink_transfers_run_at_nccls_planned_bandwidth():
-    hw = preset("dgx-a100")
+    hw = hardware_preset("dgx-a100")
     assert hw.link(False)[0] == pytest.approx(240e9)          # 12 links x 20 GB/s (NCCL topo.h)
     assert hw.link(True)[0] == hw.inter_bw
     with pytest.raises(ValueError, match="intra_efficiency is a fraction"):
@@ -87,7 +87,7 @@ def test_nvlink_transfers_run_at_nccls_planned_bandwidth():
 
 
 def test_an_interleaved_rank_pays_the_sync_and_the_optimizer_of_all_its_stages():
-    model, hw = model_preset("gpt3-175b"), preset("dgx-a100")
+    model, hw = model_preset("gpt3-175b"), hardware_preset("dgx-a100")
     lay = Layout(tp=8, pp=2, dp=4, virtual=2)
     out = scaleup(sch.interleaved_1f1b(2, 4, 2), model, hw, lay)
     costs = StepCosts(model, hw, lay, 4)
@@ -105,7 +105,7 @@ def test_an_interleaved_rank_pays_the_sync_and_the_optimizer_of_all_its_stages()
 
 
 def test_layout_options_change_the_costs_they_name():
-    model, hw = model_preset("gpt3-175b"), preset("dgx-a100")
+    model, hw = model_preset("gpt3-175b"), hardware_preset("dgx-a100")
     base = StepCosts(model, hw, Layout(tp=8, pp=2, dp=8), 2)
     zero1 = StepCosts(model, hw, Layout(tp=8, pp=2, dp=8, zero=1), 2)
     assert zero1.sync.optimizer({0}) == pytest.approx(base.sync.optimizer({0}) / 8, rel=1e-12)   # each rank updates 1/dp
@@ -116,7 +116,7 @@ def test_layout_options_change_the_costs_they_name():
     dpo = StepCosts(model, hw, Layout(tp=8, pp=2, dp=8, dp_overlap=True), 2)
     assert dpo.exposed_grad_sync({0}) == pytest.approx(max(0.0, base.sync.grad_sync({0}) - base.action("backward", 0)))
     assert base.exposed_grad_sync({0}) == base.sync.grad_sync({0})
-    h100 = preset("dgx-h100")
+    h100 = hardware_preset("dgx-h100")
     fp8 = StepCosts(model, h100, Layout(tp=8, pp=2, precision="fp8"), 2)
     bf16 = StepCosts(model, h100, Layout(tp=8, pp=2), 2)
     # fp8 as Transformer Engine runs it: the four weight GEMMs at the fp8 rate (989 -> 1,979 dense TFLOP/s, the
@@ -146,7 +146,7 @@ def test_layout_options_change_the_costs_they_name():
 
 
 def test_sequence_parallel_gathers_the_inputs_again_in_the_backward():
-    model, hw = model_preset("gpt3-175b"), preset("dgx-a100")
+    model, hw = model_preset("gpt3-175b"), hardware_preset("dgx-a100")
     sp = StepCosts(model, hw, Layout(tp=8, sequence_parallel=True), 1)
     ag, rs = sp._tp("all_gather"), sp._tp("reduce_scatter")
     assert sp.tp_forward() == pytest.approx(2 * (ag + rs))
@@ -159,7 +159,7 @@ def test_the_replay_of_korthikanti_table_5_is_within_ten_percent(run):
     # the paper's layouts, the interleaving Megatron ran (3 chunks per rank for 175B, Calculon's validation
     # configuration), nothing fitted to these rows: the acceptance bound of issue 31, not a tolerance of ours
     schedule, layout = run.replay_inputs()
-    t = step_time(scaleup(schedule, run.model, preset("dgx-a100"), layout))
+    t = step_time(scaleup(schedule, run.model, hardware_preset("dgx-a100"), layout))
     assert abs(t / run.step_s - 1) <= 0.10
     assert math.isfinite(t)
 
@@ -168,7 +168,7 @@ def test_the_replay_of_korthikanti_table_5_is_within_ten_percent(run):
 def test_the_planner_times_a_layout_as_the_replay_does(case):
     from parlab.cluster.scaleup import compare
     gpt3, llama = model_preset("gpt3-175b"), model_preset("llama-7b")
-    a100, h100 = preset("dgx-a100"), preset("dgx-h100")
+    a100, h100 = hardware_preset("dgx-a100"), hardware_preset("dgx-h100")
     model, hw, schedule, layout, batch = {
         "175b-full": (gpt3, a100, sch.interleaved_1f1b(8, 64, 3),
                       Layout(tp=8, pp=8, recompute="full", virtual=3), 64),
@@ -187,7 +187,7 @@ def test_the_planner_times_a_layout_as_the_replay_does(case):
 
 @pytest.mark.parametrize("name", ["gpipe", "zb-h1"])
 def test_the_closed_form_of_gpipe_and_zb_h1_is_their_replay(name):
-    model, hw = model_preset("gpt3-175b"), preset("dgx-a100")
+    model, hw = model_preset("gpt3-175b"), hardware_preset("dgx-a100")
     for rc in ("none", "full"):
         layout = Layout(tp=8, pp=8, recompute=rc)
         closed = StepCosts(model, hw, layout, 8).step_terms(32, name)["step"]
@@ -217,7 +217,7 @@ def test_context_parallel_ring_hides_behind_the_attention_it_computes():
     import dataclasses
     from parlab.cluster.costs import Cluster
     from parlab.cluster.planner import estimate
-    hw = preset("dgx-h100")
+    hw = hardware_preset("dgx-h100")
     long = dataclasses.replace(model_preset("llama-7b"), seq=32768)
     inside = StepCosts(long, hw, Layout(tp=2, cp=4, pp=2), 2)               # tp x cp = 8: one node
     assert inside.cp_exposed("forward") == 0.0                                # NVLink moves a block faster than its attention
@@ -241,7 +241,7 @@ def test_context_parallel_ring_hides_behind_the_attention_it_computes():
 
 
 def test_zero_stages_move_their_traffic_where_zero_puts_it():
-    model, hw = model_preset("llama-7b"), preset("dgx-a100")
+    model, hw = model_preset("llama-7b"), hardware_preset("dgx-a100")
     lay = {z: Layout(tp=2, pp=2, dp=16, zero=z) for z in range(4)}
     c = {z: StepCosts(model, hw, lay[z], 2) for z in range(4)}
     ag, rs, ar = (c[0].sync._dp(op, [0]) for op in ("all_gather", "reduce_scatter", "all_reduce"))
@@ -270,7 +270,7 @@ def test_zero_stages_move_their_traffic_where_zero_puts_it():
 
 
 def test_the_closed_form_follows_zb_h1_with_few_micro_batches_and_overlap():
-    model, h100 = model_preset("gpt3-175b"), preset("dgx-h100")
+    model, h100 = model_preset("gpt3-175b"), hardware_preset("dgx-h100")
     for layout, m in ((Layout(tp=8, pp=4), 1), (Layout(tp=8, pp=4), 3),
                       (Layout(tp=8, pp=4, dp=2, zero=3, tp_overlap=True), 8)):
         closed = StepCosts(model, h100, layout, 4).step_terms(m, "zb-h1")["step"]
@@ -283,7 +283,7 @@ def test_the_closed_form_follows_zb_h1_with_few_micro_batches_and_overlap():
 
 
 def test_the_closed_form_refuses_what_its_schedule_cannot_run():
-    model, hw = model_preset("gpt3-175b"), preset("dgx-a100")
+    model, hw = model_preset("gpt3-175b"), hardware_preset("dgx-a100")
     inter = StepCosts(model, hw, Layout(tp=8, pp=8, virtual=2), 16)
     for m, schedule, msg in ((0, "1f1b", "m is the number of micro-batches"), (True, "1f1b", "m is the number"),
                              (16, "gpipe", "virtual=2 is interleaved 1F1B"), (12, "1f1b", "m divisible by pp")):
@@ -295,7 +295,7 @@ def test_the_closed_form_refuses_what_its_schedule_cannot_run():
 
 
 def test_the_tied_embedding_is_exchanged_only_by_a_tied_model():
-    gpt3, llama, hw = model_preset("gpt3-175b"), model_preset("llama-7b"), preset("dgx-a100")
+    gpt3, llama, hw = model_preset("gpt3-175b"), model_preset("llama-7b"), hardware_preset("dgx-a100")
     tied = [e for e in scaleup(sch.one_f_one_b(4, 8), gpt3, hw, Layout(tp=8, pp=4)).events if "tied" in e.label]
     untied = [e for e in scaleup(sch.one_f_one_b(4, 8), llama, hw, Layout(tp=8, pp=4)).events if "tied" in e.label]
     assert len(tied) == 4 and untied == []
@@ -311,7 +311,7 @@ def test_bad_layouts_and_arguments_are_refused_with_what_to_fix():
     from parlab.cluster.costs import Cluster
     from parlab.cluster.planner import enumerate_layouts, estimate
     from parlab.cluster.scaleup import compare
-    gpt3, hw = model_preset("gpt3-175b"), preset("dgx-a100")
+    gpt3, hw = model_preset("gpt3-175b"), hardware_preset("dgx-a100")
     for args, msg in (((gpt3, hw, Layout(tp=5), 1), "tp=5 must divide gpt3-175b's 96 heads"),
                       ((gpt3, hw, Layout(cp=3), 1), "cp=3 must divide the sequence of 2048 tokens"),
                       ((gpt3, "dgx-a100", Layout(), 1), "hardware must be a parlab.cluster.hardware.Hardware"),
@@ -341,7 +341,7 @@ def test_bad_layouts_and_arguments_are_refused_with_what_to_fix():
 
 def test_selective_recomputation_under_context_parallelism_passes_the_ring_again():
     import dataclasses
-    hw = preset("dgx-h100")
+    hw = hardware_preset("dgx-h100")
     short = dataclasses.replace(model_preset("llama-7b"), seq=2048)
     mat = dict(attention="materialised")        # selective recomputation redoes written-out scores (fused: none)
     sel = StepCosts(short, hw, Layout(tp=8, cp=4, pp=2, recompute="selective", **mat), 2)
@@ -369,7 +369,7 @@ def test_the_planners_simulation_is_the_replay_of_the_built_program(name, v):
     from parlab.cluster.costs import ModelSpec
     from parlab.parallel.pipeline.simulation import simulate
     model = ModelSpec("m", layers=16, hidden=1024, heads=16, vocab=50000, seq=2048, tied=True, kv_heads=8)
-    hw, layout = preset("dgx-h100"), Layout(tp=2, pp=4, dp=2, virtual=v, zero=1, sequence_parallel=True)
+    hw, layout = hardware_preset("dgx-h100"), Layout(tp=2, pp=4, dp=2, virtual=v, zero=1, sequence_parallel=True)
     costs, schedule = StepCosts(model, hw, layout, 4 * v), schedule_for(name, 4, 8, v)
     replayed = step_time(scaleup(schedule, model, hw, layout))
     assert simulated_step(costs, 8, name) == pytest.approx(replayed, rel=1e-12)

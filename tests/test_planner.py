@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from parlab.cluster import transformer as T
-from parlab.cluster.costs import Cluster, ModelSpec, from_gpt_config, preset
+from parlab.cluster.costs import Cluster, ModelSpec, from_gpt_config, model_preset
 from parlab.parallel.zero import measure
 from parlab.models import GPT, GPTConfig
 from parlab.cluster.plan_cli import main
@@ -18,7 +18,7 @@ from parlab.i18n.columns import width
 from parlab.parallel.topology import ParallelGrid
 
 GB = 1e9
-GPT3 = preset("gpt3-175b")
+GPT3 = model_preset("gpt3-175b")
 MEGATRON = Cluster(nodes=128)           # 128 DGX A100 80 GB nodes = 1024 GPUs, defaults: 312 TFLOP/s, NVLink, IB
 MAT = dict(attention="materialised")   # Megatron's kernels of 2021-2022 wrote the scores out (the default is fused)
 
@@ -30,7 +30,7 @@ def test_parameter_counts_match_the_closed_forms_and_the_papers():
     assert GPT3.param_count() / 1e9 == pytest.approx(174.6, abs=0.05)
     # LLaMA (SwiGLU, untied head, RMSNorm): 6.74B, 13.0B, 65.3B as released
     for name, billions in (("llama-7b", 6.74), ("llama-13b", 13.02), ("llama-65b", 65.29)):
-        assert preset(name).param_count() / 1e9 == pytest.approx(billions, abs=0.01)
+        assert model_preset(name).param_count() / 1e9 == pytest.approx(billions, abs=0.01)
     bare = GPTConfig(n_layer=3, n_embd=48, n_head=4, vocab_size=50, bias=False, tie_embeddings=False)
     for cfg in (GPTConfig(), bare):
         assert from_gpt_config(cfg).param_count() == cfg.param_count()
@@ -111,7 +111,7 @@ def test_data_parallel_alone_does_not_fit_gpt3():
 
 def test_volume_table_tp_over_dp_over_pp_on_seed_000_grid():
     grid = ParallelGrid(16, tp=2, pp=4, gpus_per_node=8)
-    rows = volume_table(preset("llama-7b"), grid, global_batch=16)
+    rows = volume_table(model_preset("llama-7b"), grid, global_batch=16)
     assert [r["dim"] for r in rows][:3] == ["tp", "dp", "pp"]
     link = {r["dim"]: r["crosses_nodes"] for r in rows}
     assert link == {"tp": False, "dp": False, "pp": True, "cp": False}
@@ -123,9 +123,9 @@ def test_clear_errors():
     with pytest.raises(ValueError, match="nodes"):
         Cluster(nodes=0)
     with pytest.raises(ValueError, match="unknown model preset"):
-        preset("gpt5")
+        model_preset("gpt5")
     with pytest.raises(ValueError, match="no layout of llama-65b .* fits"):
-        plan(preset("llama-65b"), Cluster(nodes=1, gpu_mem_gb=40), 16)
+        plan(model_preset("llama-65b"), Cluster(nodes=1, gpu_mem_gb=40), 16)
     odd = ModelSpec("odd", layers=3, hidden=64, heads=2, vocab=10, seq=8)
     with pytest.raises(ValueError, match="no valid layout"):
         enumerate_layouts(odd, Cluster(nodes=1), 3)
@@ -185,8 +185,8 @@ def test_tiny_gpt_state_bytes_match_measured_bytes():
 def test_planner_figures_show_every_layout_fit_or_not_and_the_best():
     from parlab.viz.planner import TERMS, breakdown_figure, planner_figure
     cluster = Cluster(nodes=4)
-    every = enumerate_layouts(preset("llama-65b"), cluster, 128)
-    ranked = plan(preset("llama-65b"), cluster, 128)
+    every = enumerate_layouts(model_preset("llama-65b"), cluster, 128)
+    ranked = plan(model_preset("llama-65b"), cluster, 128)
     fig = planner_figure(every, cluster, marks={"tp8 pp4": dict(tp=8, pp=4)})
     layouts = [t for t in fig.data if t.name.startswith("tp=")]
     assert sum(len(t.x) for t in layouts) == len(every)                   # one marker per candidate
@@ -243,12 +243,12 @@ def test_plan_command_tries_the_recomputation_settings_asked_for(capsys):
 
 
 def test_plan_on_a_hardware_times_with_the_replays_cost_model(capsys):
-    from parlab.cluster.hardware import preset as hw_preset
+    from parlab.cluster.hardware import hardware_preset
     assert main(["--model", "llama-7b", "--nodes", "2", "--hardware", "dgx-h100", "--top", "3"]) == 0
     out = capsys.readouterr().out
     assert "timed on DGX H100 by the replay's cost model" in out and "Best:" in out
     # the same layout through estimate: the table's step time is the closed form's
-    model, h100 = preset("llama-7b"), hw_preset("dgx-h100")
+    model, h100 = model_preset("llama-7b"), hardware_preset("dgx-h100")
     cluster = Cluster(nodes=2, gpus_per_node=8, intra_gbps=450.0, inter_gbps=50.0, peak_tflops=989.0)
     with_hw = estimate(model, cluster, 32, tp=2, pp=2, zero=1, hardware=h100)
     without = estimate(model, cluster, 32, tp=2, pp=2, zero=1)
@@ -261,9 +261,9 @@ def test_enumerate_layouts_simulates_the_fastest_fitting_pipelines(monkeypatch):
     # every layout by the closed form, the SIMULATED fastest fitting ones with a pipeline again by running their
     # schedule (what estimate gives one layout by default); the rest keep the closed form's bubble
     import parlab.cluster.planner as P
-    from parlab.cluster.hardware import preset as hw_preset
+    from parlab.cluster.hardware import hardware_preset
     monkeypatch.setattr(P, "SIMULATED", 3)
-    model, hw = preset("llama-7b"), hw_preset("dgx-a100")
+    model, hw = model_preset("llama-7b"), hardware_preset("dgx-a100")
     cluster = P.cluster_for(hw, 16)
     every = enumerate_layouts(model, cluster, 32, hardware=hw, micro_batches=(1,), zero_stages=(1,),
                               recompute=("selective",))
@@ -294,7 +294,7 @@ def test_plan_times_fp8_products_and_refuses_a_format_it_cannot_time(capsys):
 
 
 def test_plan_tries_interleaving_chunks_where_the_schedule_allows_them(capsys):
-    model, cluster = preset("gpt3-175b"), Cluster(nodes=8)
+    model, cluster = model_preset("gpt3-175b"), Cluster(nodes=8)
     every = enumerate_layouts(model, cluster, 128, virtual=(1, 2, 3), micro_batches=(1,), zero_stages=(0,),
                               recompute=("selective",))
     chunked = [e for e in every if e.virtual > 1]
@@ -347,14 +347,14 @@ def test_the_plan_report_speaks_chinese_and_its_tables_line_up():
     with use_language("zh_CN"):
         every = enumerate_layouts(GPT3, MEGATRON, 1536)
         ranked = plan(GPT3, MEGATRON, 1536)
-        crowded = enumerate_layouts(preset("llama-7b"), small, 64)
-        tight = plan(preset("llama-7b"), Cluster(nodes=1, gpus_per_node=8, gpu_mem_gb=16), 64)
+        crowded = enumerate_layouts(model_preset("llama-7b"), small, 64)
+        tight = plan(model_preset("llama-7b"), Cluster(nodes=1, gpus_per_node=8, gpu_mem_gb=16), 64)
         table = format_table(ranked, 5) + "\n" + format_table([e for e in crowded if not e.fits][:2], None)
         text = "\n".join([table, explain(ranked, every), explain(tight, tight),
-                          format_volume_table(volume_table(preset("llama-7b"), ParallelGrid(16, tp=2, pp=4, gpus_per_node=8),
+                          format_volume_table(volume_table(model_preset("llama-7b"), ParallelGrid(16, tp=2, pp=4, gpus_per_node=8),
                                                               64))])
         with pytest.raises(ValueError) as nothing_fits:
-            plan(preset("llama-65b"), small, 64)
+            plan(model_preset("llama-65b"), small, 64)
         text += "\n" + str(nothing_fits.value)
     layouts = {e.layout for e in every + crowded + tight} | {"llama-65b"}
     assert _english_words(text, layouts) == [], text

@@ -7,7 +7,7 @@ import torch
 
 import parlab
 from parlab.parallel import pipeline as sch
-from parlab.cluster.hardware import Hardware, load, preset
+from parlab.cluster.hardware import Hardware, load, hardware_preset
 from parlab.models import GPT, GPTConfig
 from parlab.parallel.pipeline import PipelineParallel
 from parlab.cluster.replay import ReplayError, bubble, measured_step, replay, step_time
@@ -43,7 +43,7 @@ def by_rank(trace, rank, op=None):
 
 # ---------------------------------------------------------------------- hardware
 def test_presets_carry_the_datasheet_numbers_and_round_trip_through_json(tmp_path):
-    a, h = preset("dgx-a100"), preset("dgx-h100")
+    a, h = hardware_preset("dgx-a100"), hardware_preset("dgx-h100")
     assert (a.peak_flops, a.mem_bw, a.intra_bw, a.inter_bw) == (312e12, 2.039e12, 300e9, 25e9)
     assert (h.peak_flops, h.mem_bw, h.intra_bw, h.inter_bw) == (989e12, 3.35e12, 450e9, 50e9)
     path = tmp_path / "h.json"
@@ -62,16 +62,16 @@ def test_presets_carry_the_datasheet_numbers_and_round_trip_through_json(tmp_pat
 ])
 def test_bad_hardware_is_refused_with_the_field_named(change, words):
     with pytest.raises(ValueError, match=words):
-        preset("dgx-h100").with_(**change)
+        hardware_preset("dgx-h100").with_(**change)
 
 
 def test_bad_hardware_files_and_names_are_refused(tmp_path):
     with pytest.raises(ValueError, match="unknown hardware preset"):
-        preset("tpu")
+        hardware_preset("tpu")
     with pytest.raises(ValueError, match="no hardware preset or file"):
         load(str(tmp_path / "missing.json"))
     bad = tmp_path / "bad.json"
-    bad.write_text(json.dumps({**preset("dgx-a100").to_dict(), "nvlink": 1}))
+    bad.write_text(json.dumps({**hardware_preset("dgx-a100").to_dict(), "nvlink": 1}))
     with pytest.raises(ValueError, match=r"unknown hardware field\(s\) \['nvlink'\]"):
         load(str(bad))
     bad.write_text(json.dumps({"name": "x", "peak_flops": 1.0}))
@@ -110,7 +110,7 @@ def test_a_group_with_several_ranks_per_node_crosses_nodes_on_all_their_network_
     # NCCL gives every channel its own NIC, so a ring over whole nodes (FSDP, DP over nodes) moves its bytes across
     # the cards of its per_node GPUs at once, up to NVLink's rate inside the node (A100: 8 x 25 = 200 of NVLink's
     # 240 GB/s; H100: 8 x 50 = 400 over NVLink's 371, which bounds it); one rank per node gets its GPU's share
-    h = preset(hw).with_(base_latency=0.0, inter_latency=0.0, intra_latency=0.0, nics_per_node=nics)
+    h = hardware_preset(hw).with_(base_latency=0.0, inter_latency=0.0, intra_latency=0.0, nics_per_node=nics)
     X, nodes = 1e9, 4
     n, share = per_node * nodes, (nics or 8) / 8
     rs = min(per_node * share * h.inter_bw, h.intra_bw * h.intra_efficiency) if per_node > 1 else share * h.inter_bw
@@ -352,8 +352,8 @@ def test_metered_spans_carry_flops_bytes_and_kernels_and_replay_by_the_roofline(
     B, S, E, nh, layers, V = 2, 8, 16, 2, 2, 32
     assert fwd.special == layers * (B * nh * S * S + B * S * 4 * E) + B * S * V
     assert bwd.special == layers * B * S * 4 * E + B * S * V
-    out = replay(Trace(rec.events), preset("dgx-h100"))
-    h = preset("dgx-h100")
+    out = replay(Trace(rec.events), hardware_preset("dgx-h100"))
+    h = hardware_preset("dgx-h100")
     assert out.events[0].duration == pytest.approx(h.compute_time(fwd.flops, fwd.nbytes, fwd.kernels,
                                                                   special=fwd.special), rel=1e-12)
     assert h.compute_time(special=3.9e12) == pytest.approx(1.0)   # the H100's 3.9 T special results / s
@@ -394,12 +394,12 @@ def _pipeline_pattern(p, m):
 
 
 def test_scaleup_recosts_every_action_with_the_big_model_and_keeps_the_schedule():
-    from parlab.cluster.costs import preset as model_preset
+    from parlab.cluster.costs import model_preset
     from parlab.cluster.scaleup import Layout, layer_forward_bytes, layer_forward_flops, scaleup
     p, m = 2, 4
     tr = parlab.run(_pipeline_pattern, p, p, m, trace=True, echo=False).trace
     model = model_preset("llama-7b")
-    hw = preset("dgx-h100").with_(efficiency=1.0, sms=None)       # products by their FLOPs (waves: test_step_costs)
+    hw = hardware_preset("dgx-h100").with_(efficiency=1.0, sms=None)       # products by their FLOPs (waves: test_step_costs)
     out = scaleup(tr, model, hw, Layout(tp=8, pp=p, dp=4, micro_batch=1))
     assert "as llama-7b (64 GPUs)" in out.hardware
     fwd = [e for e in out.events if e.op == "forward" and "stage 0 " in e.label]
@@ -456,7 +456,7 @@ def test_scale_work_multiplies_work_and_bytes_and_refuses_unmetered_traces():
 def test_toggle_figure_switches_between_the_measured_and_the_replayed_timeline():
     from parlab.viz.replay import replay_toggle
     tr = Trace([comp(0, 0.0, 2e12), comp(1, 0.0, 1e12)])
-    fig = replay_toggle(tr, preset("dgx-h100"), title="t")
+    fig = replay_toggle(tr, hardware_preset("dgx-h100"), title="t")
     buttons = fig.layout.updatemenus[0].buttons
     assert [b.label for b in buttons] == ["this machine", "replayed on DGX H100"]
     assert [t.visible for t in fig.data] == [False, True]               # the replayed view first
@@ -537,8 +537,8 @@ def test_calibrate_refuses_an_out_it_could_not_write(tmp_path, capsys, monkeypat
 def test_hardware_computes_in_each_number_format_it_has():
     """Per-precision tensor-core rates (dense, NVIDIA datasheets): FP8 doubles the H100's BF16 peak; the A100 has no
     FP8, and says which formats it has; the rates survive the JSON round trip."""
-    from parlab.cluster.hardware import Hardware, preset
-    h100, a100 = preset("dgx-h100"), preset("dgx-a100")
+    from parlab.cluster.hardware import Hardware, hardware_preset
+    h100, a100 = hardware_preset("dgx-h100"), hardware_preset("dgx-a100")
     assert h100.at("fp8").peak_flops == pytest.approx(2 * h100.at("bf16").peak_flops, rel=1e-3)   # 1,979 vs 2 x 989
     assert h100.at("bf16").peak_flops == h100.peak_flops
     assert a100.at("tf32").peak_flops == a100.peak_flops / 2 and "(tf32)" in a100.at("tf32").name

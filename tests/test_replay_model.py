@@ -10,7 +10,7 @@ import torch
 import parlab
 from parlab import comm
 from parlab.cluster.calibrate import fit_compute
-from parlab.cluster.hardware import Hardware, load, preset
+from parlab.cluster.hardware import Hardware, load, hardware_preset
 from parlab.trace.histogram import hist_add, hist_sub, size_class
 from parlab.cluster.replay import replay
 from parlab.trace import Event, Trace, count_costs, recording, region
@@ -37,11 +37,11 @@ def _pipeline_pattern(p, m):
 # ---------------------------------------------------------------------- efficiency vs MFU
 def test_presets_split_kernel_efficiency_from_end_to_end_mfu():
     for name in ("dgx-a100", "dgx-h100"):
-        h = preset(name)
+        h = hardware_preset(name)
         assert (h.efficiency, h.mfu, h.end_to_end_mfu) == (0.8, 0.5, 0.5)
         # the replay's products run at the kernel-level rate
         assert h.compute_time(1e12) == pytest.approx(1e12 / (h.peak_flops * 0.8), rel=1e-12)
-    assert preset("dgx-h100").with_(mfu=None).end_to_end_mfu == 0.8        # no MFU given: the one efficiency
+    assert hardware_preset("dgx-h100").with_(mfu=None).end_to_end_mfu == 0.8        # no MFU given: the one efficiency
 
 
 def test_an_old_description_with_one_efficiency_loads_meaning_what_it_meant(tmp_path):
@@ -76,10 +76,10 @@ def test_bad_mfu_and_cache_fields_are_refused_with_the_field_named(change, words
 
 
 def test_compare_gives_the_planner_the_replays_cost_model():
-    from parlab.cluster.costs import preset as model_preset
+    from parlab.cluster.costs import model_preset
     from parlab.cluster.scaleup import Layout, compare
     tr = parlab.run(_pipeline_pattern, 2, 2, 4, trace=True, echo=False).trace
-    model, lay, a100 = model_preset("llama-7b"), Layout(tp=8, pp=2), preset("dgx-a100")
+    model, lay, a100 = model_preset("llama-7b"), Layout(tp=8, pp=2), hardware_preset("dgx-a100")
     base = compare(tr, model, a100, lay, 4)
     faster = compare(tr, model, a100.with_(efficiency=0.9), lay, 4)     # faster kernels: both move
     assert faster["planner_s"] < base["planner_s"] and faster["replay_s"] < base["replay_s"]
@@ -270,7 +270,7 @@ def test_two_runs_of_the_same_program_replay_to_the_same_time():
     steps = [Trace([Event(**{**d, "group": tuple(d["group"])}) for rank in res.results for d in rank[i]])
              for i in range(2)]
     assert sum(1 for e in steps[0].events if e.kind == "collective") > 4      # spans are cut by communication
-    a, b = (replay(t, preset("dgx-h100")) for t in steps)
+    a, b = (replay(t, hardware_preset("dgx-h100")) for t in steps)
     # the same work in the same order: the same replayed times (float rounding of the running sums only),
     # although the two steps took different times here
     assert [(e.rank, e.op) for e in a.events] == [(e.rank, e.op) for e in b.events]
@@ -334,10 +334,10 @@ def test_memory_bound_bytes_per_layer_follow_the_op_list():
 
 
 def test_the_scaleup_adds_an_adam_step_over_each_ranks_parameters():
-    from parlab.cluster.costs import preset as model_preset
+    from parlab.cluster.costs import model_preset
     from parlab.cluster.scaleup import OPTIMIZER_BYTES_PER_PARAM, Layout, scaleup
     tr = parlab.run(_pipeline_pattern, 2, 2, 4, trace=True, echo=False).trace
-    model, a100 = model_preset("llama-7b"), preset("dgx-a100")
+    model, a100 = model_preset("llama-7b"), hardware_preset("dgx-a100")
     out = scaleup(tr, model, a100, Layout(tp=8, pp=2), dropout=False)
     opt = sorted((e for e in out.events if e.op == "optimizer"), key=lambda e: e.rank)
     psi0 = 16 * model.layer_params(8) + model.embedding_params(8)               # stage 0: 16 layers + embedding
@@ -463,8 +463,8 @@ def test_without_overlap_an_async_message_holds_its_rank_and_a_send_receive_pair
         assert (span.start, span.end) == (3.0, 8.0)          # after the pair's 3 s, not 6 s: issued together
     with pytest.raises(ValueError, match="comm_overlap must be true or false"):
         hw.with_(comm_overlap="no")
-    assert preset("dgx-h100").comm_overlap is True
-    old = {k: v for k, v in preset("dgx-a100").to_dict().items() if k != "comm_overlap"}
+    assert hardware_preset("dgx-h100").comm_overlap is True
+    old = {k: v for k, v in hardware_preset("dgx-a100").to_dict().items() if k != "comm_overlap"}
     assert Hardware.from_dict(old).comm_overlap is True     # a description written before the field: overlap
 
 
@@ -525,11 +525,11 @@ def test_calibration_describes_overlap_and_the_step_fit_from_its_measurements():
 def test_compare_replays_an_overlapped_gradient_sync(built):
     """dp_overlap=True replays (it once raised TypeError: a dict of per-rank end times took the name of the last
     backward op), on a traced and on a built program, and hides part of the gradient sync: never slower."""
-    from parlab.cluster.costs import preset as model_preset
+    from parlab.cluster.costs import model_preset
     from parlab.cluster.scaleup import Layout, compare
     from parlab.parallel import pipeline as sch
     tr = sch.one_f_one_b(2, 4) if built else parlab.run(_pipeline_pattern, 2, 2, 4, trace=True, echo=False).trace
-    model, h100 = model_preset("llama-7b"), preset("dgx-h100")
+    model, h100 = model_preset("llama-7b"), hardware_preset("dgx-h100")
     plain = compare(tr, model, h100, Layout(tp=8, pp=2, dp=4), 16)
     hidden = compare(tr, model, h100, Layout(tp=8, pp=2, dp=4, dp_overlap=True), 16)
     assert hidden["replay_s"] < plain["replay_s"] and hidden["planner_s"] < plain["planner_s"]
@@ -538,11 +538,11 @@ def test_compare_replays_an_overlapped_gradient_sync(built):
 def test_the_planner_reads_the_precision_the_replay_reads():
     """fp8 products on an H100 (its 1979 TFLOP/s): the replay and the planner both speed up, and still agree
     (to float rounding: the planner runs the schedule as the replay does); without hardware, precision is refused."""
-    from parlab.cluster.costs import preset as model_preset
+    from parlab.cluster.costs import model_preset
     from parlab.cluster.planner import cluster_for, estimate
     from parlab.cluster.scaleup import Layout, compare
     from parlab.parallel import pipeline as sch
-    model, h100 = model_preset("llama-7b"), preset("dgx-h100")
+    model, h100 = model_preset("llama-7b"), hardware_preset("dgx-h100")
     got = {p: compare(sch.one_f_one_b(2, 8), model, h100, Layout(tp=4, pp=2, dp=2, precision=p), 16)
            for p in ("bf16", "fp8")}
     assert got["fp8"]["replay_s"] < 0.9 * got["bf16"]["replay_s"]
@@ -551,5 +551,5 @@ def test_the_planner_reads_the_precision_the_replay_reads():
     with pytest.raises(ValueError, match="give hardware"):
         estimate(model, cluster_for(h100, 16), 16, tp=4, pp=2, precision="fp8")
     with pytest.raises(ValueError, match="no 'fp8' rate"):
-        estimate(model, cluster_for(preset("dgx-a100"), 16), 16, tp=4, pp=2, precision="fp8",
-                 hardware=preset("dgx-a100"))
+        estimate(model, cluster_for(hardware_preset("dgx-a100"), 16), 16, tp=4, pp=2, precision="fp8",
+                 hardware=hardware_preset("dgx-a100"))

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from parlab.cluster.hardware import Hardware, preset
+from parlab.cluster.hardware import Hardware, hardware_preset
 from parlab.cluster.replay import replay, step_time
 from parlab.trace.meter import CostMeter
 from parlab.trace import Event, Trace
@@ -36,8 +36,8 @@ def test_special_results_cost_their_rate_on_top_of_their_bytes_and_nothing_witho
     assert h.compute_time(0.0, 400, 0, (), 0.0, 50) == pytest.approx(4.0)          # no rate: bytes only
     assert h.with_(special_rate=10.0).compute_time(0.0, 400, 0, (), 0.0, 50) == pytest.approx(4.0 + 5.0)
     # the presets: 16 per clock per SM (A100: 108 SMs at 1.41 GHz), the H100's 3.9 T / s (FlashAttention-3)
-    assert preset("dgx-a100").special_rate == pytest.approx(108 * 16 * 1.41e9)
-    assert preset("dgx-h100").special_rate == 3.9e12
+    assert hardware_preset("dgx-a100").special_rate == pytest.approx(108 * 16 * 1.41e9)
+    assert hardware_preset("dgx-h100").special_rate == 3.9e12
     for bad in (0.0, -1.0, True, "fast"):
         with pytest.raises(ValueError, match="special_rate must be a positive rate"):
             UNIT.with_(special_rate=bad)
@@ -99,7 +99,7 @@ def test_a_delay_lengthens_a_blocking_call_and_hides_behind_compute_issued_after
     assert step_time(replay(_two_ranks(True, 1.0), serial)) == 4.0                    # 1 + 2 (at issue) + 1
     assert step_time(replay(_two_ranks(True, 1.0), serial.with_(comm_delay=0.5))) == 4.0   # ends at 3.5 < 4
     assert step_time(replay(_two_ranks(True, 1.0), serial.with_(comm_delay=1.5))) == 4.5
-    assert preset("dgx-h100").comm_delay == 0.0 and preset("dgx-a100").comm_delay == 0.0
+    assert hardware_preset("dgx-h100").comm_delay == 0.0 and hardware_preset("dgx-a100").comm_delay == 0.0
     for bad in (-1e-3, "1 ms", None):
         with pytest.raises(ValueError, match="comm_delay must be a time >= 0"):
             UNIT.with_(comm_delay=bad)
@@ -120,7 +120,7 @@ def test_an_asynchronous_call_takes_its_share_of_the_rank_only_where_communicati
     for bad in (-1e-3, "1 ms", None):
         with pytest.raises(ValueError, match="comm_cpu must be a time >= 0"):
             UNIT.with_(comm_cpu=bad)
-    assert preset("dgx-h100").comm_cpu == 0.0 and preset("dgx-h100").comm_streams == 1
+    assert hardware_preset("dgx-h100").comm_cpu == 0.0 and hardware_preset("dgx-h100").comm_streams == 1
 
 
 def _measured(metered: Trace, hw: Hardware, delay: float, cpu: float = 0.0) -> float:
@@ -220,7 +220,7 @@ def test_calibration_programs_run_on_every_rank_and_merge_into_measured_steps_an
         assert measured > 0 and sorted({e.rank for e in metered.events}) == [0, 1]
         assert all(len(e.meter_at) == 7 for e in metered.events)             # metered: every event has totals
         # the work of the wrappers' regions, and of what runs between them (found from those totals)
-        out = replay(metered, preset("dgx-h100"))
+        out = replay(metered, hardware_preset("dgx-h100"))
         assert sum(e.flops for e in out.events if e.kind == "compute") > 0 and step_time(out) > 0
 
 
@@ -358,7 +358,7 @@ def test_messages_take_their_own_delay_and_share_when_the_description_has_them()
     # the messages end at 1 + 1 + 3 (their delay) = 5, after the compute (3.25): the wait holds the rank to 5
     assert step_time(replay(_ring_pair(1.0), hw.with_(p2p_delay=3.0))) == pytest.approx(5 + 2 + 0.5)
     for k in ("p2p_delay", "p2p_cpu"):
-        assert getattr(preset("dgx-h100"), k) is None
+        assert getattr(hardware_preset("dgx-h100"), k) is None
         with pytest.raises(ValueError, match=f"{k} must be a time >= 0 in seconds or None"):
             UNIT.with_(**{k: -1.0})
 

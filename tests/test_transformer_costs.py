@@ -5,7 +5,7 @@ to them would fail."""
 import pytest
 
 from parlab.cluster import transformer as T
-from parlab.cluster.costs import ModelSpec, from_gpt_config, preset
+from parlab.cluster.costs import ModelSpec, from_gpt_config, model_preset
 from parlab.cluster.published import KORTHIKANTI, KORTHIKANTI_MODELS, SELENE_PEAK_FLOPS
 from parlab.models import GPTConfig
 
@@ -101,7 +101,7 @@ def test_one_parameter_count(config):
     """The three counts agree where they describe the same model: the tiny GPT's own (exact), the cost model's,
     and Megatron's eq. 2 (`transformer.params`, the one closed form; ZeRO's lesson uses it too)."""
     assert from_gpt_config(config).param_count() == config.param_count()
-    gpt3 = preset("gpt3-175b")
+    gpt3 = model_preset("gpt3-175b")
     no_positions = ModelSpec("g", gpt3.layers, gpt3.hidden, gpt3.heads, gpt3.vocab, gpt3.seq, learned_pos=False)
     assert T.params(no_positions, final_norm=True) == no_positions.param_count()
     assert T.params(gpt3, final_norm=True) == gpt3.param_count()
@@ -131,10 +131,10 @@ def test_bad_input_says_what_is_allowed(call, says):
 
 # ---------------------------------------------------------------------- the attention kernel
 def test_a_fused_attention_kernel_stores_no_scores_moves_no_score_bytes_and_recomputes_them_in_its_backward():
-    from parlab.cluster.costs import preset as model_preset
-    from parlab.cluster.hardware import preset as hw_preset
+    from parlab.cluster.costs import model_preset
+    from parlab.cluster.hardware import hardware_preset
     from parlab.cluster.step_costs import Layout, StepCosts, attention_core_bytes
-    model, a100 = model_preset("gpt3-175b"), hw_preset("dgx-a100")
+    model, a100 = model_preset("gpt3-175b"), hardware_preset("dgx-a100")
     s, h, a = model.seq, model.hidden, model.heads
     # memory: the 5 a s / h of the scores go; the log-sum-exp (fp32 per head and token) stays, whatever recomputes
     mat = T.activation_bytes_per_layer(model, 1, 8, True, "none", attention="materialised")
@@ -158,11 +158,11 @@ def test_a_fused_attention_kernel_stores_no_scores_moves_no_score_bytes_and_reco
 
 
 def test_the_planner_takes_the_attention_kernel_in_memory_and_time():
-    from parlab.cluster.costs import preset as model_preset
-    from parlab.cluster.hardware import preset as hw_preset
+    from parlab.cluster.costs import model_preset
+    from parlab.cluster.hardware import hardware_preset
     from parlab.cluster.planner import cluster_for, estimate
     from parlab.cluster.step_costs import Layout, StepCosts
-    model, h100 = model_preset("gpt3-175b"), hw_preset("dgx-h100")
+    model, h100 = model_preset("gpt3-175b"), hardware_preset("dgx-h100")
     cluster = cluster_for(h100, 64)
     kw = dict(tp=8, pp=8, recompute="selective", hardware=h100)
     mat, fused = (estimate(model, cluster, 64, **kw, attention=k) for k in ("materialised", "fused"))
@@ -227,7 +227,7 @@ def test_a_mixture_of_experts_keeps_its_routed_copies_activations_k_times():
     """Mixtral 8x7B routes each token to 2 experts: its MLP activations (SwiGLU: 8 f / h per token) and the experts'
     inputs (2) are kept for both copies; with experts in every other layer, half as many extra on average."""
     import dataclasses
-    from parlab.cluster.costs import preset as model_preset
+    from parlab.cluster.costs import model_preset
     mixtral = model_preset("mixtral-8x7b")
     dense = dataclasses.replace(mixtral, experts=0, top_k=1)
     s, b, h, f = mixtral.seq, 1, mixtral.hidden, mixtral.ffn

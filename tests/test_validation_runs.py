@@ -2,7 +2,7 @@
 import pytest
 
 from parlab.cluster import transformer as T
-from parlab.cluster.hardware import preset
+from parlab.cluster.hardware import hardware_preset
 from parlab.cluster.scaleup import planner_estimate
 from parlab.cluster.validation import NOT_EXPRESSED, VALIDATION
 
@@ -33,7 +33,7 @@ def test_the_cost_model_is_within_the_issues_bounds_on_the_megatron_runs_it_was_
     # benchmarks/README.md
     errs = []
     for r in (r for r in VALIDATION if r.framework == "Megatron-LM"):
-        t = planner_estimate(r.model, preset(r.hardware), r.replay_inputs()[1], r.global_batch).step_s
+        t = planner_estimate(r.model, hardware_preset(r.hardware), r.replay_inputs()[1], r.global_batch).step_s
         errs.append(abs(t / r.step_s - 1))
     assert len(errs) == 16
     assert sum(errs) / len(errs) <= 0.10 and max(errs) <= 0.20

@@ -415,11 +415,11 @@ def test_explorer_capacity_labels_sit_beside_the_memory_plot():
     """Past 80 GB the stacked bar reaches the GPU's line: its label and the usable part's are placed right of the
     memory plot (x domain > 1), the GPU's above its line and the usable part's below its own, never on a bar."""
     import dataclasses
-    from parlab.cluster.costs import CLUSTERS, preset
+    from parlab.cluster.costs import CLUSTERS, model_preset
     from parlab.cluster.planner import estimate
     from parlab.viz.explorer import layout_figure
     cluster = dataclasses.replace(CLUSTERS["a100-80gb"], nodes=8)
-    est = estimate(preset("gpt3-175b"), cluster, 64, tp=8, pp=8, micro_batch=2, recompute="none",
+    est = estimate(model_preset("gpt3-175b"), cluster, 64, tp=8, pp=8, micro_batch=2, recompute="none",
                    attention="materialised")                            # the scores kept: 2022's kernels
     assert est.total_bytes / 1e9 > 80                                   # the bar runs past both lines
     fig = layout_figure(est, cluster)

@@ -157,14 +157,14 @@ def test_explorer_figure_past_the_gpu_memory_passes_in_chromium(tmp_path, lang):
     height: nothing overlaps or is cut (the capacity labels beside the plot, the tick labels of the time plot)."""
     import dataclasses
 
-    from parlab.cluster.costs import CLUSTERS, preset
-    from parlab.cluster.hardware import preset as hardware
+    from parlab.cluster.costs import CLUSTERS, model_preset
+    from parlab.cluster.hardware import hardware_preset as hardware
     from parlab.cluster.planner import estimate
     from parlab.i18n import use_language
     from parlab.viz.explorer import layout_figure
     cluster = dataclasses.replace(CLUSTERS["h100-80gb"], nodes=8)
     with use_language(lang):
-        figs = [layout_figure(estimate(preset("gpt3-175b"), cluster, 128, tp=tp, pp=pp, micro_batch=2,
+        figs = [layout_figure(estimate(model_preset("gpt3-175b"), cluster, 128, tp=tp, pp=pp, micro_batch=2,
                                        recompute="none", hardware=hardware("dgx-h100"), precision="fp8",
                                        attention="materialised"), cluster,          # the scores kept, as in 2022
                               height=390) for tp, pp in ((8, 8), (1, 1))]

@@ -6,7 +6,7 @@ import torch
 
 import parlab
 from parlab import comm
-from parlab.data import BatchSampler, load_corpus
+from parlab.corpus import BatchSampler, load_corpus
 from parlab.models import GPT, GPTConfig
 from parlab.parallel.zero import ShardedOptimizer, iter_owned, partition_parameters
 from parlab.parallel.zero.flat import (chunk_bounds, join_chunks, make_layouts, merge_state, owned_runs, split_chunks,
@@ -360,8 +360,8 @@ def test_overlap_matches_single_process_and_starts_during_backward(stage, world_
 def _train_overlap_mixed_messages(*args, **kw):
     """`_train_overlap` with gloo's message rule moved down to 512 bytes (64 float64 elements): the weight
     matrices go as messages straight from .grad, the 32-element norms and biases are staged together."""
-    import parlab.parallel.zero.comm
-    parlab.parallel.zero.comm.DIRECT_MIN_BYTES = 512
+    import parlab.parallel.zero.bucket_sync
+    parlab.parallel.zero.bucket_sync.DIRECT_MIN_BYTES = 512
     return _train_overlap(*args, **kw)
 
 

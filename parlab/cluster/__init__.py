@@ -1,7 +1,7 @@
 """parlab.cluster: the virtual cluster. What a run would cost on hardware this machine is not.
 
     from parlab.cluster import hardware, replay
-    replay.replay(trace, hardware.preset("dgx-h100"), gpus_per_node=8)     # the same program, re-timed
+    replay.replay(trace, hardware.hardware_preset("dgx-h100"), gpus_per_node=8)     # the same program, re-timed
 
 Read in this order:
 

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 
 from parlab.parallel.pipeline import split_layers
 
-__all__ = ["ModelSpec", "Cluster", "PRESETS", "CLUSTERS", "preset", "from_gpt_config",
+__all__ = ["ModelSpec", "Cluster", "PRESETS", "CLUSTERS", "model_preset", "preset", "from_gpt_config",
            "BYTES_16BIT"]
 
 BYTES_16BIT = 2  # bf16 / fp16 weights, gradients and activations
@@ -187,10 +187,15 @@ PRESETS: dict[str, ModelSpec] = {
 }
 
 
-def preset(name: str) -> ModelSpec:
+def model_preset(name: str) -> ModelSpec:
+    """A named model: 'gpt3-175b', 'llama-7b' ... (the keys of `PRESETS`)."""
     if name not in PRESETS:
         raise ValueError(f"unknown model preset {name!r}; known: {', '.join(PRESETS)} (or build a ModelSpec)")
     return PRESETS[name]
+
+
+#: the old name of `model_preset`, kept for saved notebooks (``parlab.cluster.hardware.preset`` is another function)
+preset = model_preset
 
 
 def from_gpt_config(config, name: str = "parlab-gpt") -> ModelSpec:

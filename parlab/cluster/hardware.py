@@ -82,7 +82,7 @@ A `Hardware` is a few numbers per GPU (plain data, JSON in and out), enough for 
   replay charges its time to the rank when it is issued. `parlab calibrate` measures which holds (a message in
   flight while the rank computes: is the compute slowed by the message's time?).
 
-Presets (`PRESETS`, `preset(name)`): ``dgx-a100`` and ``dgx-h100``; each number is cited where it is set.
+Presets (`PRESETS`, `hardware_preset(name)`): ``dgx-a100`` and ``dgx-h100``; each number is cited where it is set.
 `parlab.cluster.calibrate` measures this machine (or a GPU node under torchrun) and writes its own description.
 """
 from __future__ import annotations
@@ -96,7 +96,7 @@ from parlab.cluster.hardware_checks import check
 from parlab.trace.wire import RING
 from parlab.i18n import _
 
-__all__ = ["Hardware", "PRESETS", "preset", "load", "COLLECTIVE_FACTORS", "GEMM_TILE"]
+__all__ = ["Hardware", "PRESETS", "hardware_preset", "preset", "load", "COLLECTIVE_FACTORS", "GEMM_TILE"]
 
 # NCCL's own latency model (src/graph/tuning.cc, NCCL 2.x, Ring algorithm with the Simple protocol that large
 # messages use): a base latency per collective of 8.4 us and a per-step hardware latency of 5.7 us over NVLink /
@@ -170,7 +170,7 @@ class Hardware:
             json.dump(self.to_dict(), f, indent=2)
 
     def with_(self, **changes) -> "Hardware":
-        """A copy with some fields changed, e.g. ``preset("dgx-h100").with_(efficiency=0.7)``."""
+        """A copy with some fields changed, e.g. ``hardware_preset("dgx-h100").with_(efficiency=0.7)``."""
         return replace(self, **changes)
 
     def at(self, precision: str) -> "Hardware":
@@ -344,12 +344,16 @@ def _dgx_h100() -> Hardware:
 PRESETS: dict[str, Hardware] = {"dgx-a100": _dgx_a100(), "dgx-h100": _dgx_h100()}
 
 
-def preset(name: str) -> Hardware:
+def hardware_preset(name: str) -> Hardware:
     """A named hardware description: 'dgx-a100' or 'dgx-h100'."""
     if name not in PRESETS:
         raise ValueError(f"unknown hardware preset {name!r}; known: {', '.join(PRESETS)} "
                          f"(or load a JSON file written by `parlab calibrate` with parlab.cluster.hardware.load)")
     return PRESETS[name]
+
+
+#: the old name of `hardware_preset`, kept for saved notebooks (``parlab.cluster.costs.preset`` is another function)
+preset = hardware_preset
 
 
 def load(path_or_name: str) -> Hardware:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from parlab.i18n.args import ArgumentParser
 from parlab.cluster import transformer as T
-from parlab.cluster.costs import PRESETS, Cluster, ModelSpec, preset
+from parlab.cluster.costs import PRESETS, Cluster, ModelSpec, model_preset
 from parlab.cluster.plan_report import explain, format_table
 from parlab.cluster.planner import cluster_for, enumerate_layouts, plan
 from parlab.i18n import _
@@ -75,7 +75,7 @@ def main(argv=None) -> int:
                 p.error(_("--model custom needs {options}").format(options="--" + " --".join(missing)))
             model = ModelSpec("custom", **custom)
         else:
-            base = preset(a.model)
+            base = model_preset(a.model)
             model = ModelSpec(**{**base.__dict__, **custom}) if custom else base
         hw = None
         if a.hardware is not None:

@@ -65,7 +65,8 @@ import functools
 from dataclasses import dataclass
 
 from parlab.cluster import expert_costs as X, transformer as T
-from parlab.cluster.costs import BYTES_16BIT, CLUSTERS, PRESETS, Cluster, ModelSpec, from_gpt_config, preset
+from parlab.cluster.costs import (BYTES_16BIT, CLUSTERS, PRESETS, Cluster, ModelSpec, from_gpt_config, model_preset,
+                                  preset)
 from parlab.cluster.plan_report import DIMS, GB, explain, format_table, format_volume_table
 from parlab.i18n import _
 from parlab.parallel.zero import model_state_bytes
@@ -75,7 +76,7 @@ from parlab.trace.wire import wire_bytes
 
 __all__ = ["Estimate", "estimate", "enumerate_layouts", "plan", "explain", "format_table", "volume_table",
            "format_volume_table", "tiny_state_bytes", "cluster_for", "ModelSpec", "Cluster", "PRESETS", "CLUSTERS",
-           "preset"]
+           "model_preset", "preset"]        # preset: model_preset's old name, for saved notebooks
 
 SIMULATED = 50      # enumerate_layouts: how many of the fastest fitting pipelined layouts it times by simulation
 
@@ -108,9 +109,8 @@ class Estimate:
     dp_total_s: float         # before overlap
     pp_s: float
     step_s: float
-    # bytes each GPU sends per step, and whether the dimension's groups cross nodes
-    volume: dict
-    crosses: dict
+    volume: dict              # bytes each GPU sends per step, per dimension
+    crosses: dict             # per dimension: whether its groups cross nodes
     fits: bool
     reason: str               # why it does not fit ("" when it does)
     tokens_per_s: float
@@ -158,7 +158,7 @@ def estimate(model: ModelSpec, cluster: Cluster, global_batch: int, *, tp: int =
     """Memory and step time of one layout (see the module docstring for every formula). `recompute`: False or
     "none", "selective", True or "full"; `sequence_parallel`: Megatron's SP with tensor parallelism [2];
     `virtual`: chunks per pipeline rank of the interleaved schedule [3] (1: plain 1F1B). `hardware`: a
-    `parlab.cluster.hardware.Hardware` (e.g. preset("dgx-a100")); given, the time is the closed form of the
+    `parlab.cluster.hardware.Hardware` (e.g. hardware_preset("dgx-a100")); given, the time is the closed form of the
     replay's own cost model (`step_costs.StepCosts.step_terms`: GEMMs by shape at the kernel-level efficiency,
     memory-bound ops, exposed TP communication, the slowest rank, fill and drain), not `cluster.mfu`; with it,
     `tp_overlap` and `dp_overlap` are those of `step_costs.Layout`. `schedule`: "1f1b" (interleaved with
@@ -187,7 +187,7 @@ def estimate(model: ModelSpec, cluster: Cluster, global_batch: int, *, tp: int =
         raise ValueError(_("cp={cp} must divide the sequence of {seq} tokens").format(cp=cp, seq=model.seq))
     if hardware is None and (tp_overlap or dp_overlap or precision != "bf16"):
         raise ValueError(_("tp_overlap, dp_overlap and precision are options of the replay's cost model: give "
-                           "hardware= too (e.g. parlab.cluster.hardware.preset('dgx-h100'))"))
+                           "hardware= too (e.g. parlab.cluster.hardware.hardware_preset('dgx-h100'))"))
     rc = T.recompute_mode(recompute)
     T.check_attention(attention)
     world = cluster.world

@@ -142,8 +142,8 @@ def replay(trace: Trace, hardware: Hardware, *, grid: ParallelGrid | None = None
         raise ReplayError(f"replay needs a parlab.Trace (e.g. parlab.run(..., trace=True).trace), "
                           f"got {type(trace).__name__}")
     if not isinstance(hardware, Hardware):
-        raise ReplayError(f"replay needs a parlab.cluster.hardware.Hardware (e.g. parlab.cluster.hardware.preset('dgx-h100')), "
-                          f"got {type(hardware).__name__}")
+        raise ReplayError(f"replay needs a parlab.cluster.hardware.Hardware (e.g. "
+                          f"parlab.cluster.hardware.hardware_preset('dgx-h100')), got {type(hardware).__name__}")
     if not trace.events:
         raise ReplayError("the trace is empty: run with parlab.run(fn, n, trace=True) and call parlab.comm / "
                           "parlab.trace.region inside fn")

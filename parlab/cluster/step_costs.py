@@ -128,11 +128,11 @@ def check_inputs(model, hardware, layout) -> None:
     """What a big model's layout must satisfy before it can be costed: the right types, tp dividing the heads and
     the MLP width (Megatron splits both), cp dividing the sequence."""
     if not isinstance(model, ModelSpec):
-        raise ValueError(f"model must be a parlab.cluster.costs.ModelSpec (e.g. parlab.cluster.costs.preset("
+        raise ValueError(f"model must be a parlab.cluster.costs.ModelSpec (e.g. parlab.cluster.costs.model_preset("
                          f"'gpt3-175b')), got {type(model).__name__}")
     if not isinstance(hardware, Hardware):
-        raise ValueError(f"hardware must be a parlab.cluster.hardware.Hardware (e.g. parlab.cluster.hardware.preset("
-                         f"'dgx-a100')), got {type(hardware).__name__}")
+        raise ValueError(f"hardware must be a parlab.cluster.hardware.Hardware (e.g. "
+                         f"parlab.cluster.hardware.hardware_preset('dgx-a100')), got {type(hardware).__name__}")
     if not isinstance(layout, Layout):
         raise ValueError(f"layout must be a parlab.cluster.step_costs.Layout, got {type(layout).__name__}")
     check_experts(model, layout.tp, layout.cp, layout.dp, layout.ep, layout.etp, layout.sequence_parallel)

@@ -16,7 +16,7 @@ Read in this order:
                      (``python -m parlab.course.figcheck``).
 * ``grading/``      the checks an exercise's graded cells call, guarded so that parlab's own answer is
                      unavailable to the student and a deadlock is reported, not waited on.
-* ``grader/``       ``parlab grade``: a class's submissions run in isolation, a gradebook and feedback.
+* ``gradebook/``    ``parlab grade``: a class's submissions run in isolation, a gradebook and feedback.
 """
 from __future__ import annotations
 

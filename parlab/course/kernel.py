@@ -3,7 +3,7 @@ turned into offline HTML handouts (`export_html`, ``parlab course html``).
 
 `client` is nbclient's NotebookClient with the two repairs the course needs: waits on the kernel in short slices
 (nbclient's lost-reply stall on widget cells, jupyter/nbclient#312) and a kernel that dies while starting started
-again (a port raced away, jupyter/jupyter_client#154). The grader's worker (`parlab.course.grader.worker`) runs
+again (a port raced away, jupyter/jupyter_client#154). The grader's worker (`parlab.course.gradebook.worker`) runs
 submissions through the same client.
 """
 from __future__ import annotations

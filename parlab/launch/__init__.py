@@ -12,7 +12,8 @@ Read in this order:
 * ``torchrun.py``  `init()` under torchrun or srun (SLURM's variables read), the device of this rank, a clean
                     exit.
 * ``watch.py``     `Watch`: the labs' heartbeats in the store, who stopped answering, a job that ends instead of
-                    hanging.
+                    hanging; `watch_peers` starts one per rank, and `report_failures` prints its report when
+                    a collective fails.
 """
 from parlab.launch.child import to_cpu
 from parlab.launch.ranks import RankError, RankKilled, RankTimeout, RunResult, choose_backend, run

@@ -1,6 +1,10 @@
 """A lab's watch on its peers, for a job that must end instead of hanging (`parlab.labs` starts one per rank):
 heartbeats in the rendezvous store, the step each rank is in, who stopped answering when a collective fails, and
 a rank that ends itself when the store goes silent (or when it finds it was stopped itself).
+
+`watch_peers` starts a `Watch` on the default process group's store and installs `report_failures`: an uncaught
+communication error (typically a collective that timed out after --timeout) prints `Watch.report` first, which
+names the rank that stopped answering and the step every rank had reached.
 """
 from __future__ import annotations
 
@@ -11,9 +15,11 @@ import sys
 import threading
 import time
 
+import torch.distributed as dist
+
 from parlab.i18n import _
 
-__all__ = ["Watch", "stopped_itself"]
+__all__ = ["Watch", "stopped_itself", "watch_peers", "report_failures"]
 
 
 def stopped_itself(silent: float, paused: float, timeout: float) -> bool:
@@ -130,3 +136,34 @@ class Watch:
         lines.append(_("[rank {rank}] where each rank was: {where} (at its last heartbeat, every "
                        "{interval:g} s)").format(rank=self.rank, where=where, interval=self.interval))
         return "\n".join(lines)
+
+
+def report_failures(watch: Watch) -> None:
+    """Make an uncaught communication error (a RuntimeError from the backend) print `Watch.report` first."""
+    previous = sys.excepthook
+
+    def hook(kind, value, tb):
+        if isinstance(value, RuntimeError):
+            try:
+                print(watch.report(value), file=sys.stderr, flush=True)
+            except Exception:
+                pass
+        previous(kind, value, tb)
+
+    sys.excepthook = hook
+
+
+def watch_peers(rank: int, world_size: int, timeout: float) -> Watch | None:
+    """A `Watch` on the default process group's store, its failures reported (`report_failures`); None on one
+    rank, or where the store cannot be had (a private torch API, guarded: the lab runs without the watch)."""
+    if world_size == 1:
+        return None
+    try:
+        store = dist.distributed_c10d._get_default_store()
+    except Exception:
+        return None
+    if store is None:
+        return None
+    watch = Watch(store, rank, world_size, timeout=timeout)
+    report_failures(watch)
+    return watch

@@ -12,10 +12,10 @@ terms (compute, bubble, TP, CP, exposed DP, PP), so "why is the best one best" b
 
 Example::
 
-    from parlab.cluster.costs import Cluster, preset
+    from parlab.cluster.costs import Cluster, model_preset
     from parlab.cluster.planner import enumerate_layouts, plan
     from parlab.viz.planner import planner_figure, breakdown_figure
-    gpt3, cluster = preset("gpt3-175b"), Cluster(nodes=128)            # Megatron's 1024 A100s
+    gpt3, cluster = model_preset("gpt3-175b"), Cluster(nodes=128)      # Megatron's 1024 A100s
     every = enumerate_layouts(gpt3, cluster, 1536)
     planner_figure(every, cluster, marks={"Megatron (t=8, p=8)": dict(tp=8, pp=8)})
     breakdown_figure(plan(gpt3, cluster, 1536), top=8)

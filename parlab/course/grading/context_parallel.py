@@ -22,7 +22,7 @@ from parlab import comm
 from parlab.i18n import _
 from parlab.parallel.context import ring as ra
 from parlab.models import causal_attention
-from parlab.course.grading import TIMEOUT, call_student, run_student
+from parlab.course.grading.runner import TIMEOUT, call_student, run_student
 from parlab.course.grading.guard import fresh_seed, graded, protect
 
 RING_REFS = ("parlab.parallel.context.ring:merge_partials", "parlab.parallel.context.ring:ring_attention",

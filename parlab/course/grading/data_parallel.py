@@ -25,12 +25,12 @@ import random
 import torch
 
 from parlab import comm
-from parlab.data import BatchSampler, load_corpus
+from parlab.corpus import BatchSampler, load_corpus
 from parlab.parallel.data import assign_buckets
 from parlab.models import GPT, GPTConfig
 from parlab.i18n import _
 from parlab.trace import mark
-from parlab.course.grading import TIMEOUT, call_student, run_student
+from parlab.course.grading.runner import TIMEOUT, call_student, run_student
 from parlab.course.grading.guard import fresh_seed, graded, protect
 
 __all__ = ["CFG", "FROZEN", "grader_model", "global_batch", "reference_grads", "check_hook_grads",

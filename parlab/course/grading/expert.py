@@ -25,7 +25,7 @@ import torch
 from parlab import comm
 from parlab.i18n import _
 from parlab.models.moe import _keep_within_capacity, load_balancing_loss
-from parlab.course.grading import TIMEOUT, call_student, run_student
+from parlab.course.grading.runner import TIMEOUT, call_student, run_student
 from parlab.course.grading.guard import fresh_seed, graded, protect
 
 __all__ = ["check_load_balancing_loss", "check_capacity", "check_dispatch", "check_dispatch_traffic", "rank_rows"]

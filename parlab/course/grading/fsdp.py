@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from parlab import comm
 from parlab.i18n import _
 from parlab.trace import mark, wire_bytes
-from parlab.course.grading import TIMEOUT, run_student
+from parlab.course.grading.runner import TIMEOUT, run_student
 from parlab.course.grading.guard import fresh_seed, graded, protect
 
 __all__ = ["unit_forward", "shard_of", "flat_numel", "check_gather_full", "check_fsdp_unit_grads",

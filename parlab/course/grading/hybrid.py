@@ -28,9 +28,9 @@ import random
 
 from parlab.i18n import _
 from parlab.cluster import planner
-from parlab.cluster.costs import Cluster, ModelSpec, preset
+from parlab.cluster.costs import Cluster, ModelSpec, model_preset
 from parlab.parallel.topology import DIMS, ParallelGrid
-from parlab.course.grading import call_student
+from parlab.course.grading.runner import call_student
 from parlab.course.grading.guard import fresh_seed, graded, protect
 
 __all__ = ["check_groups_4d", "check_layout", "check_layout_search", "judge_layout", "LAYOUTS_4D",
@@ -158,7 +158,7 @@ def check_groups_4d(fn, layouts=LAYOUTS_4D) -> None:
 
 # ---------------------------------------------------------------------- part 2: choosing a layout
 def _model(model) -> ModelSpec:
-    return preset(model) if isinstance(model, str) else model
+    return model_preset(model) if isinstance(model, str) else model
 
 
 def _describe(e) -> str:

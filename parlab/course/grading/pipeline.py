@@ -26,7 +26,7 @@ import torch
 from parlab.i18n import _
 from parlab.parallel import pipeline as sch
 from parlab.models import GPT, GPTConfig
-from parlab.course.grading import call_student, run_student
+from parlab.course.grading.runner import call_student, run_student
 from parlab.course.grading.guard import fresh_seed, graded, protect
 
 __all__ = ["check_1f1b_valid", "check_1f1b_reference", "check_1f1b_bubble", "check_bubble_of_step",

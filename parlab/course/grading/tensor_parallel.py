@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from parlab import comm
 from parlab.i18n import _
 from parlab.trace import mark
-from parlab.course.grading import TIMEOUT, _show, run_student
+from parlab.course.grading.runner import TIMEOUT, _show, run_student
 from parlab.course.grading.guard import fresh_seed, graded, protect
 
 LAYER_REFS = (   # parlab's own answers: unavailable to the student's code while these checks run

@@ -16,7 +16,7 @@ progress**. A rank that
 computes, however slowly, is not inside a communication call; a starved rank still advances its CPU time.
 So a correct solution on a busy machine is never stopped, and a real deadlock is reported `WINDOW` seconds
 after it forms (about 3 s on a quiet machine). Rank 0 then writes the verdict (who waits where) and exits;
-`parlab.course.grading.run_student` turns it into the check's message.
+`parlab.course.grading.runner.run_student` turns it into the check's message.
 
 Each rank also runs under a CPU-time limit (`guard.cpu_limit`, SIGPROF; ``RLIMIT_CPU`` a few seconds later
 as the backstop for a loop inside C code), so a runaway loop fails its check instead of running forever.

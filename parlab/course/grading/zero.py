@@ -26,12 +26,12 @@ import torch
 
 from parlab import comm
 from parlab.i18n import _
-from parlab.data import BatchSampler, load_corpus
+from parlab.corpus import BatchSampler, load_corpus
 from parlab.parallel.zero import FullyShardedDataParallel
 from parlab.parallel.zero import STAGES, measure, model_state_bytes
 from parlab.models import GPT, GPTConfig
 from parlab.parallel.zero import ShardedOptimizer
-from parlab.course.grading import TIMEOUT, call_student, run_student
+from parlab.course.grading.runner import TIMEOUT, call_student, run_student
 from parlab.course.grading.guard import fresh_seed, graded, protect
 
 ZERO1_REFS = (   # parlab's own answers: unavailable to the student's code while these checks run

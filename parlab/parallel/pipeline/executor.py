@@ -65,7 +65,7 @@ import torch
 import torch.nn as nn
 
 from parlab import comm
-from parlab.data import micro_batches
+from parlab.corpus import micro_batches
 from parlab.models import GPT, count_targets, weighted_mean_loss
 from parlab.parallel.pipeline.p2p import StageMessages
 from parlab.parallel.pipeline.schedules import KINDS, Action, Schedule

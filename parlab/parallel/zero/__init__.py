@@ -8,9 +8,9 @@ Read in this order:
 * ``optimizer.py``        `ShardedOptimizer`, ZeRO-1 and ZeRO-2: each rank keeps and updates the optimizer state
                            (and the gradients) of its shard; ``optimizer_state.py`` its state dicts and sharded
                            checkpoints.
-* ``flat.py``             the owner-major flat buffers it shards (pure), and ``comm.py`` their communication:
-                           gradients reduce-scattered bucket by bucket during backward, parameters all-gathered
-                           after the step.
+* ``flat.py``             the owner-major flat buffers it shards (pure), and ``bucket_sync.py`` their
+                           communication: gradients reduce-scattered bucket by bucket during backward, parameters
+                           all-gathered after the step.
 * ``fsdp.py``             `FullyShardedDataParallel`, ZeRO-3: each unit's parameters gathered just before use and
                            freed after, gradients reduce-scattered; ``fsdp_state.py`` its full parameters and
                            sharded checkpoints.

@@ -41,7 +41,7 @@ the model). Gradients are reduce-scattered into a persistent (seg,) shard whose 
 the owned ``.grad`` (on gloo pieces of 1 MiB or more straight from ``.grad``, smaller ones
 staged together; on NCCL through persistent staging, one ``torch.cat`` per bucket): no
 multi-MB tensor is allocated per step. On gloo both collectives are built from
-point-to-point messages (`parlab.parallel.zero.comm` says why). For element-wise optimizers (SGD,
+point-to-point messages (`parlab.parallel.zero.bucket_sync` says why). For element-wise optimizers (SGD,
 Adam, AdamW, ...) the inner optimizer steps each parameter group's owned run of the segment
 as a few flat tensors (1 MiB chunks, so each pass of the update finds its operands in
 cache), not a Python loop over parameters.
@@ -51,7 +51,7 @@ Checkpoints. `state_dict()` gathers the full state in the format of the inner op
 reload at any DP size (several nodes need a shared file system).
 
 Overlap. By default the reduce-scatters run during backward, bucket by bucket, as DDP's all-reduce
-and DeepSpeed's ``overlap_comm`` do (`parlab.parallel.zero.comm`); ``overlap=False`` runs them all at `step()`.
+and DeepSpeed's ``overlap_comm`` do (`parlab.parallel.zero.bucket_sync`); ``overlap=False`` runs them all at `step()`.
 
 Simplifications, said plainly: a trainable parameter without a gradient on some rank counts as a
 zero gradient there; frozen parameters
@@ -77,7 +77,7 @@ from typing import Any, Iterable
 import torch
 
 from parlab import comm
-from parlab.parallel.zero.comm import ZeroComm
+from parlab.parallel.zero.bucket_sync import ZeroComm
 from parlab.parallel.zero.flat import ELEMENTWISE, STEP_CHUNK_BYTES, chunk_bounds, make_layouts, owned_runs
 from parlab.parallel.zero.optimizer_state import ShardedOptimizerState, _hyper
 from parlab.trace import region
@@ -110,7 +110,7 @@ class ShardedOptimizer(ShardedOptimizerState, torch.optim.Optimizer):
 
     `params` may be parameters or parameter groups, as for any torch optimizer. Gradients are
     averaged over `group` bucket by bucket while backward runs (``overlap=True``: hooks start each
-    bucket's reduce-scatter, `step()` waits for them; see `parlab.parallel.zero.comm`), or all inside `step()`
+    bucket's reduce-scatter, `step()` waits for them; see `parlab.parallel.zero.bucket_sync`), or all inside `step()`
     (``overlap=False``). Pass ``reduce_grads=False`` if something else, e.g. DDP, already averaged them.
     Gradient accumulation: k backward calls, then `step()`; inside ``with opt.no_sync():`` backward
     does not communicate (as DDP's ``no_sync``). `state_dict()` returns the full, unsharded state in the format
@@ -149,7 +149,7 @@ class ShardedOptimizer(ShardedOptimizerState, torch.optim.Optimizer):
         self._not_owned = [self.params[i] for i in self.trainable if self.owner[i] != self.rank]
         self._device = self.params[self.trainable[0]].device
         self._index = {id(p): i for i, p in enumerate(self.params)}
-        backward_order = dict(reversed(self.owner.items()))    # segments in reverse order: see zero/comm.py
+        backward_order = dict(reversed(self.owner.items()))    # segments in reverse order: see zero/bucket_sync.py
         self.layouts = make_layouts([p.numel() for p in self.params], [p.dtype for p in self.params],
                                     backward_order, self.world_size)
         self._flats = [self._bind(lay) for lay in self.layouts]            # the parameters' new storage

@@ -24,7 +24,7 @@ from parlab import comm
 from parlab.i18n import _
 from parlab.models import causal_attention
 from parlab.trace import mark
-from parlab.course.grading import TIMEOUT, run_student
+from parlab.course.grading.runner import TIMEOUT, run_student
 from parlab.course.grading.guard import fresh_seed, graded, protect
 
 __all__ = ["check_seq_to_head", "check_head_to_seq", "check_ulysses_attention", "check_ulysses_traffic",

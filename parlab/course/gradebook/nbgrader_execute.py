@@ -4,7 +4,7 @@
 nbgrader runs a submission's cells and gives a graded cell its points when the cell raised nothing. So an answer
 cell that rebinds the grading code (``grading.check_ring_all_reduce = print``) made every graded cell after it
 pass: 12 of 12 under plain nbgrader, 0 and "tampered" under ``parlab grade``. `GuardedExecute` does what
-``parlab grade``'s worker does (`parlab.course.grader.worker`):
+``parlab grade``'s worker does (`parlab.course.gradebook.worker`):
 
 * after each graded cell, a probe cell (not kept in the notebook) asks `parlab.course.grading.guard` whether
   the grading code or parlab was rebound; if so the graded cell gets an error output "Tampered: ...", which
@@ -30,7 +30,7 @@ from nbformat.v4 import new_code_cell, new_output
 from nbgrader.preprocessors import Execute
 from nbgrader.utils import is_grade
 
-from parlab.course.grader.worker import TAMPER_PROBE, tampered_message, tampered_names
+from parlab.course.gradebook.worker import TAMPER_PROBE, tampered_message, tampered_names
 
 __all__ = ["GuardedExecute"]
 

@@ -51,7 +51,7 @@ import nbformat
 
 from parlab.i18n.args import ArgumentParser
 from parlab.i18n import _, language, normalize, use_language
-from parlab.course.grader.collect import Submission, collect, released_exercises, restore
+from parlab.course.gradebook.collect import Submission, collect, released_exercises, restore
 
 __all__ = ["Limits", "Result", "grade", "grade_one", "main"]
 
@@ -132,7 +132,7 @@ def grade_one(sub: Submission, released_path: Path, limits: Limits) -> Result:
     t0 = time.monotonic()
     try:
         nbformat.write(nb, str(work / "submission.ipynb"))
-        cmd = [sys.executable, "-m", "parlab.course.grader.worker", str(work / "submission.ipynb"), str(work / "result.json"),
+        cmd = [sys.executable, "-m", "parlab.course.gradebook.worker", str(work / "submission.ipynb"), str(work / "result.json"),
                "--cell-timeout", str(limits.cell_timeout), "--cpu-limit", str(limits.cpu_limit)]
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[3]),
                                                                         os.environ.get("PYTHONPATH")])),
@@ -192,7 +192,7 @@ def grade(submissions: str | Path, out: str | Path, exercises: str | Path | None
     """Grade every submission under `submissions` against the released exercises; write the reports to `out`.
     `lang` ("en", "zh", ...; default: the language in force) is the language of the checks' messages (the kernels
     run with PARLAB_LANG set to it) and of the reports."""
-    from parlab.course.grader import report
+    from parlab.course.gradebook import report
     from parlab.course import ROOT
 
     limits = limits or Limits()

@@ -1,6 +1,6 @@
-"""Run one restored submission in a fresh kernel and record every graded cell (``python -m parlab.course.grader.worker``).
+"""Run one restored submission in a fresh kernel and record every graded cell (``python -m parlab.course.gradebook.worker``).
 
-`parlab.course.grader.grade` starts this module once per notebook, in its own process with a memory limit
+`parlab.course.gradebook.grade` starts this module once per notebook, in its own process with a memory limit
 (``RLIMIT_AS``, inherited by the kernel and its ranks); the parent enforces the wall-time limit. Here:
 
 1. a hidden first cell configures `parlab.course.grading.guard` in the kernel: where to append the checks' records
@@ -181,7 +181,7 @@ def grade_notebook(nb: nbformat.NotebookNode, workdir: Path, cell_timeout: float
 
 
 def main(argv=None) -> int:
-    p = ArgumentParser(prog="python -m parlab.course.grader.worker")
+    p = ArgumentParser(prog="python -m parlab.course.gradebook.worker")
     p.add_argument("notebook", type=Path)
     p.add_argument("result", type=Path)
     p.add_argument("--cell-timeout", type=float, default=300.0)

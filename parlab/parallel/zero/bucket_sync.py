@@ -1,5 +1,5 @@
-"""ZeRO-1/2 communication for `parlab.parallel.zero.optimizer.ShardedOptimizer`: gradients reduce-scattered bucket by bucket while
-backward still runs, updated parameters all-gathered after the step.
+"""ZeRO-1/2's bucketed synchronisation for `parlab.parallel.zero.optimizer.ShardedOptimizer`: gradients
+reduce-scattered bucket by bucket while backward still runs, updated parameters all-gathered after the step.
 
 Buckets. The flat owner-major buffer of one dtype (`parlab.parallel.zero.flat`) moves in buckets: bucket c is chunk c
 of every owner's segment, so one reduce-scatter of it leaves each rank chunk c of its own segment and one
