@@ -1,7 +1,7 @@
 """Expert parallelism composed with tensor parallelism (parlab.parallel.hybrid, issue 41): 5D layouts on 8 ranks
 against one process.
 
-As in Megatron-core, MoE with TP needs sequence parallelism: each tp rank's MoE layer routes its own
+As in Megatron-Core, MoE with TP needs sequence parallelism: each tp rank's MoE layer routes its own
 (b, S/(cp tp), H) tokens and dispatches them over the expert grid's ep group (which, with MoE folding, may be
 its tp group); the experts are whole on their ep ranks (etp = 1) or split over the tp group (etp = tp: rows
 gathered over etp after dispatch, partial outputs reduce-scattered before combine). The one-process model routes the same token

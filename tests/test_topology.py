@@ -258,7 +258,7 @@ def test_build_groups_needs_init():
 
 # ---------------------------------------------------------------- the expert grid (MoE parallel folding)
 def _megatron_groups(world, sizes, order, token):
-    """Megatron-core's RankGenerator.get_ranks (parallel_state.py), transcribed as an independent oracle: the
+    """Megatron-Core's RankGenerator.get_ranks (parallel_state.py), transcribed as an independent oracle: the
     order completed with the size-1 dims it lacks, then generate_masked_orthogonal_rank_groups."""
     for name, size in sizes.items():
         if name not in order.split("-"):

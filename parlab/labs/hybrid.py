@@ -3,7 +3,7 @@
 `parlab.parallel.hybrid.build_hybrid` shards the layers over tp, cuts stages over pp, splits sequences over cp and
 averages gradients (or ZeRO) over dp-cp. With --experts E --ep k the MLPs become mixtures of E experts spread
 over k ranks of the same grid (expert grid etp-ep-edp-pp: the experts whole, --etp 1, or each split over the tp
-ranks, --etp equal to --tp; with --tp, --sp is required, as in Megatron-core). The report shows the bytes each
+ranks, --etp equal to --tp; with --tp, --sp is required, as in Megatron-Core). The report shows the bytes each
 dimension moved: TP > DP > PP in volume.
 
     torchrun --nproc_per_node=8 -m parlab.labs.hybrid --tp 2 --pp 2 --layers 4 --batch 32

@@ -9,7 +9,7 @@ largest models of the field are MoE. This is the one-process reference that expe
     x (T, H) --router--> probs (T, E) --top-k--> expert ids (T, k), weights (T, k)
              --sort by expert--> (N, H) --expert e on its block--> (N, H) --unsort, weight, sum over k--> y (T, H)
 
-The router, as Switch Transformer [2] and GShard [1] define it, and Megatron-core implements it
+The router, as Switch Transformer [2] and GShard [1] define it, and Megatron-Core implements it
 (``megatron/core/transformer/moe/router.py``, ``moe_utils.py``):
 
 * softmax over the E logits, then the top k probabilities and their experts (``norm_topk``: renormalise the k
@@ -32,7 +32,7 @@ the groups (row block) x (sequence shard), ``groups / P`` row blocks, each group
 (its rows, then its positions). The layer's auxiliary loss is the mean of its groups' (each rank's loss,
 averaged by data parallelism).
 
-The auxiliary losses do not change the value of the training loss: as Megatron-core's ``MoEAuxLossAutoScaler``,
+The auxiliary losses do not change the value of the training loss: as Megatron-Core's ``MoEAuxLossAutoScaler``,
 `_AuxLossScaler` attaches their gradient to the layer's output, so any loss computed from it (one process,
 tensor, pipeline or context parallel) back-propagates them too. The value is kept on the layer (``aux_loss``)
 for reporting. Forward: identity on the output; backward: the output's gradient, and d(aux)/d(aux) = scale.
@@ -154,7 +154,7 @@ def unsort(y: torch.Tensor, slots: torch.Tensor, r: Routing) -> torch.Tensor:
 # ---------------------------------------------------------------------- the experts and the layer
 class ExpertMLPs(nn.Module):
     """`experts` MLPs Linear(H, F) -> GELU -> Linear(F, H), their weights stacked on a leading expert dimension
-    (``fc.weight`` (E, F, H), as Megatron-core's grouped experts): expert parallelism takes a slice of it."""
+    (``fc.weight`` (E, F, H), as Megatron-Core's grouped experts): expert parallelism takes a slice of it."""
 
     def __init__(self, experts: int, hidden: int, ffn: int, bias: bool = True) -> None:
         super().__init__()

@@ -31,7 +31,7 @@ needs (groups are passed explicitly, from `parlab.parallel.groups.build_groups`)
     4. EP     `apply_ep`: a model with MoE layers (``GPTConfig(experts=E)``) on a grid with ep > 1: each kept MoE
               layer's experts spread over `groups.ep` (`parlab.parallel.expert`); the auxiliary losses' gradient
               scaled by 1/(m tp) (m micro-batches', with SP the tp ranks', gradients are summed). With tp > 1,
-              as Megatron-core: SP, the MoE layer routes this rank's (b, S/(cp tp), H) tokens, its router's
+              as Megatron-Core: SP, the MoE layer routes this rank's (b, S/(cp tp), H) tokens, its router's
               gradient summed over tp like the layer norms', the experts whole (etp = 1) or split over the
               tp group (etp = tp: rows gathered over it after dispatch). The one-process
               model that matches routes the same groups (`routing_groups`; `expert.routed_as_ranks`)
@@ -135,7 +135,7 @@ def check_layout(config, grid: ParallelGrid, schedule: Schedule, *, batch_size: 
                              f"GPTConfig(experts=E) with E a multiple of {grid.ep} (it has experts={config.experts})")
         if grid.tp > 1 and not sequence_parallel:
             raise ValueError(f"expert parallelism with tensor parallelism (tp={grid.tp}) needs sequence parallelism, "
-                             f"as in Megatron-core: each tp rank routes its own S/tp tokens; pass "
+                             f"as in Megatron-Core: each tp rank routes its own S/tp tokens; pass "
                              f"sequence_parallel=True (lab: --sp)")
         if grid.etp > 1 and grid.expert.groups("etp") != grid.groups("tp"):
             raise ValueError(f"expert tensor parallelism composes here with etp=1 (experts whole) or etp=tp on the tp "

@@ -56,7 +56,7 @@ ParallelGrid(world=16: tp=2 cp=1 dp=2 pp=4, order=tp-cp-dp-pp)
 TP and DP groups stay inside a node; every PP group spans both nodes.
 
 The fifth dimension, expert parallelism (ep), "folds" into the same ranks
-(Megatron-core's MoE parallel folding, ``RankGenerator`` built twice): the
+(Megatron-Core's MoE parallel folding, ``RankGenerator`` built twice): the
 dense layers keep ``tp x cp x dp x pp``, the expert layers use
 ``etp x ep x edp x pp`` with the same pp, where etp is the experts' own tensor
 parallelism (default tp) and the expert-data-parallel size is

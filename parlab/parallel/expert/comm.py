@@ -6,7 +6,7 @@ its kept assignments by expert, so the rows for EP rank j are one contiguous blo
 
 1. **counts** (`exchange_counts`): an all-to-all of the per-expert counts, (ep, E/ep) per rank: afterwards each
    rank knows how many rows every source will send to each of its local experts. The token all-to-all needs
-   these sizes on both ends (NCCL and gloo take the split sizes from the caller), which is why Megatron-core's
+   these sizes on both ends (NCCL and gloo take the split sizes from the caller), which is why Megatron-Core's
    dispatcher does this first (``token_dispatcher.py``, ``preprocess``).
 2. **dispatch**: one all-to-all with *uneven* split sizes (`torch.distributed.all_to_all_single` with split
    lists; gloo has no list form with uneven sizes): block j of this rank's sorted rows goes to EP rank j.

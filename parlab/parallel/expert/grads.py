@@ -12,7 +12,7 @@ contributions of the tokens of all ep ranks of its EP group (combine's backward 
 Forgetting the extra 1/ep (averaging expert gradients over the EDP group alone, as over a DP group) makes them
 ep times too large: the bug of DeepSpeed PR 5259, megablocks issue 86 and pytorch issue 160285.
 
-Under tensor parallelism with sequence parallelism (Megatron-core's MoE with TP), the tp ranks of one data
+Under tensor parallelism with sequence parallelism (Megatron-Core's MoE with TP), the tp ranks of one data
 replica hold different tokens (S/tp each) of the *same* loss: the W ranks of a pipeline stage are tp x D with D
 the data-parallel (dp x cp) replicas, and the gradients of all their tokens sum to D times the step's gradient,
 not W times. With experts whole on each rank (etp = 1) an expert lives on one rank of each EP group and has
@@ -26,7 +26,7 @@ different experts of the tp ranks (with MoE folding the EP group may be the TP g
 
 The global gradient norm counts every parameter once: the dense gradients are equal on every rank (after the
 average), the experts' differ, so the squared norms of the experts are summed over the EP group and added to the
-dense ones (Megatron-core PR 5916 fixed a norm that left the experts out).
+dense ones (Megatron-Core PR 5916 fixed a norm that left the experts out).
 """
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ per rank (``MoE.groups``; `routed_as_ranks`).
 
 References
     [1] D. Lepikhin et al., "GShard", arXiv:2006.16668, section 3.2.
-    [2] Megatron-core, ``megatron/core/transformer/moe/moe_layer.py`` (router, dispatcher, experts).
+    [2] Megatron-Core, ``megatron/core/transformer/moe/moe_layer.py`` (router, dispatcher, experts).
 """
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ def local_experts(experts: int, group=None) -> range:
 
 class ExpertParallelMoE(MoE):
     """`MoE` with E/ep experts on this rank of `group` (default: the world); built from the one-process layer,
-    whose router and share of experts it copies. `etp_group` (expert tensor parallelism, Megatron-core's ETP):
+    whose router and share of experts it copies. `etp_group` (expert tensor parallelism, Megatron-Core's ETP):
     each expert's MLP split over its ranks, fc by output columns ``(E/ep, F/etp, H)``, proj by input columns
     ``(E/ep, H, F/etp)``; the dispatched rows are gathered over etp before the experts and their partial outputs
     reduce-scattered after (`gather_over_etp`); ``tp_dim`` tags the split dims (`dense_state_dict`)."""
