@@ -121,18 +121,24 @@ def _rank_all_reduce(student_fn, numel, seed):
     return out.detach().clone() if isinstance(out, torch.Tensor) else out
 
 
+def _check_on_every_size(fn, rank_fn, what: str, chunk_ids, hint: str, world_sizes, timeout: float) -> None:
+    """Run `fn` through `rank_fn` on each world size with fresh inputs; every rank's chunks `chunk_ids(r, n)`
+    must hold the sums over all ranks."""
+    for n in world_sizes:
+        seed = guard.fresh_seed()
+        res = run_student(rank_fn, n, fn, NUMEL, seed, timeout=timeout, what=what)
+        _messages_only(res, what)
+        inputs = [rank_input(r, n, NUMEL, seed) for r in range(n)]
+        for r, got in enumerate(res.results):
+            _compare_chunks(got, inputs, r, chunk_ids(r, n), hint, what)
+
+
 @graded("parlab.course.grading.collectives:rank_input")
 def check_ring_reduce_scatter(fn, world_sizes=WORLD_SIZES, timeout: float = TIMEOUT) -> None:
     """After ``fn(chunks)`` on every rank, chunk r of rank r holds the sum of chunk r over all ranks."""
     hint = _("at step s (0 <= s < N-1) rank r sends chunk (r-1-s) % N to rank (r+1) % N and adds the chunk it "
              "receives from rank (r-1) % N into chunk (r-2-s) % N; after the N-1 steps chunk r is complete.")
-    for n in world_sizes:
-        seed = guard.fresh_seed()
-        res = run_student(_rank_reduce_scatter, n, fn, NUMEL, seed, timeout=timeout, what="ring_reduce_scatter")
-        _messages_only(res, "ring_reduce_scatter")
-        inputs = [rank_input(r, n, NUMEL, seed) for r in range(n)]
-        for r, got in enumerate(res.results):
-            _compare_chunks(got, inputs, r, [r], hint, "ring_reduce_scatter")
+    _check_on_every_size(fn, _rank_reduce_scatter, "ring_reduce_scatter", lambda r, n: [r], hint, world_sizes, timeout)
     print(_("ring_reduce_scatter is correct on {sizes} ranks").format(sizes=", ".join(map(str, world_sizes))))
 
 
@@ -141,13 +147,7 @@ def check_ring_all_gather(fn, world_sizes=WORLD_SIZES, timeout: float = TIMEOUT)
     """Starting with the reduced chunk r on rank r, after ``fn(chunks)`` every rank holds every reduced chunk."""
     hint = _("at step s (0 <= s < N-1) rank r sends chunk (r-s) % N to rank (r+1) % N and stores the chunk it "
              "receives from rank (r-1) % N as chunk (r-1-s) % N (copy it in, do not add).")
-    for n in world_sizes:
-        seed = guard.fresh_seed()
-        res = run_student(_rank_all_gather, n, fn, NUMEL, seed, timeout=timeout, what="ring_all_gather")
-        _messages_only(res, "ring_all_gather")
-        inputs = [rank_input(r, n, NUMEL, seed) for r in range(n)]
-        for r, got in enumerate(res.results):
-            _compare_chunks(got, inputs, r, range(n), hint, "ring_all_gather")
+    _check_on_every_size(fn, _rank_all_gather, "ring_all_gather", lambda r, n: range(n), hint, world_sizes, timeout)
     print(_("ring_all_gather is correct on {sizes} ranks").format(sizes=", ".join(map(str, world_sizes))))
 
 
@@ -156,13 +156,7 @@ def check_ring_all_reduce(fn, world_sizes=WORLD_SIZES, timeout: float = TIMEOUT)
     """``fn(x)`` returns (or leaves in x) the sum of x over all ranks, on every rank."""
     hint = _("ring_all_reduce = ring_reduce_scatter(chunks) then ring_all_gather(chunks) on chunks = "
              "list(x.chunk(N)).")
-    for n in world_sizes:
-        seed = guard.fresh_seed()
-        res = run_student(_rank_all_reduce, n, fn, NUMEL, seed, timeout=timeout, what="ring_all_reduce")
-        _messages_only(res, "ring_all_reduce")
-        inputs = [rank_input(r, n, NUMEL, seed) for r in range(n)]
-        for r, got in enumerate(res.results):
-            _compare_chunks(got, inputs, r, range(n), hint, "ring_all_reduce")
+    _check_on_every_size(fn, _rank_all_reduce, "ring_all_reduce", lambda r, n: range(n), hint, world_sizes, timeout)
     print(_("ring_all_reduce is correct on {sizes} ranks").format(sizes=", ".join(map(str, world_sizes))))
 
 
