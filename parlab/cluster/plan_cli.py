@@ -90,7 +90,8 @@ def main(argv=None) -> int:
         batch = a.global_batch or 2 * cluster.world
         if any(v < 1 for v in a.virtual):
             p.error(_("--virtual takes positive chunk counts, got {virtual}").format(virtual=a.virtual))
-        options = dict(recompute=tuple(dict.fromkeys(a.recompute or T.RECOMPUTE)), sequence_parallel=not a.no_sp, hardware=hw,
+        options = dict(recompute=tuple(dict.fromkeys(a.recompute or T.RECOMPUTE)), sequence_parallel=not a.no_sp,
+                       hardware=hw,
                        virtual=tuple(dict.fromkeys(a.virtual)), precision=a.precision, attention=a.attention,
                        ep=tuple(dict.fromkeys(a.ep)))
         every = enumerate_layouts(model, cluster, batch, **options)

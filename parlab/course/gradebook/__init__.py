@@ -132,8 +132,9 @@ def grade_one(sub: Submission, released_path: Path, limits: Limits) -> Result:
     t0 = time.monotonic()
     try:
         nbformat.write(nb, str(work / "submission.ipynb"))
-        cmd = [sys.executable, "-m", "parlab.course.gradebook.worker", str(work / "submission.ipynb"), str(work / "result.json"),
-               "--cell-timeout", str(limits.cell_timeout), "--cpu-limit", str(limits.cpu_limit)]
+        cmd = [sys.executable, "-m", "parlab.course.gradebook.worker", str(work / "submission.ipynb"),
+               str(work / "result.json"), "--cell-timeout", str(limits.cell_timeout),
+               "--cpu-limit", str(limits.cpu_limit)]
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[3]),
                                                                         os.environ.get("PYTHONPATH")])),
                    PARLAB_LANG=language())           # the worker, its kernel and the ranks speak the reports' language

@@ -1,4 +1,5 @@
-"""Run one restored submission in a fresh kernel and record every graded cell (``python -m parlab.course.gradebook.worker``).
+"""Run one restored submission in a fresh kernel and record every graded cell
+(``python -m parlab.course.gradebook.worker``).
 
 `parlab.course.gradebook.grade` starts this module once per notebook, in its own process with a memory limit
 (``RLIMIT_AS``, inherited by the kernel and its ranks); the parent enforces the wall-time limit. Here:
