@@ -19,16 +19,17 @@ The map of the library, in the order its imports run (each package's ``__init__`
     labs/       the techniques as ``torchrun -m parlab.labs.NAME`` scripts;  cli.py  the ``parlab`` command
 
 A package imports only from the lines above it; no technique imports another. The module paths of the earlier
-flat layout still import: ``_moved.py`` maps each to its new home. The names below load on first
-use, so ``import parlab.cluster.formulas`` needs no torch.
+flat layout still import: ``_moved.py`` maps each to its new home. ``_deferred_imports.py`` spares every kernel
+a third-party import that costs two seconds. The names below load on first use, so ``import parlab.cluster.formulas`` needs no torch.
 """
 from __future__ import annotations
 
 import importlib
 
-from parlab import _moved
+from parlab import _deferred_imports, _moved
 
 _moved.install()
+_deferred_imports.defer_iri_grammars()
 
 __version__ = "0.1.0"
 #: public name -> the module it lives in

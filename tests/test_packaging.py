@@ -82,3 +82,26 @@ def test_every_package_the_library_imports_is_a_core_dependency():
                 if top not in sys.stdlib_module_names and top != "parlab":
                     found.setdefault(top, rel)
     assert set(found) <= core, {k: v for k, v in found.items() if k not in core}
+
+
+def test_a_plotly_figure_in_a_notebook_does_not_pay_for_the_iri_grammars_and_iri_checks_still_answer():
+    """`parlab._deferred_imports`: after ``import parlab``, plotly's renderers (nbformat, jsonschema) load without
+    rfc3987-syntax building its 38 grammars (about 2 s of CPU in every kernel), and jsonschema's IRI check, the
+    one user of those grammars, gives the same answers as without parlab (the real module loads on that call)."""
+    probe = """
+import sys
+{first}
+import plotly.io as pio
+pio.renderers.default = "plotly_mimetype+notebook"
+built = "rfc3987_syntax.syntax_helpers" in sys.modules
+from jsonschema import FormatChecker
+check = FormatChecker()
+print(built, [check.conforms(v, "iri") for v in ("http://a/b c", "http://例子.com/路径", "no scheme")],
+      "rfc3987_syntax.syntax_helpers" in sys.modules)
+"""
+    outs = [subprocess.run([sys.executable, "-c", probe.format(first=first)], cwd=ROOT, capture_output=True,
+                           text=True, timeout=300) for first in ("import parlab", "")]
+    assert [o.returncode for o in outs] == [0, 0], [o.stderr[-2000:] for o in outs]
+    with_parlab, without = (o.stdout.split(" ", 1) for o in outs)
+    assert (with_parlab[0], without[0]) == ("False", "True")        # deferred with parlab, built at import without
+    assert with_parlab[1] == without[1] and "[False, True, False] True" in with_parlab[1]
