@@ -20,7 +20,8 @@ The map of the library, in the order its imports run (each package's ``__init__`
 
 A package imports only from the lines above it; no technique imports another. The module paths of the earlier
 flat layout still import: ``_moved.py`` maps each to its new home. ``_deferred_imports.py`` spares every kernel
-a third-party import that costs two seconds. The names below load on first use, so ``import parlab.cluster.formulas`` needs no torch.
+a third-party import that costs two seconds. The names below load on first use, so
+``import parlab.cluster.formulas`` needs no torch.
 """
 from __future__ import annotations
 
