@@ -7,11 +7,7 @@ in between, and the kernel exits with "Address already in use" before it answers
 (jupyter/jupyter_client#154; it failed one CI run). nbval starts each notebook's kernel once, so this plugin
 retries that start, as `parlab.course.kernel.client` does for parlab's own runs; nothing else of nbval changes:
 no cell has run when a start fails.
-
-It also imports parlab before nbval (a plugin named by -p loads before the installed ones), so that nbformat's
-jsonschema finds `parlab._deferred_imports` in place: 2 s of CPU less for each of these pytest processes.
 """
-import parlab  # noqa: F401  (before nbval and nbformat, see above)
 import nbval.kernel
 
 STARTS = 3

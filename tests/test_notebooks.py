@@ -34,8 +34,10 @@ ZH_BLANKS = [p for p in EXERCISES if p.stem.startswith(("00_", "05_", "09_"))]
 def nbval(paths, junit: Path, cell_timeout: int = 300, cwd: Path = ROOT, lang: str = "en") -> subprocess.Popen:
     """Grade notebooks the way exercises/README.md tells lecturers to (started, not waited for); pytest's own
     output goes to `junit` with the suffix .txt. The one addition, tests/nbval_kernel_retry.py, starts a kernel
-    again when it dies before running anything (a port raced away by the rest of the suite)."""
+    again when it dies before running anything (a port raced away by the rest of the suite); the
+    `-p parlab._deferred_imports` of pyproject.toml is named again for the runs in the Chinese course's folder."""
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "nbval_kernel_retry",
+           "-p", "parlab._deferred_imports",        # pyproject.toml's addopts, which the Chinese course's folder lacks
            "--nbval-lax", "--nbval-current-env",
            f"--nbval-cell-timeout={cell_timeout}", f"--junitxml={junit}", *map(str, paths)]
     with open(junit.with_suffix(".txt"), "w") as log:
