@@ -76,8 +76,10 @@ def _out_of_memory(text: str) -> bool:
     return "MemoryError" in text or "can't allocate memory" in text
 
 
-def grade_notebook(nb: nbformat.NotebookNode, workdir: Path, cell_timeout: float, cpu_limit: float) -> dict:
-    """Execute `nb` (restored) in a kernel started in `workdir`; return the record of every graded cell."""
+def grade_notebook(nb: nbformat.NotebookNode, workdir: Path, cell_timeout: float, cpu_limit: float,
+                   server: str = "") -> dict:
+    """Execute `nb` (restored) in a kernel started in `workdir` (forked by the kernel server at `server`, if
+    given); return the record of every graded cell."""
     from nbclient.exceptions import DeadKernelError
 
     from parlab.course.kernel import client as notebook_client
@@ -85,7 +87,7 @@ def grade_notebook(nb: nbformat.NotebookNode, workdir: Path, cell_timeout: float
     results = workdir / "checks.jsonl"
     results.write_text("")
     timed_out = _("this cell ran longer than {seconds:g} s and was interrupted").format(seconds=cell_timeout)
-    client = notebook_client(nb, 0.5, timeout=cell_timeout, kernel_name="python3", allow_errors=True,
+    client = notebook_client(nb, 0.5, server=server, timeout=cell_timeout, kernel_name="python3", allow_errors=True,
                              interrupt_on_timeout=True,
                              error_on_timeout={"ename": "CellTimeout", "evalue": timed_out, "traceback": []},
                              resources={"metadata": {"path": str(workdir)}})
@@ -187,9 +189,10 @@ def main(argv=None) -> int:
     p.add_argument("result", type=Path)
     p.add_argument("--cell-timeout", type=float, default=300.0)
     p.add_argument("--cpu-limit", type=float, default=60.0)
+    p.add_argument("--kernel-server", default="", help="address of a parlab kernel server to fork the kernel")
     a = p.parse_args(argv)
     nb = nbformat.read(str(a.notebook), as_version=4)
-    out = grade_notebook(nb, a.notebook.parent, a.cell_timeout, a.cpu_limit)
+    out = grade_notebook(nb, a.notebook.parent, a.cell_timeout, a.cpu_limit, a.kernel_server)
     a.result.write_text(json.dumps(out), encoding="utf-8")
     return 0
 
