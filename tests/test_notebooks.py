@@ -5,12 +5,17 @@ grades them (exercises/README.md); the JUnit XML it writes is read back with `pa
 the suite's only run of the solutions; the two folders are graded at once (two nbval processes side by side: each
 mostly waits on its kernel). The lessons are executed in tests/test_viz_browser.py, which checks their figures.
 
+The kernels are forked by a warm kernel server (`parlab.course.kernel_server`, as `parlab grade`'s are): nbval
+is told `--nbval-kernel-name parlab-warm`, a kernel spec (on JUPYTER_PATH) of this environment's Python whose
+provisioner asks the server; the same kernel, 2-3.5 s less CPU to start each of the 23.
+
 The Chinese course (`parlab.course.translated`) is graded the same way beside them, with parlab speaking Chinese
 (PARLAB_LANG=zh_CN): its blanks fail every graded cell with Chinese feedback, and its solutions pass. The solutions
 run in Chinese only: a Chinese exercise's code cells are the English ones byte for byte (tests/test_i18n.py checks
 it, nbgrader checksums included), and in English every message is its own msgid, so the English solutions run the
 very code that passes here (and `parlab grade` passes English solutions in tests/test_grade_redteam.py).
 """
+import json
 import os
 import re
 import subprocess
@@ -31,30 +36,55 @@ EXERCISES = sorted((ROOT / "exercises").glob("*.ipynb"))
 ZH_BLANKS = [p for p in EXERCISES if p.stem.startswith(("00_", "05_", "09_"))]
 
 
-def nbval(paths, junit: Path, cell_timeout: int = 300, cwd: Path = ROOT, lang: str = "en") -> subprocess.Popen:
+def _env(lang: str = "en", jupyter: Path | None = None) -> dict:
+    return {**os.environ, "PARLAB_LANG": lang,            # tests/nbval_kernel_retry.py, on the plugin path
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")])),
+            **({"JUPYTER_PATH": str(jupyter)} if jupyter else {})}
+
+
+def warm_kernel_spec(folder: Path, server: str) -> Path:
+    """A Jupyter data folder holding the kernel spec ``parlab-warm``: ipykernel's spec for this Python, its
+    process forked by the kernel server at `server` (jupyter_client's kernel provisioner ``parlab-warm``)."""
+    import ipykernel.kernelspec
+    spec = folder / "kernels" / "parlab-warm"
+    spec.mkdir(parents=True)
+    kernel = ipykernel.kernelspec.get_kernel_dict()
+    kernel["metadata"] = {"kernel_provisioner": {"provisioner_name": "parlab-warm", "config": {"server": server}}}
+    (spec / "kernel.json").write_text(json.dumps(kernel))
+    return folder
+
+
+def nbval(paths, junit: Path, cell_timeout: int = 300, cwd: Path = ROOT, lang: str = "en",
+          jupyter: Path | None = None) -> subprocess.Popen:
     """Grade notebooks the way exercises/README.md tells lecturers to (started, not waited for); pytest's own
     output goes to `junit` with the suffix .txt. The one addition, tests/nbval_kernel_retry.py, starts a kernel
     again when it dies before running anything (a port raced away by the rest of the suite); the
-    `-p parlab._deferred_imports` of pyproject.toml is named again for the runs in the Chinese course's folder."""
+    `-p parlab._deferred_imports` of pyproject.toml is named again for the runs in the Chinese course's folder.
+    With `jupyter` (a `warm_kernel_spec` folder) the kernels are the warm ``parlab-warm`` ones."""
+    kernel = ["--nbval-kernel-name", "parlab-warm"] if jupyter else ["--nbval-current-env"]
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "nbval_kernel_retry",
            "-p", "parlab._deferred_imports",        # pyproject.toml's addopts, which the Chinese course's folder lacks
-           "--nbval-lax", "--nbval-current-env",
+           "--nbval-lax", *kernel,
            f"--nbval-cell-timeout={cell_timeout}", f"--junitxml={junit}", *map(str, paths)]
     with open(junit.with_suffix(".txt"), "w") as log:
-        env = {**os.environ, "PARLAB_LANG": lang,        # tests/nbval_kernel_retry.py, on the plugin path
-               "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")]))}
-        return subprocess.Popen(cmd, cwd=cwd, stdout=log, stderr=subprocess.STDOUT, text=True, env=env)
+        return subprocess.Popen(cmd, cwd=cwd, stdout=log, stderr=subprocess.STDOUT, text=True,
+                                env=_env(lang, jupyter))
 
 
 @pytest.fixture(scope="module")
 def graded(tmp_path_factory):
     """{"solutions"|"students"|"students_zh": (exit code, pytest's output, JUnit XML path), "zh_root": the
     Chinese course}: the Chinese solutions, the English blanks and the Chinese blanks graded side by side."""
+    from parlab.course.kernel_server import KernelServer
     from parlab.course.translated import write_course
     tmp = tmp_path_factory.mktemp("graded")
     zh = write_course(ROOT, "zh_CN", tmp / "course-zh")
-    procs = {"students": nbval([p.relative_to(ROOT) for p in EXERCISES], tmp / "students.xml")}
-    procs.update({k: nbval([Path(folder) / p.name for p in paths], tmp / f"{k}.xml", cwd=zh, lang="zh_CN")
+    server = KernelServer(env=_env())                  # the nested runs' PYTHONPATH, so that it serves them
+    assert server.ready
+    jupyter = warm_kernel_spec(tmp / "jupyter", server.address)
+    procs = {"students": nbval([p.relative_to(ROOT) for p in EXERCISES], tmp / "students.xml", jupyter=jupyter)}
+    procs.update({k: nbval([Path(folder) / p.name for p in paths], tmp / f"{k}.xml", cwd=zh, lang="zh_CN",
+                           jupyter=jupyter)
                   for k, folder, paths in (("solutions", "exercises/solutions", SOLUTIONS),
                                            ("students_zh", "exercises", ZH_BLANKS))})
     try:
@@ -65,6 +95,7 @@ def graded(tmp_path_factory):
         for p in procs.values():
             if p.poll() is None:
                 p.kill()
+        server.close()
 
 
 def test_solution_notebooks_pass_their_graders(graded):
