@@ -14,7 +14,7 @@ pass: 12 of 12 under plain nbgrader, 0 and "tampered" under ``parlab grade``. `G
   them under nbgrader and 0 under ``parlab grade`` before: tests/test_nbgrader.py);
 * the cells after the last graded one (demonstrations) are not run: they score nothing, and a slow one would
   only cost the class's grading time;
-* each kernel is forked from one warm kernel server per autograde run (`parlab.course.kernel_server`: torch and
+* each kernel is forked from one warm kernel server per autograde process (`parlab.course.kernel_server`: torch and
   parlab imported once, 2-3.5 s less CPU per notebook; ``GuardedExecute.warm_kernels = False`` turns it off);
 * the kernel speaks the notebook's language: a notebook of the Chinese course (``metadata.parlab.lang``, written
   by `parlab.course.translated`) is run with ``PARLAB_LANG`` set to it, so its checks explain themselves in
@@ -25,8 +25,8 @@ Everything else is nbgrader's Execute (its timeout, its kernel, its error handli
 """
 from __future__ import annotations
 
+import atexit
 import os
-import weakref
 
 from nbclient.util import run_sync
 from nbformat.v4 import new_code_cell, new_output
@@ -42,18 +42,21 @@ __all__ = ["GuardedExecute"]
 class GuardedExecute(Execute):
     """nbgrader's Execute, with the tamper probe after each graded cell and nothing run after the last one."""
     warm_kernels = Bool(True, help="fork each kernel from a warm parlab kernel server").tag(config=True)
-    _server = None
+    # nbgrader makes a new GuardedExecute for every notebook it autogrades, so the server is the process's: started
+    # with the first notebook, closed when autograde exits ({pid: server}: a forked process starts its own)
+    _servers: dict = {}
 
     def create_kernel_manager(self):
         if not self.warm_kernels:
             return super().create_kernel_manager()
         from parlab.course.kernel import kernel_specs
         from parlab.course.kernel_server import KernelServer
-        if self._server is None:                       # started with the first notebook, kept for the run
-            self._server = KernelServer()
-            weakref.finalize(self, self._server.close)
+        server = self._servers.get(os.getpid())
+        if server is None:
+            server = self._servers[os.getpid()] = KernelServer()
+            atexit.register(server.close)
         self.km = self.kernel_manager_class(kernel_name=self.kernel_name or "python3", config=self.config,
-                                            kernel_spec_manager=kernel_specs(self._server.address))
+                                            kernel_spec_manager=kernel_specs(server.address))
         return self.km
 
     def preprocess(self, nb, resources=None, km=None):
