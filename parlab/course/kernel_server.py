@@ -362,10 +362,13 @@ def serve(address: str, preload=PRELOAD) -> None:
 
 
 def _kill_group(pid: int) -> None:
-    try:
-        os.killpg(pid, signal.SIGKILL)
-    except OSError:
-        pass
+    """SIGKILL to the kernel's process group (its ranks), and to the kernel itself: just after the fork it may not
+    have called setsid yet, and then its group does not exist (nor has it any children)."""
+    for kill in (os.killpg, os.kill):
+        try:
+            kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
 
 
 if __name__ == "__main__":
