@@ -44,13 +44,15 @@ def test_a_forked_kernel_is_the_kernel_popen_would_start(server, tmp_path):
     assert first["random"] != second["random"]                 # seeded afresh, as a new interpreter would be
 
 
-def test_a_request_the_server_cannot_honour_starts_by_popen(tmp_path):
+def test_a_request_the_server_cannot_honour_starts_by_popen(server, tmp_path):
     # a server started under another PYTHONPATH cannot give our kernel our sys.path: it declines
     with KernelServer(env=dict(os.environ, PYTHONPATH=str(tmp_path))) as other:
         assert other.ready
         k = _probe(tmp_path, other.address)
         assert k["ppid"] == os.getpid() and k["pgid"] == k["pid"]
     assert spawn("", [sys.executable, "-m", "ipykernel_launcher"]) is None          # no server: Popen
+    for other in (["python3", "-m", "ipykernel_launcher"], [sys.executable, "-m", "other_module"]):
+        assert spawn(server.address, other) is None            # another environment's python, another program
 
 
 def test_the_kernel_dies_with_the_client_that_asked_for_it(server, tmp_path):

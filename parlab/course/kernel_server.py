@@ -196,8 +196,9 @@ def spawn(address: str, cmd: list[str], env: dict | None = None, cwd: str | None
 def _decline(request: dict) -> str | None:
     """Why a fork cannot honour `request` (None: it can)."""
     argv = request["argv"]
-    if len(argv) < 3 or os.path.realpath(argv[0]) != os.path.realpath(sys.executable) or argv[1:3] != _LAUNCHER:
-        return "not this interpreter's ipykernel_launcher"
+    # the very path: another virtual environment's python resolves to the same binary but has other packages
+    if len(argv) < 3 or argv[0] != sys.executable or argv[1:3] != _LAUNCHER:
+        return "not this environment's ipykernel_launcher"
     if _fixed(request["env"]) != _fixed(os.environ):
         return "other interpreter or thread settings"
     inf = resource.RLIM_INFINITY
