@@ -45,12 +45,10 @@ def _env(lang: str = "en", jupyter: Path | None = None) -> dict:
 def warm_kernel_spec(folder: Path, server: str) -> Path:
     """A Jupyter data folder holding the kernel spec ``parlab-warm``: ipykernel's spec for this Python, its
     process forked by the kernel server at `server` (jupyter_client's kernel provisioner ``parlab-warm``)."""
-    import ipykernel.kernelspec
+    from parlab.course.kernel import kernel_specs
     spec = folder / "kernels" / "parlab-warm"
     spec.mkdir(parents=True)
-    kernel = ipykernel.kernelspec.get_kernel_dict()
-    kernel["metadata"] = {"kernel_provisioner": {"provisioner_name": "parlab-warm", "config": {"server": server}}}
-    (spec / "kernel.json").write_text(json.dumps(kernel))
+    (spec / "kernel.json").write_text(json.dumps(kernel_specs(server).get_kernel_spec("python3").to_dict()))
     return folder
 
 

@@ -19,7 +19,7 @@ from traitlets import Unicode
 from parlab.course.kernel_server import spawn
 from parlab.course.notebooks import read
 
-__all__ = ["execute", "client", "export_html", "KERNEL_STARTS", "WarmProvisioner", "kernel_specs"]
+__all__ = ["execute", "client", "export_html", "KERNEL_STARTS", "WarmProvisioner", "kernel_specs", "warm_kernel_manager"]
 
 
 def execute(nb: nbformat.NotebookNode, cwd: str | Path, timeout: float = 300.0,
@@ -64,11 +64,7 @@ def client(nb: nbformat.NotebookNode, poll: float = 0.5, server: str = "", **kwa
 
     class _Client(NotebookClient):
         def create_kernel_manager(self):
-            if not server:
-                return super().create_kernel_manager()
-            self.km = self.kernel_manager_class(kernel_name=self.kernel_name or "python3", config=self.config,
-                                                kernel_spec_manager=kernel_specs(server))
-            return self.km
+            return warm_kernel_manager(self, server) if server else super().create_kernel_manager()
 
         async def async_start_new_kernel(self, **kw):
             self._start_kwargs = kw                        # kept for a second start
@@ -110,6 +106,14 @@ class WarmProvisioner(LocalProvisioner):
         self.process, self.pid, self.pgid = kernel, kernel.pid, kernel.pid    # its own session: pgid == pid
         self.cwd = kwargs.get("cwd", Path.cwd())
         return self.connection_info
+
+
+def warm_kernel_manager(nb_client, server: str):
+    """The KernelManager an nbclient client (`nb_client`, also nbgrader's Execute) would create, its kernel forked
+    by the kernel server at `server`; set as the client's ``km``."""
+    nb_client.km = nb_client.kernel_manager_class(kernel_name=nb_client.kernel_name or "python3",
+                                                  config=nb_client.config, kernel_spec_manager=kernel_specs(server))
+    return nb_client.km
 
 
 def kernel_specs(server: str) -> KernelSpecManager:

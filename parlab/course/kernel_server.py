@@ -1,5 +1,5 @@
 """A warm start for course kernels: a server process that has imported what course notebooks import (torch,
-parlab, plotly, ipykernel) once, and forks a fresh Jupyter kernel from itself for each notebook.
+parlab, plotly) once, and forks a fresh Jupyter kernel from itself for each notebook.
 
 Why: a kernel that runs a course notebook spends about 2 s of CPU before its first cell does anything, importing
 ipykernel and torch, and 1.5 s more when its first `parlab.run` imports torch._dynamo for the ranks' optimizers.
@@ -13,7 +13,7 @@ fork-server pattern of Python's own multiprocessing ('forkserver' start method w
 - `spawn`: a kernel from the server at an address, as a `ForkedKernel` (what jupyter_client needs of a Popen).
   `parlab.course.kernel.WarmProvisioner` calls it: the kernel provisioner (jupyter_client's documented way for a
   kernel spec to choose how its process starts) that the course's notebook clients use.
-- `serve`: the server's loop, one fork per request. It imports nothing of Jupyter's itself.
+- `serve`: the server (`_Server`: its loop), one fork per request. It imports nothing of Jupyter's itself.
 
 A forked kernel gets what a kernel started by ``Popen`` would: the request's argv, environment, working
 directory and standard streams, the requesting process's resource limits (as a child inherits them), a session
@@ -35,6 +35,7 @@ import struct
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 __all__ = ["KernelServer", "ForkedKernel", "spawn", "serve", "PRELOAD"]
@@ -128,7 +129,6 @@ class ForkedKernel:
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
-        import time
         deadline = None if timeout is None else time.monotonic() + timeout
         while self.returncode is None:
             left = None if deadline is None else deadline - time.monotonic()
@@ -274,7 +274,6 @@ def serve(address: str, preload=PRELOAD) -> None:
     stdin closes (the client's lifeline), killing every kernel still running then."""
     import gc
     import importlib
-    import selectors
 
     for name in preload:
         try:
@@ -282,84 +281,103 @@ def serve(address: str, preload=PRELOAD) -> None:
         except ImportError:
             pass
     gc.freeze()                              # a kernel's collections never touch (and so copy) the preloaded pages
-    start_dir = sys.path[0] if sys.path else ""
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind(address)
-    listener.listen(64)
-    wake_r, wake_w = os.pipe()
-    os.set_blocking(wake_w, False)
-    signal.set_wakeup_fd(wake_w)
-    signal.signal(signal.SIGCHLD, lambda *_: None)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    sel = selectors.DefaultSelector()
-    sel.register(listener, selectors.EVENT_READ, "accept")
-    sel.register(sys.stdin.fileno(), selectors.EVENT_READ, "lifeline")
-    sel.register(wake_r, selectors.EVENT_READ, "children")
-    kernels: dict[int, socket.socket] = {}
-    sys.stdout.write("ready\n")
-    sys.stdout.flush()
+    _Server(address).run()
 
-    def forget(pid: int, report: int | None) -> None:
-        conn = kernels.pop(pid, None)
+
+class _Server:
+    """The server's state: the listening socket, one connection per running kernel (pid -> the client's
+    connection), and a pipe that SIGCHLD wakes. `run` dispatches what `select` reports."""
+
+    def __init__(self, address: str):
+        import selectors
+        self.start_dir = sys.path[0] if sys.path else ""
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.listener.bind(address)
+        self.listener.listen(64)
+        self.wake_r, self.wake_w = os.pipe()
+        os.set_blocking(self.wake_w, False)
+        signal.set_wakeup_fd(self.wake_w)
+        signal.signal(signal.SIGCHLD, lambda *_: None)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        self.sel = selectors.DefaultSelector()
+        self.sel.register(self.listener, selectors.EVENT_READ, "accept")
+        self.sel.register(sys.stdin.fileno(), selectors.EVENT_READ, "lifeline")
+        self.sel.register(self.wake_r, selectors.EVENT_READ, "children")
+        self.kernels: dict[int, socket.socket] = {}
+
+    def run(self) -> None:
+        sys.stdout.write("ready\n")
+        sys.stdout.flush()
+        while True:
+            for key, _ in self.sel.select():
+                if key.data == "accept":
+                    self.accept()
+                elif key.data == "lifeline":
+                    if not os.read(sys.stdin.fileno(), 4096):            # the client closed it, or died
+                        for pid in list(self.kernels):
+                            _kill_group(pid)
+                            self.forget(pid, None)
+                        return
+                elif key.data == "children":
+                    os.read(self.wake_r, 4096)
+                    self.reap()
+                elif not key.fileobj.recv(1):            # a client's connection: it went away, so does its kernel
+                    _kill_group(key.data)
+                    self.forget(key.data, None)
+
+    def accept(self) -> None:
+        """One request: fork its kernel (or decline), answer with the pid, keep the connection for its exit."""
+        import selectors
+        conn, _ = self.listener.accept()
+        try:
+            request, fds = _receive(conn)
+        except (OSError, ValueError):
+            conn.close()
+            return
+        why = _decline(request) if len(fds) == 3 else "three streams expected"
+        pid = None if why else os.fork()
+        if pid == 0:                             # the kernel: none of the server's sockets stay open in it
+            self.sel.close()
+            for s in (self.listener, conn, *self.kernels.values()):
+                s.close()
+            for fd in (self.wake_r, self.wake_w):
+                os.close(fd)
+            _become_kernel(request, fds, self.start_dir)
+        for fd in fds:
+            os.close(fd)
+        try:
+            conn.sendall(json.dumps({"pid": pid} if pid else {"declined": why}).encode() + b"\n")
+        except OSError:
+            pass
+        if pid:
+            self.kernels[pid] = conn
+            self.sel.register(conn, selectors.EVENT_READ, pid)
+        else:
+            conn.close()
+
+    def reap(self) -> None:
+        """Wait for every kernel that has exited and report its status to its client."""
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            self.forget(pid, os.waitstatus_to_exitcode(status))
+
+    def forget(self, pid: int, report: int | None) -> None:
+        """Close kernel `pid`'s connection, first sending its exit status `report` (if any)."""
+        conn = self.kernels.pop(pid, None)
         if conn is None:
             return
-        sel.unregister(conn)
+        self.sel.unregister(conn)
         if report is not None:
             try:
                 conn.sendall(json.dumps({"exit": report}).encode() + b"\n")
             except OSError:
                 pass
         conn.close()
-
-    while True:
-        for key, _ in sel.select():
-            if key.data == "accept":
-                conn, _ = listener.accept()
-                try:
-                    request, fds = _receive(conn)
-                except (OSError, ValueError):
-                    conn.close()
-                    continue
-                why = _decline(request) if len(fds) == 3 else "three streams expected"
-                pid = None if why else os.fork()
-                if pid == 0:                     # the kernel: none of the server's sockets stay open in it
-                    sel.close()
-                    for s in (listener, conn, *kernels.values()):
-                        s.close()
-                    for fd in (wake_r, wake_w):
-                        os.close(fd)
-                    _become_kernel(request, fds, start_dir)
-                for fd in fds:
-                    os.close(fd)
-                try:
-                    conn.sendall(json.dumps({"pid": pid} if pid else {"declined": why}).encode() + b"\n")
-                except OSError:
-                    pass
-                if pid:
-                    kernels[pid] = conn
-                    sel.register(conn, selectors.EVENT_READ, pid)
-                else:
-                    conn.close()
-            elif key.data == "lifeline":
-                if not os.read(sys.stdin.fileno(), 4096):
-                    for pid in list(kernels):
-                        _kill_group(pid)
-                        forget(pid, None)
-                    return
-            elif key.data == "children":
-                os.read(wake_r, 4096)
-                while True:
-                    try:
-                        pid, status = os.waitpid(-1, os.WNOHANG)
-                    except ChildProcessError:
-                        break
-                    if pid == 0:
-                        break
-                    forget(pid, os.waitstatus_to_exitcode(status))
-            else:                                    # a client's connection: it went away, so does its kernel
-                if not key.fileobj.recv(1):
-                    _kill_group(key.data)
-                    forget(key.data, None)
 
 
 def _kill_group(pid: int) -> None:

@@ -49,15 +49,13 @@ class GuardedExecute(Execute):
     def create_kernel_manager(self):
         if not self.warm_kernels:
             return super().create_kernel_manager()
-        from parlab.course.kernel import kernel_specs
+        from parlab.course.kernel import warm_kernel_manager
         from parlab.course.kernel_server import KernelServer
         server = self._servers.get(os.getpid())
         if server is None:
             server = self._servers[os.getpid()] = KernelServer()
             atexit.register(server.close)
-        self.km = self.kernel_manager_class(kernel_name=self.kernel_name or "python3", config=self.config,
-                                            kernel_spec_manager=kernel_specs(server.address))
-        return self.km
+        return warm_kernel_manager(self, server.address)
 
     def preprocess(self, nb, resources=None, km=None):
         graded = [i for i, cell in enumerate(nb.cells) if is_grade(cell)]
