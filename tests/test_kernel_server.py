@@ -20,9 +20,9 @@ PROBE = ("import json, os, sys, random\n"
          "                  'torch': 'torch' in sys.modules}))")
 
 
-def _probe(tmp_path, server: str, lang: str = "zh_CN") -> dict:
+def _probe(cwd, server: str, lang: str = "zh_CN") -> dict:
     nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(PROBE)])
-    execute(nb, tmp_path, server=server, lang=lang)
+    execute(nb, cwd, server=server, lang=lang)
     return json.loads(nb.cells[0].outputs[0]["text"])
 
 
@@ -33,8 +33,10 @@ def server():
         yield ks
 
 
-def test_a_forked_kernel_is_the_kernel_popen_would_start(server, tmp_path):
-    first, second = _probe(tmp_path, server.address), _probe(tmp_path, server.address, lang="en")
+def test_a_forked_kernel_is_the_kernel_popen_would_start(server, tmp_path, monkeypatch):
+    first = _probe(tmp_path, server.address)
+    monkeypatch.chdir(tmp_path.parent)                         # a folder relative to ours, as Popen reads it
+    second = _probe(tmp_path.name, server.address, lang="en")
     for k in (first, second):
         assert k["ppid"] == server._proc.pid                   # forked by the server, not started by us
         assert k["pgid"] == k["pid"]                           # a session of its own, as jupyter_client's launcher

@@ -166,7 +166,7 @@ def spawn(address: str, cmd: list[str], env: dict | None = None, cwd: str | None
         return value if isinstance(value, int) else value.fileno()
 
     request = json.dumps({"argv": list(cmd), "env": dict(os.environ if env is None else env),
-                          "cwd": str(cwd or os.getcwd()),
+                          "cwd": os.path.abspath(cwd or os.getcwd()),   # relative to ours, as Popen reads it
                           "rlimits": {r: resource.getrlimit(r) for r in _RLIMITS}}).encode()
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
