@@ -1,26 +1,21 @@
 """The standalone labs (parlab.labs.*) run as under torchrun on CPU ranks (gloo) with tiny sizes.
 
-Each lab's ranks are forked from this process with the environment torchrun gives its workers (`torchrun_env`):
-torchrun's agent hosts the rendezvous store and starts each worker with RANK, LOCAL_RANK, WORLD_SIZE, ...,
-MASTER_ADDR and MASTER_PORT of that store and TORCHELASTIC_USE_AGENT_STORE=True
-(torch/distributed/elastic/agent/server/local_elastic_agent.py); here this process hosts the store and the
-workers are forks, so the lab's code runs as under torchrun without importing torch and parlab again in every
-rank (2.5-3 s of CPU each: 11 lab runs, about 90 s of the suite's CPU). One lab runs under torchrun itself
+Each lab's ranks are forked from this process with the environment torchrun gives its workers
+(tests/forked_ranks.py: the lab's code runs as under torchrun without importing torch and parlab again in every
+rank, 2.5-3 s of CPU each: 11 lab runs, about 90 s of the suite's CPU). One lab runs under torchrun itself
 (`test_a_lab_runs_under_torchrun_itself`), and torchrun's own behaviour (a crashed rank ends the job, two
 simulated nodes, srun) is tried in tests/test_launch.py, test_faults.py and test_slurm.py.
 """
 import json
-import multiprocessing
 import os
 import re
-import runpy
 import subprocess
 import sys
-import traceback
 
 import pytest
 import torch
 
+from forked_ranks import run_forked
 from parlab.labs import LABS
 
 SMALL = ["--steps", "2", "--layers", "2", "--hidden", "16", "--heads", "2", "--seq-len", "16", "--batch", "8"]
@@ -58,66 +53,6 @@ def run_lab(name, ranks, options, tmp_path, torchrun: bool = False):
     return proc.stdout, trace
 
 
-def torchrun_env(rank: int, world: int, port: int) -> dict:
-    """What torchrun --standalone --nproc_per_node=`world` sets for worker `rank` (one node, first attempt)."""
-    return {"RANK": str(rank), "LOCAL_RANK": str(rank), "GROUP_RANK": "0", "ROLE_RANK": str(rank),
-            "ROLE_NAME": "default", "LOCAL_WORLD_SIZE": str(world), "WORLD_SIZE": str(world),
-            "GROUP_WORLD_SIZE": "1", "ROLE_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port), "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0",
-            "TORCHELASTIC_RUN_ID": "parlab-test", "TORCHELASTIC_USE_AGENT_STORE": "True", "OMP_NUM_THREADS": "1"}
-
-
-def _worker(module: str, argv: list, env: dict, out: str, cwd: str) -> None:
-    """One forked rank: its output to `out` (file descriptors and fresh stream objects, as parlab.run's ranks),
-    then lab_guard.py's guards around the lab's ``__main__``."""
-    from parlab import comm
-    from serialised_p2p import serialised_p2p
-    code = 1
-    try:
-        fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        os.dup2(fd, 1)
-        os.dup2(fd, 2)
-        sys.stdout = open(1, "w", buffering=1, closefd=False)
-        sys.stderr = open(2, "w", buffering=1, closefd=False)
-        os.chdir(cwd)
-        os.environ.update(env)
-        torch.set_num_threads(1)                     # OMP_NUM_THREADS=1, read by torch only when it starts
-        sys.argv = [module, *argv]
-        with comm.strict(), serialised_p2p():
-            runpy.run_module(module, run_name="__main__", alter_sys=True)
-        code = 0
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-    except BaseException:
-        traceback.print_exc()
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
-
-
-def run_forked(module: str, argv: list, ranks: int, tmp_path, timeout: float = 300) -> str:
-    import torch._dynamo  # noqa: F401  (what every rank's optimizer imports: once, here)
-    import parlab.labs  # noqa: F401
-    store = torch.distributed.TCPStore("127.0.0.1", 0, ranks, is_master=True, wait_for_workers=False)
-    ctx = multiprocessing.get_context("fork")
-    procs = [ctx.Process(target=_worker, args=(module, argv, torchrun_env(r, ranks, store.port),
-                                               str(tmp_path / f"rank{r}.out"), str(tmp_path))) for r in range(ranks)]
-    for p in procs:
-        p.start()
-    try:
-        for p in procs:
-            p.join(timeout)
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join()
-    out = "".join((tmp_path / f"rank{r}.out").read_text() for r in range(ranks))
-    assert [p.exitcode for p in procs] == [0] * ranks, f"{module} failed:\n{out[-4000:]}"
-    return out
-
-
 def check_trace(trace, ranks):
     doc = json.loads(trace.read_text())
     spans = [e for e in doc["traceEvents"] if e["ph"] == "X"]
@@ -141,9 +76,10 @@ def test_lab_runs_under_torchrun(name, ranks, options, tmp_path):
 
 
 def test_a_lab_runs_under_torchrun_itself(tmp_path):
-    out, trace = run_lab("hybrid", 4, ["--tp", "2", "--pp", "2"], tmp_path, torchrun=True)
-    assert re.search(r"^summary: lab=hybrid world=4 ", out, re.M) and len(re.findall(r"^summary:", out, re.M)) == 1
-    check_trace(trace, 4)
+    # two workers (each imports torch and parlab: 2.5-3 s of CPU), the pipeline's p2p between them
+    out, trace = run_lab("hybrid", 2, ["--pp", "2"], tmp_path, torchrun=True)
+    assert re.search(r"^summary: lab=hybrid world=2 ", out, re.M) and len(re.findall(r"^summary:", out, re.M)) == 1
+    check_trace(trace, 2)
 
 
 def test_lab_runs_as_one_process(tmp_path):

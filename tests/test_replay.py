@@ -505,6 +505,8 @@ def test_cost_metering_is_a_no_op_without_a_recorder_and_the_cli_refuses_one_ran
     (["--max-size", "4", "--out", "{tmp}/hw.json"], "--max-size 4 leaves 1 message size(s) to measure"),
     (["--out", "{tmp}/no/such/folder/hw.json"], "does not exist; create it first"),
     (["--out", "{tmp}"], "is a folder; give a file name"),
+    (["--min-time", "0", "--out", "{tmp}/hw.json"], "--min-time must be a positive number of seconds"),
+    (["--min-time", "nan", "--out", "{tmp}/hw.json"], "--min-time must be a positive number of seconds"),
 ])
 def test_calibrate_refuses_bad_arguments_before_it_measures(args, says, tmp_path, capsys):
     """Each is refused at once (exit 2, what to do instead), not after a minute of measuring or with a traceback

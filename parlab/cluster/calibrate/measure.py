@@ -229,6 +229,8 @@ def _bad_args(a, sizes) -> str | None:
     """What is wrong with `parlab calibrate`'s arguments, and how to fix it (None: nothing)."""
     if a.reps < 1:
         return f"--reps must be at least 1 (timed calls per message size), got {a.reps}"
+    if getattr(a, "min_time", None) is not None and not 0 < a.min_time < float("inf"):
+        return f"--min-time must be a positive number of seconds (each op timed for at least that), got {a.min_time}"
     if len(sizes) < 2:
         return (f"--max-size {a.max_size} leaves {len(sizes)} message size(s) to measure; a latency and a bandwidth "
                 f"need two: give at least {SIZES[1]} (bytes)")
@@ -259,10 +261,13 @@ def main(argv=None) -> int:
                    help="a rough description in seconds: each op timed for 0.05 s instead of 0.2 s, and no "
                         "training steps timed (a minute or more on a CPU; their fit brings replays of CPU runs "
                         "closer to what was measured)")
+    p.add_argument("--min-time", type=float, default=None,
+                   help="seconds each op is timed for, in each of its three rounds (default 0.2, with --quick "
+                        "0.05); shorter is rougher")
     a = p.parse_args(argv)
     sizes = [s for s in SIZES if s <= a.max_size]
     problem = _bad_args(a, sizes)
-    min_time = 0.05 if a.quick else 0.2                   # seconds each op is timed for
+    min_time = a.min_time or (0.05 if a.quick else 0.2)   # seconds each op is timed for
     if problem:                                           # before minutes of measuring, not after
         print(f"error: {problem}")
         return 2
