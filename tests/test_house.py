@@ -279,6 +279,16 @@ def test_the_repository_uses_the_new_paths():
     assert bad == [], "old module paths in the repository's own files:\n" + "\n".join(bad[:30])
 
 
+def test_no_notebook_cell_imports_a_line_twice():
+    """A student reads the import cell first (lesson 02 once imported two names twice)."""
+    twice = []
+    for path in sorted(ROOT.glob("lessons/*.ipynb")) + sorted(ROOT.glob("exercises/**/*.ipynb")):
+        for cell in json.loads(path.read_text())["cells"]:
+            lines = [ln for ln in "".join(cell["source"]).splitlines() if ln.startswith(("import ", "from "))]
+            twice += [f"{path.relative_to(ROOT)}: {ln[:80]}" for ln in dict.fromkeys(lines) if lines.count(ln) > 1]
+    assert twice == []
+
+
 def test_every_data_file_of_the_package_is_installed():
     """A file of parlab/ that is not Python (figcheck's check.js) ships only if pyproject.toml's package-data names
     it: an editable install finds it anyway, a wheel would not."""

@@ -26,8 +26,10 @@ a JupyterLab notebook, and `check.js` measures from the drawn page:
 * every character of a figure's text has a glyph in an installed font (`missing_glyphs`): without a CJK font
   a Chinese title is drawn as empty boxes, which no layout check sees.
 
-A PNG of every figure is written to ``OUT/<notebook>/cell<NN>_<k>.png`` for a person to look through,
-and the problems to ``OUT/report.txt``; the exit status is 1 when there are any.
+A PNG of every figure is written to ``OUT/<notebook>/cell<NN>_<k>.png`` for a person to look through
+(``screenshots=False`` skips them: 94 lesson figures, 6 of the check's 20 CPU seconds; the tests, which read the
+measurements and not the pictures, do), the problems to ``OUT/report.txt``, and every figure's name, drawn height
+and problems to ``OUT/figures.json``; the exit status is 1 when there are any problems.
 
 The figures are drawn offline (plotly.js from the plotly package); nothing is fetched from a network.
 """
@@ -67,6 +69,7 @@ class Figure:
     spec: dict                                 # plotly's JSON: {"data": [...], "layout": {...}, "frames"?}
     in_widget: bool = False
     problems: list[str] = field(default_factory=list)
+    height: float = 0.0                        # px, as drawn in the browser (0: not drawn)
 
     @property
     def name(self) -> str:
@@ -225,9 +228,9 @@ def _frames_to_check(spec: dict) -> list[str]:
 
 
 def check_pages(figs: list[Figure], labels: list[dict], out: Path, width: int = WIDTH,
-                chromium: str | None = None) -> list[str]:
-    """Draw every figure in headless Chromium, fill each figure's `problems`, write a PNG per figure under
-    `out`; returns the problems of the widget labels."""
+                chromium: str | None = None, screenshots: bool = True) -> list[str]:
+    """Draw every figure in headless Chromium, fill each figure's `problems` and drawn `height`, write a PNG per
+    figure under `out` (if `screenshots`); returns the problems of the widget labels."""
     from playwright.sync_api import sync_playwright
 
     import plotly
@@ -248,15 +251,16 @@ def check_pages(figs: list[Figure], labels: list[dict], out: Path, width: int = 
             page.goto((work / "page.html").as_uri())
             for fig in figs:
                 fig.problems += _animation_problems(fig.spec)
-                page.evaluate(_DRAW, fig.spec)
+                fig.height = page.evaluate(_DRAW, fig.spec)
                 found = page.evaluate("() => parlabCheck(document.getElementById('fig'))")
                 missing = missing_glyphs(page.evaluate("() => document.getElementById('fig').textContent"))
                 if missing:
                     found.append(f"no installed font draws {''.join(missing[:20])!r} (empty boxes on the page): "
                                  f"install a CJK font, e.g. Debian's fonts-noto-cjk")
-                png = out / (fig.name + ".png")
-                png.parent.mkdir(parents=True, exist_ok=True)
-                page.locator("#fig").screenshot(path=str(png))
+                if screenshots:
+                    png = out / (fig.name + ".png")
+                    png.parent.mkdir(parents=True, exist_ok=True)
+                    page.locator("#fig").screenshot(path=str(png))
                 for name in _frames_to_check(fig.spec)[1:]:
                     page.evaluate(_FRAME, name)
                     found += [f"frame {name}: {p}" for p in
@@ -296,9 +300,10 @@ def _has_outputs(nb) -> bool:
 
 
 def run(paths: list[Path], out: Path, jobs: int = 1, width: int = WIDTH, timeout: float = 300.0,
-        lang: str | None = None) -> list[str]:
-    """Execute (parlab speaking `lang`, default this process's language), collect, draw and check; returns
-    every problem as 'notebook/cellNN_k: what'. Each executed notebook is left in `out` under its own name."""
+        lang: str | None = None, screenshots: bool = True) -> list[str]:
+    """Execute (parlab speaking `lang`, default this process's language), collect, draw and check (a PNG of each
+    figure if `screenshots`); returns every problem as 'notebook/cellNN_k: what'. Each executed notebook is left
+    in `out` under its own name."""
     from parlab import course
     from parlab.course.kernel_server import KernelServer
     out.mkdir(parents=True, exist_ok=True)
@@ -317,12 +322,12 @@ def run(paths: list[Path], out: Path, jobs: int = 1, width: int = WIDTH, timeout
         labels += lb
         if error:
             failed.append(f"{Path(path).stem}: {error}")
-    label_problems = check_pages(figs, labels, out, width=width)
+    label_problems = check_pages(figs, labels, out, width=width, screenshots=screenshots)
     problems = failed + [f"{fig.name}: {p}" for fig in figs for p in fig.problems] + label_problems
     (out / "report.txt").write_text(
         f"{len(figs)} figures from {len(paths)} notebooks, {len(labels)} widget labels; "
         f"{len(problems)} problems\n" + "".join(p + "\n" for p in problems), encoding="utf-8")
-    (out / "figures.json").write_text(json.dumps([{"name": f.name, "in_widget": f.in_widget,
+    (out / "figures.json").write_text(json.dumps([{"name": f.name, "in_widget": f.in_widget, "height": f.height,
                                                    "problems": f.problems} for f in figs], indent=1))
     return problems
 
