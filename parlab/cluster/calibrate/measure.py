@@ -50,6 +50,7 @@ import torch
 import torch.distributed as dist
 
 from parlab.i18n.args import ArgumentParser
+from parlab.i18n.catalogue import _
 from parlab import comm
 from parlab.cluster.calibrate.compute import _compute_samples, _sync, _timeit, fit_compute, fit_roofline
 from parlab.cluster.calibrate.fit import fit_alpha_beta
@@ -220,7 +221,8 @@ def calibrate(world: int | None = None, sizes=SIZES, reps: int = 5, min_time: fl
     import parlab
     world = default_world() if world is None else world
     if isinstance(world, bool) or not isinstance(world, int) or world < 2:
-        raise ValueError(f"world must be an integer >= 2 (ranks measured together), got {world!r}")
+        raise ValueError(_("world must be an integer >= 2 (ranks measured together), got {world}").format(
+            world=repr(world)))
     res = parlab.run(_rank_main, world, list(sizes), reps, min_time, steps, backend="gloo", echo=False, timeout=600)
     return describe(res.results, world, name or f"this machine ({world} gloo ranks)")
 
@@ -228,48 +230,52 @@ def calibrate(world: int | None = None, sizes=SIZES, reps: int = 5, min_time: fl
 def _bad_args(a, sizes) -> str | None:
     """What is wrong with `parlab calibrate`'s arguments, and how to fix it (None: nothing)."""
     if a.reps < 1:
-        return f"--reps must be at least 1 (timed calls per message size), got {a.reps}"
+        return _("--reps must be at least 1 (timed calls per message size), got {reps}").format(reps=a.reps)
     if getattr(a, "min_time", None) is not None and not 0 < a.min_time < float("inf"):
-        return f"--min-time must be a positive number of seconds (each op timed for at least that), got {a.min_time}"
+        return _("--min-time must be a positive number of seconds (each op timed for at least that), "
+                 "got {seconds}").format(seconds=a.min_time)
     if len(sizes) < 2:
-        return (f"--max-size {a.max_size} leaves {len(sizes)} message size(s) to measure; a latency and a bandwidth "
-                f"need two: give at least {SIZES[1]} (bytes)")
+        return _("--max-size {max_size} leaves {n} message size(s) to measure; a latency and a bandwidth need two: "
+                 "give at least {least} (bytes)").format(max_size=a.max_size, n=len(sizes), least=SIZES[1])
     out = os.path.abspath(a.out)
     if os.path.isdir(out):
-        return f"--out {a.out} is a folder; give a file name, e.g. {os.path.join(a.out, 'hardware.json')}"
+        return _("--out {out} is a folder; give a file name, e.g. {example}").format(
+            out=a.out, example=os.path.join(a.out, "hardware.json"))
     if os.path.exists(out):                               # replaced in place: the file itself must be writable
-        return None if os.access(out, os.W_OK) else f"--out {a.out} exists and is not writable; choose another name"
+        return None if os.access(out, os.W_OK) else _(
+            "--out {out} exists and is not writable; choose another name").format(out=a.out)
     folder = os.path.dirname(out)
     if not os.path.isdir(folder):
-        return f"--out {a.out}: the folder {folder} does not exist; create it first"
+        return _("--out {out}: the folder {folder} does not exist; create it first").format(out=a.out, folder=folder)
     if not os.access(folder, os.W_OK):
-        return f"--out {a.out}: the folder {folder} is not writable; choose another place"
+        return _("--out {out}: the folder {folder} is not writable; choose another place").format(
+            out=a.out, folder=folder)
     return None
 
 
 def main(argv=None) -> int:
     """``parlab calibrate``: measure this machine (or, under torchrun, its GPUs) and write a Hardware JSON."""
-    p = ArgumentParser(prog="parlab calibrate", description="measure collectives and matmul throughput "
-                                "and write a hardware description for parlab.cluster.replay")
+    p = ArgumentParser(prog="parlab calibrate", description=_("measure collectives and matmul throughput and write "
+                                                               "a hardware description for parlab.cluster.replay"))
     p.add_argument("--world", type=int, default=default_world(),
-                   help="gloo ranks on this CPU (default: one per core, 2 to 4; ignored under torchrun)")
-    p.add_argument("--out", default="hardware.json", help="where to write the description (JSON)")
-    p.add_argument("--name", default=None, help="name of the description (default: says what was measured)")
-    p.add_argument("--reps", type=int, default=5, help="timed calls per message size")
-    p.add_argument("--max-size", type=int, default=SIZES[-1], help="largest all-reduce in bytes")
+                   help=_("gloo ranks on this CPU (default: one per core, 2 to 4; ignored under torchrun)"))
+    p.add_argument("--out", default="hardware.json", help=_("where to write the description (JSON)"))
+    p.add_argument("--name", default=None, help=_("name of the description (default: says what was measured)"))
+    p.add_argument("--reps", type=int, default=5, help=_("timed calls per message size"))
+    p.add_argument("--max-size", type=int, default=SIZES[-1], help=_("largest all-reduce in bytes"))
     p.add_argument("--quick", action="store_true",
-                   help="a rough description in seconds: each op timed for 0.05 s instead of 0.2 s, and no "
-                        "training steps timed (a minute or more on a CPU; their fit brings replays of CPU runs "
-                        "closer to what was measured)")
+                   help=_("a rough description in seconds: each op timed for 0.05 s instead of 0.2 s, and no "
+                          "training steps timed (a minute or more on a CPU; their fit brings replays of CPU runs "
+                          "closer to what was measured)"))
     p.add_argument("--min-time", type=float, default=None,
-                   help="seconds each op is timed for, in each of its three rounds (default 0.2, with --quick "
-                        "0.05); shorter is rougher")
+                   help=_("seconds each op is timed for, in each of its three rounds (default 0.2, with --quick "
+                          "0.05); shorter is rougher"))
     a = p.parse_args(argv)
     sizes = [s for s in SIZES if s <= a.max_size]
     problem = _bad_args(a, sizes)
     min_time = a.min_time or (0.05 if a.quick else 0.2)   # seconds each op is timed for
     if problem:                                           # before minutes of measuring, not after
-        print(f"error: {problem}")
+        print(_("error: {problem}").format(problem=problem))
         return 2
     try:
         if "LOCAL_RANK" in os.environ or slurm_ranks(os.environ) is not None:
@@ -286,17 +292,17 @@ def main(argv=None) -> int:
                 hw, text = describe(every, n, a.name or f"{n} x {gpu} (measured)")
                 hw.save(a.out)
                 print(text)
-                print(f"wrote {a.out}")
+                print(_("wrote {path}").format(path=a.out))
             # no destroy_process_group() here: init()'s exit handler leaves the group in step with the other ranks
             # (destroyed at once, task 1 aborted in C++ while rank 0 was still writing: 1 srun run in 4)
             return 0
         hw, text = calibrate(a.world, sizes, a.reps, min_time=min_time, name=a.name, steps=not a.quick)
     except ValueError as err:
-        print(f"error: {err}")
+        print(_("error: {problem}").format(problem=err))
         return 2
     hw.save(a.out)
     print(text)
-    print(f"wrote {a.out}")
+    print(_("wrote {path}").format(path=a.out))
     return 0
 
 
