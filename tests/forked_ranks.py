@@ -12,7 +12,6 @@ import multiprocessing
 import os
 import runpy
 import sys
-import traceback
 
 import torch
 
@@ -48,22 +47,31 @@ def _worker(module: str, argv: list, env: dict, out: str, cwd: str) -> None:
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
     except BaseException:
-        traceback.print_exc()
+        sys.excepthook(*sys.exc_info())              # what the interpreter does with an uncaught exception
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
 
 
-def run_forked(module: str, argv: list, ranks: int, tmp_path, timeout: float = 300) -> str:
+def start_forked(module: str, argv: list, ranks: int, folder) -> tuple:
+    """Start the ranks of ``python -m module argv`` as torchrun would, without waiting: (the rendezvous store, which
+    must outlive them, as torchrun's agent does; their processes). Rank r writes to ``folder/rank<r>.out``."""
     import torch._dynamo  # noqa: F401  (what every rank's optimizer imports: once, here)
     import parlab.labs  # noqa: F401
     store = torch.distributed.TCPStore("127.0.0.1", 0, ranks, is_master=True, wait_for_workers=False)
     ctx = multiprocessing.get_context("fork")
     procs = [ctx.Process(target=_worker, args=(module, argv, torchrun_env(r, ranks, store.port),
-                                               str(tmp_path / f"rank{r}.out"), str(tmp_path))) for r in range(ranks)]
+                                               str(folder / f"rank{r}.out"), str(folder))) for r in range(ranks)]
     for p in procs:
         p.start()
+    return store, procs
+
+
+def run_forked(module: str, argv: list, ranks: int, tmp_path, timeout: float = 300) -> str:
+    """Run ``python -m module argv`` on `ranks` ranks as torchrun would; the ranks' output, in rank order. Every
+    rank must exit with 0."""
+    store, procs = start_forked(module, argv, ranks, tmp_path)
     try:
         for p in procs:
             p.join(timeout)

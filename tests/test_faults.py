@@ -18,6 +18,7 @@ from parlab import RankError, RankKilled, RankTimeout, cli, launch
 from parlab.launch import child
 from parlab.parallel.data import DistributedDataParallel
 
+from forked_ranks import start_forked
 from net import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -485,54 +486,33 @@ def test_a_broken_solution_notebook_gives_one_line(tmp_path, capsys):
 
 
 # ---------------------------------------------------------------------- a torchrun lab whose worker stops
-def _worker_pid(launcher_pid, rank):
-    """The pid of the lab worker of `rank` started by the torchrun process `launcher_pid` (None if not yet)."""
-    for d in os.listdir("/proc"):
-        if not d.isdigit():
-            continue
-        try:
-            with open(f"/proc/{d}/stat") as f:
-                ppid = int(f.read().split(")")[-1].split()[1])
-            with open(f"/proc/{d}/environ", "rb") as f:
-                env = f.read().split(b"\0")
-        except (FileNotFoundError, ProcessLookupError, PermissionError):
-            continue
-        if ppid == launcher_pid and f"RANK={rank}".encode() in env:
-            return int(d)
-    return None
-
-
 @pytest.mark.parametrize("stopped", [0, 1])
 def test_a_stopped_lab_worker_is_named_by_the_survivors(stopped, tmp_path):
-    log = tmp_path / "lab.log"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           "-m", "parlab.labs.data_parallel", "--steps", "1000000", "--layers", "1", "--hidden", "16", "--heads", "2",
-           "--seq-len", "8", "--batch", "4", "--quiet", "--no-trace", "--timeout", "5"]
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=ENV, cwd=tmp_path)
-    victim = None
+    """A lab's two ranks as torchrun starts them (its worker environment, the rendezvous store hosted outside the
+    ranks as by torchrun's agent: tests/forked_ranks.py; torchrun itself: tests/test_labs.py, test_launch.py), one
+    stopped with SIGSTOP once training runs: the other says which rank stopped answering and exits with an error."""
+    argv = ["--steps", "1000000", "--layers", "1", "--hidden", "16", "--heads", "2", "--seq-len", "8", "--batch", "4",
+            "--quiet", "--no-trace", "--timeout", "5"]
+    survivor = 1 - stopped
+    store, procs = start_forked("parlab.labs.data_parallel", argv, 2, tmp_path)
+    logs = [tmp_path / f"rank{r}.out" for r in range(2)]
+    text = lambda r: logs[r].read_text() if logs[r].exists() else ""       # noqa: E731
     try:
-        for _ in range(1800):   # until rank 0 said it is set up, and the victim is known (3 min at most)
-            if "rows per rank" in log.read_text() and victim is None:
-                victim = _worker_pid(proc.pid, stopped)
-            if victim is not None or proc.poll() is not None:
+        for _ in range(1800):   # until rank 0 said it is set up (3 min at most)
+            if "rows per rank" in text(0) or not all(p.is_alive() for p in procs):
                 break
             time.sleep(0.1)
-        assert victim is not None, log.read_text()[-3000:]
-        os.kill(victim, signal.SIGSTOP)
-        survivor = 1 - stopped
-        for _ in range(1800):   # the survivor's collective times out after 5 s, then it reports
-            if f"[rank {survivor}] where each rank was" in log.read_text() or proc.poll() is not None:
-                break
-            time.sleep(0.1)
-        text = log.read_text()
-        assert f"[rank {survivor}] rank {stopped} stopped answering" in text, text[-3000:]
-        assert f"[rank {survivor}] a collective failed" in text
+        assert all(p.is_alive() for p in procs), text(0)[-3000:] + text(1)[-3000:]
+        os.kill(procs[stopped].pid, signal.SIGSTOP)
+        procs[survivor].join(180)   # the survivor's collective times out after 5 s, then it reports and exits
+        assert f"[rank {survivor}] rank {stopped} stopped answering" in text(survivor), text(survivor)[-3000:]
+        assert f"[rank {survivor}] a collective failed" in text(survivor)
+        assert procs[survivor].exitcode not in (0, None)
     finally:
-        if victim is not None:
-            os.kill(victim, signal.SIGKILL)     # torchrun's SIGTERM cannot reach a stopped process
-        proc.wait(timeout=300)
-    assert proc.returncode != 0
+        for p in procs:
+            if p.is_alive():
+                p.kill()        # SIGKILL reaches a stopped process too
+            p.join()
 
 
 # A stopped rank 0 under srun (its process holds the rendezvous store; the other rank once waited forever, 136 s

@@ -4,7 +4,7 @@ Each lab's ranks are forked from this process with the environment torchrun give
 (tests/forked_ranks.py: the lab's code runs as under torchrun without importing torch and parlab again in every
 rank, 2.5-3 s of CPU each: 11 lab runs, about 90 s of the suite's CPU). One lab runs under torchrun itself
 (`test_a_lab_runs_under_torchrun_itself`), and torchrun's own behaviour (a crashed rank ends the job, two
-simulated nodes, srun) is tried in tests/test_launch.py, test_faults.py and test_slurm.py.
+simulated nodes, srun) is tried in tests/test_launch.py and test_slurm.py.
 """
 import json
 import os
