@@ -6,7 +6,8 @@
 * START.ipynb is the page that opens, not JupyterLab's Launcher;
 * no notebook is marked modified by opening it (the tab's dot): not START, not a lesson, not an exercise, once
   each has its kernel running (JupyterLab writes the kernel's metadata into a notebook when the kernel starts;
-  the copies carry it already, `parlab.course.workspace.kernel_metadata`);
+  the copies carry it already, `parlab.course.workspace.kernel_metadata`), and those kernels were forked by the
+  kernel server `parlab course open` started (`parlab.course.workspace.warm_kernels`);
 * lesson 07's layout explorer, run in the page: every control is drawn, the controls and the memory figure fit one
   1440x900 screen, and moving them redraws the figure for the new layout: tp 8 -> 4; no recomputation (past the
   80 GB line, whose labels stay off the bars); the H100 in fp8 (faster than in bf16); fp8 on the A100, which says
@@ -64,23 +65,52 @@ def lab(tmp_path_factory):
         seen.append(line)
         m = re.search(r"(http://(?:localhost|127\.0\.0\.1):\d+/\S*token=\S+)", line)
         url = m.group(1) if m else None
+    warm = []
     try:
         assert url, "".join(seen)[-3000:]
         yield url, root, tmp
+        warm = _forked_kernels(proc.pid)
+        # the notebooks' kernels were forked by the kernel server of `parlab course open` (START, lesson, exercise)
+        assert len(warm[1:]) >= 3, warm
     finally:
+        warm = warm or _forked_kernels(proc.pid)
         proc.terminate()                     # `parlab course open` passes it on: JupyterLab stops its kernels
         try:
             proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-        left = _left_running(tmp / "runtime", port)
+        left = _left_running(tmp / "runtime", port) + [pid for pid in warm if Path(f"/proc/{pid}").exists()]
         for pid in left:                     # JupyterLab first (it would restart a killed kernel), then kernels
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
         assert not left, f"still running after `parlab course open` was stopped (JupyterLab, kernels): {left}"
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                out.append(int(stat.parent.name))
+        except (OSError, ValueError, IndexError):
+            continue
+    return out
+
+
+def _forked_kernels(course_open: int) -> list[int]:
+    """[the kernel server started by the `parlab course open` process `course_open`, the kernels it forked]."""
+    servers = [p for p in _children(course_open) if b"parlab.course.kernel_server" in _cmdline(p)]
+    return servers[:1] + _children(servers[0]) if servers else []
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
 
 
 def _left_running(runtime: Path, port: int) -> list[int]:

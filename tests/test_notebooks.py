@@ -15,7 +15,6 @@ run in Chinese only: a Chinese exercise's code cells are the English ones byte f
 it, nbgrader checksums included), and in English every message is its own msgid, so the English solutions run the
 very code that passes here (and `parlab grade` passes English solutions in tests/test_grade_redteam.py).
 """
-import json
 import os
 import re
 import subprocess
@@ -25,6 +24,7 @@ from pathlib import Path
 import pytest
 
 from parlab import course
+from parlab.course.kernel import write_kernel_spec
 
 ROOT = Path(__file__).resolve().parents[1]
 SOLUTIONS = sorted((ROOT / "exercises" / "solutions").glob("*.ipynb"))
@@ -42,23 +42,13 @@ def _env(lang: str = "en", jupyter: Path | None = None) -> dict:
             **({"JUPYTER_PATH": str(jupyter)} if jupyter else {})}
 
 
-def warm_kernel_spec(folder: Path, server: str) -> Path:
-    """A Jupyter data folder holding the kernel spec ``parlab-warm``: ipykernel's spec for this Python, its
-    process forked by the kernel server at `server` (jupyter_client's kernel provisioner ``parlab-warm``)."""
-    from parlab.course.kernel import kernel_specs
-    spec = folder / "kernels" / "parlab-warm"
-    spec.mkdir(parents=True)
-    (spec / "kernel.json").write_text(json.dumps(kernel_specs(server).get_kernel_spec("python3").to_dict()))
-    return folder
-
-
 def nbval(paths, junit: Path, cell_timeout: int = 300, cwd: Path = ROOT, lang: str = "en",
           jupyter: Path | None = None) -> subprocess.Popen:
     """Grade notebooks the way exercises/README.md tells lecturers to (started, not waited for); pytest's own
     output goes to `junit` with the suffix .txt. The one addition, tests/nbval_kernel_retry.py, starts a kernel
     again when it dies before running anything (a port raced away by the rest of the suite); the
     `-p parlab._deferred_imports` of pyproject.toml is named again for the runs in the Chinese course's folder.
-    With `jupyter` (a `warm_kernel_spec` folder) the kernels are the warm ``parlab-warm`` ones."""
+    With `jupyter` (a `write_kernel_spec` folder) the kernels are the warm ``parlab-warm`` ones."""
     kernel = ["--nbval-kernel-name", "parlab-warm"] if jupyter else ["--nbval-current-env"]
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "nbval_kernel_retry",
            "-p", "parlab._deferred_imports",        # pyproject.toml's addopts, which the Chinese course's folder lacks
@@ -79,7 +69,7 @@ def graded(tmp_path_factory):
     zh = write_course(ROOT, "zh_CN", tmp / "course-zh")
     server = KernelServer(env=_env())                  # the nested runs' PYTHONPATH, so that it serves them
     assert server.ready
-    jupyter = warm_kernel_spec(tmp / "jupyter", server.address)
+    jupyter = write_kernel_spec(tmp / "jupyter", server.address, name="parlab-warm")
     procs = {"students": nbval([p.relative_to(ROOT) for p in EXERCISES], tmp / "students.xml", jupyter=jupyter)}
     procs.update({k: nbval([Path(folder) / p.name for p in paths], tmp / f"{k}.xml", cwd=zh, lang="zh_CN",
                            jupyter=jupyter)

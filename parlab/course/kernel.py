@@ -19,7 +19,8 @@ from traitlets import Unicode
 from parlab.course.kernel_server import spawn
 from parlab.course.notebooks import read
 
-__all__ = ["execute", "client", "export_html", "KERNEL_STARTS", "WarmProvisioner", "kernel_specs", "warm_kernel_manager"]
+__all__ = ["execute", "client", "export_html", "KERNEL_STARTS", "WarmProvisioner", "kernel_specs", "warm_kernel_manager",
+           "write_kernel_spec"]
 
 
 def execute(nb: nbformat.NotebookNode, cwd: str | Path, timeout: float = 300.0,
@@ -130,6 +131,20 @@ def kernel_specs(server: str) -> KernelSpecManager:
             return self.kernel_spec_class(resource_dir=ipykernel.kernelspec.RESOURCES, **spec)
 
     return WarmKernelSpecs()
+
+
+def write_kernel_spec(folder: str | Path, server: str, name: str = "python3") -> Path:
+    """Write the kernel spec `name` of `kernel_specs(server)` (with ipykernel's logos) into the Jupyter data folder
+    `folder` (``folder/kernels/<name>/``), for a Jupyter server or nbval given ``JUPYTER_PATH=folder``; returns
+    `folder`. Named ``python3``, it is the kernel every course notebook asks for."""
+    import json
+    import shutil
+
+    import ipykernel.kernelspec
+    spec = Path(folder) / "kernels" / name
+    shutil.copytree(ipykernel.kernelspec.RESOURCES, spec, dirs_exist_ok=True)
+    (spec / "kernel.json").write_text(json.dumps(kernel_specs(server).get_kernel_spec(name).to_dict()))
+    return Path(folder)
 
 
 def _sliced(get_msg, poll: float):

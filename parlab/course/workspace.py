@@ -26,6 +26,7 @@ notebook has not edited it.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -272,14 +273,33 @@ def _run_lab(cmd: list[str], cwd: Path, env: dict | None = None) -> int:
     """Run JupyterLab until it exits, so that it always shuts down its own kernels. Ctrl+C reaches JupyterLab
     itself (same terminal, same process group): it asks whether to stop, and a second Ctrl+C stops it, kernels
     included, so this process only waits (`subprocess.call` would SIGKILL it on the first Ctrl+C and leave its
-    kernels running). A SIGTERM sent to this process (a `kill`, a job scheduler) is passed on to JupyterLab."""
-    proc = subprocess.Popen(cmd, cwd=cwd, env=env)
-    previous = signal.signal(signal.SIGTERM, lambda signum, frame: proc.send_signal(signum))
-    try:
-        while True:
-            try:
-                return proc.wait()
-            except KeyboardInterrupt:
-                continue
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+    kernels running). A SIGTERM sent to this process (a `kill`, a job scheduler) is passed on to JupyterLab.
+    Its notebooks' kernels are forked by a kernel server (`warm_kernels`)."""
+    with warm_kernels(dict(os.environ) if env is None else env) as env:
+        proc = subprocess.Popen(cmd, cwd=cwd, env=env)
+        previous = signal.signal(signal.SIGTERM, lambda signum, frame: proc.send_signal(signum))
+        try:
+            while True:
+                try:
+                    return proc.wait()
+                except KeyboardInterrupt:
+                    continue
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+
+
+@contextlib.contextmanager
+def warm_kernels(env: dict):
+    """`env` for a Jupyter server whose ``python3`` kernels are forked by a `parlab.course.kernel_server` started
+    here (a kernel spec of that name on ``JUPYTER_PATH``, in a temporary folder): a lesson's kernel is ready in
+    about 0.1 s instead of 2-3 s of CPU importing torch, and its first `parlab.run` does not import torch._dynamo
+    again. A kernel the server cannot fork (another interpreter, other thread variables) starts as usual, and so
+    do all of them where the server does not start. The server and its kernels stop when the block ends."""
+    from parlab.course.kernel import write_kernel_spec
+    from parlab.course.kernel_server import KernelServer
+    with KernelServer(env=env) as server, tempfile.TemporaryDirectory(prefix="parlab-kernels-") as folder:
+        if not server.ready:
+            yield env
+            return
+        write_kernel_spec(folder, server.address)
+        yield {**env, "JUPYTER_PATH": os.pathsep.join(filter(None, [folder, env.get("JUPYTER_PATH")]))}
