@@ -19,8 +19,8 @@ from traitlets import Unicode
 from parlab.course.kernel_server import spawn
 from parlab.course.notebooks import read
 
-__all__ = ["execute", "client", "export_html", "KERNEL_STARTS", "WarmProvisioner", "kernel_specs", "warm_kernel_manager",
-           "write_kernel_spec"]
+__all__ = ["execute", "client", "export_html", "KERNEL_STARTS", "WarmProvisioner", "kernel_specs",
+           "warm_kernel_manager", "write_kernel_spec"]
 
 
 def execute(nb: nbformat.NotebookNode, cwd: str | Path, timeout: float = 300.0,
