@@ -507,6 +507,7 @@ def test_a_stopped_lab_worker_is_named_by_the_survivors(stopped, tmp_path):
         procs[survivor].join(180)   # the survivor's collective times out after 5 s, then it reports and exits
         assert f"[rank {survivor}] rank {stopped} stopped answering" in text(survivor), text(survivor)[-3000:]
         assert f"[rank {survivor}] a collective failed" in text(survivor)
+        assert "Traceback" not in text(survivor), text(survivor)[-3000:]       # the diagnosis alone (issue 39)
         assert procs[survivor].exitcode not in (0, None)
     finally:
         for p in procs:

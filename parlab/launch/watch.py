@@ -45,6 +45,7 @@ class Watch:
 
     def __init__(self, store, rank: int, world: int, interval: float = 0.5, timeout: float = 300.0):
         self.store, self.rank, self.world, self.interval, self.timeout = store, rank, world, interval, timeout
+        self.blamed: list[int] = []          # the ranks the last `report` found stopped
         self._stop = threading.Event()
         self._step, self._published, self._answered = -1, None, time.monotonic()
         self.store.set(self._key("step", rank), "-1")
@@ -118,6 +119,7 @@ class Watch:
         time.sleep(wait_beats * self.interval)
         second, steps = self._read("alive"), self._read("step")
         silent = [r for r in range(self.world) if r != self.rank and (second[r] is None or second[r] == first[r])]
+        self.blamed = silent
         head = str(error).strip().splitlines()[-1][:300] if str(error).strip() else type(error).__name__
         where = ", ".join(f"rank {r}: " + ("?" if steps[r] is None else _("setting up") if steps[r] < 0
                                              else _("step {step}").format(step=steps[r]))
@@ -139,7 +141,10 @@ class Watch:
 
 
 def report_failures(watch: Watch) -> None:
-    """Make an uncaught communication error (a RuntimeError from the backend) print `Watch.report` first."""
+    """Make an uncaught communication error (a RuntimeError from the backend) print `Watch.report` instead of a
+    traceback when the report names the rank that stopped answering: the cause is found, and 30 lines of the
+    survivor's own stack would only bury it (the exit status stays 1). When every rank still answers, the
+    program itself is stuck, and the traceback, which shows where this rank waited, follows the report."""
     previous = sys.excepthook
 
     def hook(kind, value, tb):
@@ -148,6 +153,9 @@ def report_failures(watch: Watch) -> None:
                 print(watch.report(value), file=sys.stderr, flush=True)
             except Exception:
                 pass
+            else:
+                if watch.blamed:
+                    return
         previous(kind, value, tb)
 
     sys.excepthook = hook
