@@ -3,8 +3,8 @@ torchrun gives its workers (`torchrun_env`).
 
 torchrun's agent hosts the rendezvous store and starts each worker with RANK, LOCAL_RANK, WORLD_SIZE, ...,
 MASTER_ADDR and MASTER_PORT of that store and TORCHELASTIC_USE_AGENT_STORE=True
-(torch/distributed/elastic/agent/server/local_elastic_agent.py); `run_forked` hosts the store in the calling
-process and forks the workers, so a lab's code runs as under torchrun without importing torch and parlab again in
+(torch/distributed/elastic/agent/server/local_elastic_agent.py); `run_forked` forks a process that hosts the
+store and then the workers, so a lab's code runs as under torchrun without importing torch and parlab again in
 every rank (2.5-3 s of CPU each). Used by tests/test_labs.py (every lab) and tests/test_slurm.py (the run an srun
 job is compared with).
 """
@@ -54,32 +54,58 @@ def _worker(module: str, argv: list, env: dict, out: str, cwd: str) -> None:
         os._exit(code)
 
 
+def _host_store(ranks: int, conn) -> None:
+    """The rendezvous store's process (torchrun's agent's part): serves until the process that forked it kills
+    it, or goes away itself."""
+    import ctypes
+    import signal
+    try:
+        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)          # PR_SET_PDEATHSIG: dies with the test
+    except (OSError, AttributeError):
+        pass
+    store = torch.distributed.TCPStore("127.0.0.1", 0, ranks, is_master=True, wait_for_workers=False)
+    conn.send(store.port)
+    while True:
+        signal.pause()
+
+
 def start_forked(module: str, argv: list, ranks: int, folder) -> tuple:
-    """Start the ranks of ``python -m module argv`` as torchrun would, without waiting: (the rendezvous store, which
-    must outlive them, as torchrun's agent does; their processes). Rank r writes to ``folder/rank<r>.out``."""
+    """Start the ranks of ``python -m module argv`` as torchrun would, without waiting: (the process hosting the
+    rendezvous store, as torchrun's agent does: the caller kills it once the ranks are done; the ranks' processes).
+    Rank r writes to ``folder/rank<r>.out``.
+
+    The store lives in a process of its own, not in a thread of this one: its server thread looks up the names of
+    the ranks that connect (getnameinfo), and a rank forked while it held glibc's resolver lock inherited the
+    lock held and waited for it forever (seen once in CI: one rank of four stuck in getnameinfo)."""
     import torch._dynamo  # noqa: F401  (what every rank's optimizer imports: once, here)
     import parlab.labs  # noqa: F401
-    store = torch.distributed.TCPStore("127.0.0.1", 0, ranks, is_master=True, wait_for_workers=False)
     ctx = multiprocessing.get_context("fork")
-    procs = [ctx.Process(target=_worker, args=(module, argv, torchrun_env(r, ranks, store.port),
+    receive, send = ctx.Pipe(duplex=False)
+    host = ctx.Process(target=_host_store, args=(ranks, send), name="rendezvous-store")
+    host.start()
+    if not receive.poll(60):
+        host.kill()
+        raise RuntimeError("the rendezvous store's process did not start within 60 s")
+    port = receive.recv()
+    procs = [ctx.Process(target=_worker, args=(module, argv, torchrun_env(r, ranks, port),
                                                str(folder / f"rank{r}.out"), str(folder))) for r in range(ranks)]
     for p in procs:
         p.start()
-    return store, procs
+    return host, procs
 
 
 def run_forked(module: str, argv: list, ranks: int, tmp_path, timeout: float = 300) -> str:
     """Run ``python -m module argv`` on `ranks` ranks as torchrun would; the ranks' output, in rank order. Every
     rank must exit with 0."""
-    store, procs = start_forked(module, argv, ranks, tmp_path)
+    host, procs = start_forked(module, argv, ranks, tmp_path)
     try:
         for p in procs:
             p.join(timeout)
     finally:
-        for p in procs:
+        for p in procs + [host]:
             if p.is_alive():
                 p.kill()
-                p.join()
+            p.join()
     out = "".join((tmp_path / f"rank{r}.out").read_text() for r in range(ranks))
     assert [p.exitcode for p in procs] == [0] * ranks, f"{module} failed:\n{out[-4000:]}"
     return out

@@ -488,13 +488,13 @@ def test_a_broken_solution_notebook_gives_one_line(tmp_path, capsys):
 # ---------------------------------------------------------------------- a torchrun lab whose worker stops
 @pytest.mark.parametrize("stopped", [0, 1])
 def test_a_stopped_lab_worker_is_named_by_the_survivors(stopped, tmp_path):
-    """A lab's two ranks as torchrun starts them (its worker environment, the rendezvous store hosted outside the
-    ranks as by torchrun's agent: tests/forked_ranks.py; torchrun itself: tests/test_labs.py, test_launch.py), one
+    """A lab's two ranks as torchrun starts them (its worker environment, the rendezvous store in a process of its
+    own, as in torchrun's agent: tests/forked_ranks.py; torchrun itself: tests/test_labs.py, test_launch.py), one
     stopped with SIGSTOP once training runs: the other says which rank stopped answering and exits with an error."""
     argv = ["--steps", "1000000", "--layers", "1", "--hidden", "16", "--heads", "2", "--seq-len", "8", "--batch", "4",
             "--quiet", "--no-trace", "--timeout", "5"]
     survivor = 1 - stopped
-    store, procs = start_forked("parlab.labs.data_parallel", argv, 2, tmp_path)
+    host, procs = start_forked("parlab.labs.data_parallel", argv, 2, tmp_path)
     logs = [tmp_path / f"rank{r}.out" for r in range(2)]
     text = lambda r: logs[r].read_text() if logs[r].exists() else ""       # noqa: E731
     try:
@@ -510,7 +510,7 @@ def test_a_stopped_lab_worker_is_named_by_the_survivors(stopped, tmp_path):
         assert "Traceback" not in text(survivor), text(survivor)[-3000:]       # the diagnosis alone (issue 39)
         assert procs[survivor].exitcode not in (0, None)
     finally:
-        for p in procs:
+        for p in procs + [host]:
             if p.is_alive():
                 p.kill()        # SIGKILL reaches a stopped process too
             p.join()
