@@ -57,12 +57,10 @@ def _worker(module: str, argv: list, env: dict, out: str, cwd: str) -> None:
 def _host_store(ranks: int, conn) -> None:
     """The rendezvous store's process (torchrun's agent's part): serves until the process that forked it kills
     it, or goes away itself."""
-    import ctypes
     import signal
-    try:
-        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)          # PR_SET_PDEATHSIG: dies with the test
-    except (OSError, AttributeError):
-        pass
+
+    from parlab.launch.child import _die_with_parent
+    _die_with_parent()                                              # as parlab.run's ranks: dies with the test
     store = torch.distributed.TCPStore("127.0.0.1", 0, ranks, is_master=True, wait_for_workers=False)
     conn.send(store.port)
     while True:

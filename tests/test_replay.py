@@ -533,7 +533,7 @@ def test_calibrate_refuses_an_out_it_could_not_write(tmp_path, capsys, monkeypat
     assert main(["calibrate", "--out", str(existing)]) == 2
     assert "exists and is not writable; choose another name" in capsys.readouterr().out
     monkeypatch.setattr(cal.os, "access", lambda path, mode: path == os.path.abspath(str(existing)))
-    assert cal._bad_args(type("A", (), {"reps": 5, "max_size": 1 << 24, "out": str(existing)})(), cal.SIZES) is None
+    assert cal._bad_args(type("A", (), {"reps": 5, "min_time": None, "max_size": 1 << 24, "out": str(existing)})(), cal.SIZES) is None
 
 
 def test_hardware_computes_in_each_number_format_it_has():

@@ -3,8 +3,9 @@ heartbeats in the rendezvous store, the step each rank is in, who stopped answer
 a rank that ends itself when the store goes silent (or when it finds it was stopped itself).
 
 `watch_peers` starts a `Watch` on the default process group's store and installs `report_failures`: an uncaught
-communication error (typically a collective that timed out after --timeout) prints `Watch.report` first, which
-names the rank that stopped answering and the step every rank had reached.
+communication error (typically a collective that timed out after --timeout) prints `Watch.report`, which names
+the rank that stopped answering and the step every rank had reached, in place of the traceback (kept when no
+rank stopped: then the program itself is stuck, and the traceback shows where).
 """
 from __future__ import annotations
 

@@ -231,7 +231,7 @@ def _bad_args(a, sizes) -> str | None:
     """What is wrong with `parlab calibrate`'s arguments, and how to fix it (None: nothing)."""
     if a.reps < 1:
         return _("--reps must be at least 1 (timed calls per message size), got {reps}").format(reps=a.reps)
-    if getattr(a, "min_time", None) is not None and not 0 < a.min_time < float("inf"):
+    if a.min_time is not None and not 0 < a.min_time < float("inf"):
         return _("--min-time must be a positive number of seconds (each op timed for at least that), "
                  "got {seconds}").format(seconds=a.min_time)
     if len(sizes) < 2:
