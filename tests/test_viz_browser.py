@@ -15,20 +15,27 @@ from plotly.subplots import make_subplots
 
 from parlab import viz
 from parlab.trace import Event
-from parlab.course import figcheck as check
+from parlab.course import figcheck as check, figpage
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.skipif(check.chromium_path() is None,
                                 reason="needs Debian's chromium (apt-get install -y chromium); .ci/run installs it")
 
 
-def _problems(tmp_path, *figs, labels=()):
+@pytest.fixture(scope="module")
+def browser():
+    """One Chromium page with plotly.js loaded for the module's checks (3 CPU s to start and load, each)."""
+    with check.Browser() as b:
+        yield b
+
+
+def _problems(browser, tmp_path, *figs, labels=()):
     shown = [check.Figure("t", i, 0, json.loads(f.to_json())) for i, f in enumerate(figs)]
-    label_problems = check.check_pages(shown, list(labels), tmp_path)
+    label_problems = check.check_pages(shown, list(labels), tmp_path, browser=browser)
     return [f.problems for f in shown], label_problems
 
 
-def test_checker_finds_each_kind_of_problem(tmp_path):
+def test_checker_finds_each_kind_of_problem(browser, tmp_path):
     overlap = make_subplots(rows=1, cols=4, horizontal_spacing=0.01,
                             subplot_titles=[f"a long subplot title number {i}" for i in range(4)])
     for c in range(1, 5):
@@ -52,7 +59,7 @@ def test_checker_finds_each_kind_of_problem(tmp_path):
     baseline = go.Figure(go.Scatter(x=[1, 2, 3], y=[0.09, 0.2, 0.26]))    # the same, asking for a zero baseline
     baseline.update_yaxes(rangemode="tozero")
     (p_overlap, p_log, p_twice, p_tiny, p_cut, p_off, p_far, p_base, p_clean), p_labels = _problems(
-        tmp_path, overlap, log_marker, twice, tiny, cut, off_plot, far_zero, baseline, clean, labels=labels)
+        browser, tmp_path, overlap, log_marker, twice, tiny, cut, off_plot, far_zero, baseline, clean, labels=labels)
     assert any("annotation" in p and "overlaps" in p for p in p_overlap), p_overlap      # subplot titles
     assert any(p.startswith("xaxis runs") for p in p_log), p_log
     assert any('legend lists "all_reduce" twice' in p for p in p_twice), p_twice
@@ -65,7 +72,7 @@ def test_checker_finds_each_kind_of_problem(tmp_path):
     assert len(list(tmp_path.rglob("*.png"))) == 9                   # a screenshot per figure
 
 
-def test_checker_finds_legend_colours_scrolling_legends_and_single_digit_log_labels(tmp_path):
+def test_checker_finds_legend_colours_scrolling_legends_and_single_digit_log_labels(browser, tmp_path):
     """Lesson 02's replay figure had "grad sync" and "untraced" in the same blue (their names hash to it); lesson
     07's planner figure labelled 20 s as "2" (plotly's minor log labels)."""
     same = go.Figure([go.Bar(x=[1], y=["a"], orientation="h", name="grad sync", marker_color="#08519c"),
@@ -85,7 +92,7 @@ def test_checker_finds_legend_colours_scrolling_legends_and_single_digit_log_lab
     scrolls = go.Figure([go.Scatter(x=[0, 1], y=[i, i], name=f"series {i}") for i in range(30)])
     scrolls.update_layout(height=300)                     # lesson 07's planner legend scrolled at 520 px
     (p_same, p_near, p_dashed, p_timeline, p_digits, p_full, p_scrolls), _ = _problems(
-        tmp_path, same, near, dashed, viz.timeline(ev), digits, full, scrolls)
+        browser, tmp_path, same, near, dashed, viz.timeline(ev), digits, full, scrolls)
     assert [p.split(" have ")[0] for p in p_near] == ['legend entries "backward" and "loss"'], p_near
     assert any(p.startswith("legend does not fit the figure's height") for p in p_scrolls), p_scrolls
     assert p_digits[0].startswith('yaxis labels 20.0 as "2"'), p_digits          # (and small: 9 px)
@@ -94,7 +101,7 @@ def test_checker_finds_legend_colours_scrolling_legends_and_single_digit_log_lab
     assert p_dashed == [] and p_timeline == [], (p_dashed, p_timeline)     # the timeline gives each its own
 
 
-def test_checker_finds_bar_labels_crossed_by_an_outline_and_lesson_05s_overlay_has_none(tmp_path):
+def test_checker_finds_bar_labels_crossed_by_an_outline_and_lesson_05s_overlay_has_none(browser, tmp_path):
     """Issue 39: lesson 05's measured-vs-scheduled figure drew the schedule's red outlines over the measured
     cells; a run later than its schedule put an outline's side through a micro-batch number."""
     from parlab.parallel import pipeline as sch
@@ -105,11 +112,11 @@ def test_checker_finds_bar_labels_crossed_by_an_outline_and_lesson_05s_overlay_h
     fig = vp.schedule_timeline(late, overlay=sim.spans, title="measured vs scheduled")
     over = go.Figure(layout=fig.layout)
     over.add_traces(list(fig.data[1:]) + [fig.data[0]])                      # the outline drawn last, on top
-    (p_over, p_fig), _ = _problems(tmp_path, over, fig)
+    (p_over, p_fig), _ = _problems(browser, tmp_path, over, fig)
     assert any("bar labels crossed by a bar or shape drawn over them" in p for p in p_over), p_over
     assert p_fig == []
 
-def test_checker_finds_text_under_plotlys_toolbar_and_parlabs_top_titles_clear_it(tmp_path):
+def test_checker_finds_text_under_plotlys_toolbar_and_parlabs_top_titles_clear_it(browser, tmp_path):
     """Issue 39: plotly's toolbar (shown on hover at the top right) covered long titles placed at the figure's top:
     the animations' headings and the replay toggles'. Titles from style.top_title start below it, in both
     languages."""
@@ -134,24 +141,24 @@ def test_checker_finds_text_under_plotlys_toolbar_and_parlabs_top_titles_clear_i
                      toggle_figures({"this machine (emulated device time)": vp.schedules_figure(panels, title=long),
                                      "replayed: GPT-3 175B on 32 x H100": vp.schedules_figure(panels, title=long)}),
                      toggle(runs, runs, title=long, labels=("here", "there"))]
-    (p_under, p_clear, *p_figs), _ = _problems(tmp_path, under, clear, *figs)
+    (p_under, p_clear, *p_figs), _ = _problems(browser, tmp_path, under, clear, *figs)
     assert any("lies under plotly's toolbar" in p for p in p_under), p_under
     assert p_clear == [] and p_figs == [[]] * len(figs), p_figs
 
-def test_animations_have_a_frame_per_algorithm_step_and_stay_legible(tmp_path):
+def test_animations_have_a_frame_per_algorithm_step_and_stay_legible(browser, tmp_path):
     evs = [Event(rank=r, kind="collective", op="all_reduce", start=0.0, end=1.0, group=tuple(range(8)), nbytes=8000)
            for r in range(8)]
     fig = viz.comm_animation(evs, title="ring all-reduce on 8 ranks")
     assert len(fig.frames) == 2 * (8 - 1)
-    (problems,), _ = _problems(tmp_path, fig)
+    (problems,), _ = _problems(browser, tmp_path, fig)
     assert problems == []
     spec = json.loads(fig.to_json())
     spec["frames"] = spec["frames"][:3]                                # an animation that stops early is caught
-    assert check._animation_problems(spec) == ["animation has 3 frames, its algorithm 14 steps"]
+    assert figpage._animation_problems(spec) == ["animation has 3 frames, its algorithm 14 steps"]
 
 
 @pytest.mark.parametrize("lang", ["en", "zh_CN"])
-def test_explorer_figure_past_the_gpu_memory_passes_in_chromium(tmp_path, lang):
+def test_explorer_figure_past_the_gpu_memory_passes_in_chromium(browser, tmp_path, lang):
     """Lesson 07's explorer figure where the bar runs past 80 GB (GPT-3 175B without recomputation) and far past it
     (the same without tp and pp: the 80 GB and usable lines a few pixels apart), in both languages, at the lesson's
     height: nothing overlaps or is cut (the capacity labels beside the plot, the tick labels of the time plot)."""
@@ -169,7 +176,7 @@ def test_explorer_figure_past_the_gpu_memory_passes_in_chromium(tmp_path, lang):
                                        attention="materialised"), cluster,          # the scores kept, as in 2022
                               height=390) for tp, pp in ((8, 8), (1, 1))]
     assert [f.layout.yaxis.range[1] for f in figs][1] > 1000                 # the lines 8 GB apart on a 1 TB axis
-    problems, _ = _problems(tmp_path, *figs)
+    problems, _ = _problems(browser, tmp_path, *figs)
     assert problems == [[], []], problems
 
 
@@ -177,13 +184,13 @@ LESSONS = sorted(p.stem for p in (ROOT / "lessons").glob("[0-9][0-9]_*.ipynb")) 
 
 
 @pytest.fixture(scope="module")
-def lessons_checked(tmp_path_factory):
+def lessons_checked(tmp_path_factory, browser):
     """Every lesson executed top to bottom (two at a time) and each figure and widget label checked in Chromium:
     (folder with figures.json, problems). The lessons' only execution in the suite: a cell that
     raises is a problem ("the notebook stopped with an error: ...") and fails its lesson below."""
     out = tmp_path_factory.mktemp("figcheck")
     return out, check.run([ROOT / "lessons" / f"{name}.ipynb" for name in LESSONS], out, jobs=2,
-                          screenshots=False)      # measured, not looked at: PNGs are for people
+                          screenshots=False, browser=browser)      # measured, not looked at: PNGs are for people
 
 
 @pytest.mark.parametrize("name", LESSONS)

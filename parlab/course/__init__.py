@@ -16,6 +16,8 @@ Read in this order:
 * ``handout.py``    offline HTML handouts of executed lessons: math typeset, widgets shown, no network.
 * ``figcheck.py``   every lesson figure drawn by plotly.js in headless Chromium, checked and screenshotted
                      (``python -m parlab.course.figcheck``).
+* ``figpage.py``    its page: one Chromium page holding plotly.js that draws each figure and measures it
+                     (``Browser``, kept open for many checks), and the font check for missing glyphs.
 * ``grading/``      the checks an exercise's graded cells call, guarded so that parlab's own answer is
                      unavailable to the student and a deadlock is reported, not waited on.
 * ``gradebook/``    ``parlab grade``: a class's submissions run in isolation, a gradebook and feedback.

@@ -35,96 +35,24 @@ The figures are drawn offline (plotly.js from the plotly package); nothing is fe
 """
 from __future__ import annotations
 
-import bisect
 import contextlib
-import functools
 import json
 import re
-import shutil
-import subprocess
 import sys
-import tempfile
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
 
+from parlab.course.figpage import (CHROMIUM_ARGS, WIDTH, Browser, Figure, check_pages, chromium_path,
+                                   missing_glyphs)
 from parlab.i18n.args import ArgumentParser
 
-__all__ = ["Figure", "collect", "check_pages", "main", "CHROMIUM_ARGS", "chromium_path", "missing_glyphs"]
+__all__ = ["Figure", "collect", "check_pages", "Browser", "main", "CHROMIUM_ARGS", "chromium_path", "missing_glyphs"]
 
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                 "--disable-component-update", "--disable-sync", "--no-first-run"]
 PLOTLY_MIME = "application/vnd.plotly.v1+json"
 WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
 WIDGET_STATE = "application/vnd.jupyter.widget-state+json"
-WIDTH = 920              # px: a notebook's output area in JupyterLab on a 1280-px screen with the file browser shut
 
 
-@dataclass
-class Figure:
-    """One figure as a student sees it: notebook, cell index, k-th figure of that cell, where it sits."""
-    notebook: str
-    cell: int
-    k: int
-    spec: dict                                 # plotly's JSON: {"data": [...], "layout": {...}, "frames"?}
-    in_widget: bool = False
-    problems: list[str] = field(default_factory=list)
-    height: float = 0.0                        # px, as drawn in the browser (0: not drawn)
-
-    @property
-    def name(self) -> str:
-        return f"{self.notebook}/cell{self.cell:02d}_{self.k}"
-
-
-@functools.lru_cache(maxsize=1)
-def _font_coverage() -> tuple[tuple[int, int], ...]:
-    """The code points some installed font draws, as sorted merged (first, last) ranges, from fontconfig
-    (``fc-list``), which Chromium on Linux asks for a fallback font; () when fontconfig is absent."""
-    try:
-        listing = subprocess.run(["fc-list", "--format", "%{charset}\\n"], capture_output=True, text=True,
-                                 timeout=60).stdout
-    except (OSError, subprocess.SubprocessError):
-        return ()
-    ranges = []
-    for part in listing.split():
-        a, _, b = part.partition("-")
-        try:
-            ranges.append((int(a, 16), int(b or a, 16)))
-        except ValueError:
-            continue
-    merged: list[list[int]] = []
-    for a, b in sorted(ranges):
-        if merged and a <= merged[-1][1] + 1:
-            merged[-1][1] = max(merged[-1][1], b)
-        else:
-            merged.append([a, b])
-    return tuple((a, b) for a, b in merged)
-
-
-def missing_glyphs(text: str) -> list[str]:
-    """The characters of `text` that no installed font draws (empty boxes on the page), each once, in order;
-    [] where fontconfig cannot say (then nothing is claimed)."""
-    cover = _font_coverage()
-    if not cover:
-        return []
-    starts = [a for a, _b in cover]
-    out = []
-    for ch in dict.fromkeys(text):
-        cp = ord(ch)
-        if cp < 0x80 or ch.isspace():
-            continue
-        i = bisect.bisect_right(starts, cp) - 1
-        if i < 0 or cp > cover[i][1]:
-            out.append(ch)
-    return out
-
-
-def chromium_path() -> str | None:
-    """Debian's chromium (or chromium-browser), if installed."""
-    return next((shutil.which(n) for n in ("chromium", "chromium-browser") if shutil.which(n)), None)
-
-
-# ---------------------------------------------------------------------- collecting figures
 def _widget_state(nb) -> dict:
     return nb.metadata.get("widgets", {}).get(WIDGET_STATE, {}).get("state", {})
 
@@ -180,103 +108,6 @@ def collect(nb, notebook: str) -> tuple[list[Figure], list[dict]]:
     return figs, [lb for lb in labels if lb["width"]]
 
 
-def _animation_problems(spec: dict) -> list[str]:
-    """An animation of parlab.viz.comm_animation must have a frame per step of each call's algorithm."""
-    meta = (spec.get("layout", {}).get("meta") or {})
-    anim = meta.get("parlab_animation") if isinstance(meta, dict) else None
-    if not anim or anim.get("per_call"):
-        return []
-    from parlab.viz.animation import Step, algorithm_steps
-    need = sum(len(algorithm_steps(Step(op, "collective", "", tuple(range(n)), 1, root=0)))
-               for op, n in anim["calls"])
-    have = len(spec.get("frames", []))
-    if have < need and not anim.get("cut"):
-        return [f"animation has {have} frames, its algorithm {need} steps"]
-    return []
-
-
-# ---------------------------------------------------------------------- drawing and checking
-_PAGE = """<!doctype html><html><head><meta charset="utf-8">
-<style>body {{ margin: 0; background: white; font-family: sans-serif; }} #fig {{ width: {width}px; }}</style>
-<script src="plotly.min.js"></script><script src="check.js"></script></head>
-<body><div id="fig"></div></body></html>"""
-
-_DRAW = """async (spec) => {
-  const gd = document.getElementById('fig');
-  Plotly.purge(gd);
-  const layout = Object.assign({}, spec.layout || {});
-  await Plotly.newPlot(gd, spec.data || [], layout, {responsive: false});    // the toolbar as on hover: checked
-  if (spec.frames) await Plotly.addFrames(gd, spec.frames);
-  return gd.getBoundingClientRect().height;
-}"""
-
-_FRAME = """async (name) => {
-  const gd = document.getElementById('fig');
-  await Plotly.animate(gd, [name], {mode: 'immediate', frame: {duration: 0, redraw: true},
-                                    transition: {duration: 0}});
-  return true;
-}"""
-
-
-def _frames_to_check(spec: dict) -> list[str]:
-    frames = spec.get("frames") or []
-    if not frames:
-        return []
-    names = [str(f.get("name", i)) for i, f in enumerate(frames)]
-    longest = max(range(len(frames)), key=lambda i: len(str(frames[i].get("layout", {}).get("title", ""))))
-    return list(dict.fromkeys([names[0], names[longest], names[-1]]))
-
-
-def check_pages(figs: list[Figure], labels: list[dict], out: Path, width: int = WIDTH,
-                chromium: str | None = None, screenshots: bool = True) -> list[str]:
-    """Draw every figure in headless Chromium, fill each figure's `problems` and drawn `height`, write a PNG per
-    figure under `out` (if `screenshots`); returns the problems of the widget labels."""
-    from playwright.sync_api import sync_playwright
-
-    import plotly
-
-    chromium = chromium or chromium_path()
-    if chromium is None:
-        raise RuntimeError("parlab.course.figcheck draws figures in Debian's chromium: apt-get install -y chromium")
-    work = Path(tempfile.mkdtemp(prefix="parlab-check-"))
-    shutil.copy(Path(plotly.__file__).parent / "package_data" / "plotly.min.js", work / "plotly.min.js")
-    shutil.copy(Path(__file__).with_name("check.js"), work / "check.js")
-    (work / "page.html").write_text(_PAGE.format(width=width), encoding="utf-8")
-    label_problems: list[str] = []
-    try:
-        with sync_playwright() as pw:
-            browser = pw.chromium.launch(executable_path=chromium, args=CHROMIUM_ARGS)
-            page = browser.new_page(viewport={"width": width + 40, "height": 900})
-            page.route("http*://**", lambda route: route.abort())          # offline: nothing from a network
-            page.goto((work / "page.html").as_uri())
-            for fig in figs:
-                fig.problems += _animation_problems(fig.spec)
-                fig.height = page.evaluate(_DRAW, fig.spec)
-                found = page.evaluate("() => parlabCheck(document.getElementById('fig'))")
-                missing = missing_glyphs(page.evaluate("() => document.getElementById('fig').textContent"))
-                if missing:
-                    found.append(f"no installed font draws {''.join(missing[:20])!r} (empty boxes on the page): "
-                                 f"install a CJK font, e.g. Debian's fonts-noto-cjk")
-                if screenshots:
-                    png = out / (fig.name + ".png")
-                    png.parent.mkdir(parents=True, exist_ok=True)
-                    page.locator("#fig").screenshot(path=str(png))
-                for name in _frames_to_check(fig.spec)[1:]:
-                    page.evaluate(_FRAME, name)
-                    found += [f"frame {name}: {p}" for p in
-                              page.evaluate("() => parlabCheck(document.getElementById('fig'))")]
-                fig.problems += list(dict.fromkeys(found))
-            if labels:
-                cut = set(page.evaluate("(l) => parlabCheckLabels(l)", labels))
-                label_problems = [f"{lb['notebook']}/cell{lb['cell']:02d}: widget label cut off: "
-                                  f"{lb['description']!r} does not fit {lb['width']}" for lb in labels
-                                  if lb["description"] in cut]
-            browser.close()
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-    return list(dict.fromkeys(label_problems))
-
-
 # ---------------------------------------------------------------------- command line
 def _executed(path: str, timeout: float, lang: str | None = None, server: str = ""):
     """(notebook with outputs, error or None): as it is when it has outputs, else executed in its own folder
@@ -300,10 +131,10 @@ def _has_outputs(nb) -> bool:
 
 
 def run(paths: list[Path], out: Path, jobs: int = 1, width: int = WIDTH, timeout: float = 300.0,
-        lang: str | None = None, screenshots: bool = True) -> list[str]:
+        lang: str | None = None, screenshots: bool = True, browser: Browser | None = None) -> list[str]:
     """Execute (parlab speaking `lang`, default this process's language), collect, draw and check (a PNG of each
-    figure if `screenshots`); returns every problem as 'notebook/cellNN_k: what'. Each executed notebook is left
-    in `out` under its own name."""
+    figure if `screenshots`; in `browser` if given); returns every problem as 'notebook/cellNN_k: what'. Each
+    executed notebook is left in `out` under its own name."""
     from parlab import course
     from parlab.course.kernel_server import KernelServer
     out.mkdir(parents=True, exist_ok=True)
@@ -322,7 +153,7 @@ def run(paths: list[Path], out: Path, jobs: int = 1, width: int = WIDTH, timeout
         labels += lb
         if error:
             failed.append(f"{Path(path).stem}: {error}")
-    label_problems = check_pages(figs, labels, out, width=width, screenshots=screenshots)
+    label_problems = check_pages(figs, labels, out, width=width, screenshots=screenshots, browser=browser)
     problems = failed + [f"{fig.name}: {p}" for fig in figs for p in fig.problems] + label_problems
     (out / "report.txt").write_text(
         f"{len(figs)} figures from {len(paths)} notebooks, {len(labels)} widget labels; "
