@@ -213,13 +213,13 @@ def test_every_lesson_figure_and_widget_was_drawn(lessons_checked):
 
 
 @pytest.fixture(scope="module")
-def handout(tmp_path_factory):
-    """Lesson 00 exported the way the README tells lecturers (`parlab course html`)."""
-    from parlab import cli
-    out = tmp_path_factory.mktemp("handout")
-    lesson = ROOT / "lessons" / "00_why_parallel.ipynb"
-    assert cli.main(["course", "html", str(lesson), "--out", str(out), "--timeout", "300"]) == 0
-    return out / "00_why_parallel.html"
+def handout(lessons_checked, tmp_path_factory):
+    """Lesson 00, as executed above, exported as a handout (what `parlab course html` writes, without running the
+    lesson a second time; the command's own run of a notebook: tests/test_i18n.py)."""
+    from parlab import course
+    out, _problems = lessons_checked
+    page, = course.export_html([out / "00_why_parallel.ipynb"], tmp_path_factory.mktemp("handout"), executed=True)
+    return page
 
 
 def test_handout_reads_offline_math_figures_and_widgets(handout, tmp_path):
