@@ -24,7 +24,8 @@ pytestmark = pytest.mark.skipif(check.chromium_path() is None,
 
 @pytest.fixture(scope="module")
 def browser():
-    """One Chromium page with plotly.js loaded for the module's checks (3 CPU s to start and load, each)."""
+    """One Chromium page with plotly.js loaded for all of the module's checks (starting Chromium and loading
+    plotly.js cost ~3 CPU s: once here, not per check)."""
     with check.Browser() as b:
         yield b
 

@@ -91,7 +91,7 @@ def chromium_path() -> str | None:
     return next((shutil.which(n) for n in ("chromium", "chromium-browser") if shutil.which(n)), None)
 
 
-# ---------------------------------------------------------------------- collecting figures
+# ---------------------------------------------------------------------- animations
 def _animation_problems(spec: dict) -> list[str]:
     """An animation of parlab.viz.comm_animation must have a frame per step of each call's algorithm."""
     meta = (spec.get("layout", {}).get("meta") or {})
@@ -158,7 +158,7 @@ class Browser:
         if self._chromium is None:
             raise RuntimeError("parlab.course.figcheck draws figures in Debian's chromium: "
                                "apt-get install -y chromium")
-        self._thread = None
+        self._thread = self._pw = self._page = self._work = None
 
     def __enter__(self) -> "Browser":
         from concurrent.futures import ThreadPoolExecutor
@@ -192,17 +192,19 @@ class Browser:
         shutil.copy(Path(__file__).with_name("check.js"), self._work / "check.js")
         (self._work / "page.html").write_text(_PAGE.format(width=self.width), encoding="utf-8")
         self._pw = sync_playwright().start()
-        self._browser = self._pw.chromium.launch(executable_path=self._chromium, args=CHROMIUM_ARGS)
-        self._page = self._browser.new_page(viewport={"width": self.width + 40, "height": 900})
+        browser = self._pw.chromium.launch(executable_path=self._chromium, args=CHROMIUM_ARGS)
+        self._page = browser.new_page(viewport={"width": self.width + 40, "height": 900})
         self._page.route("http*://**", lambda route: route.abort())          # offline: nothing from a network
         self._page.goto((self._work / "page.html").as_uri())
 
     def _close(self) -> None:
         try:
-            if getattr(self, "_pw", None) is not None:
+            if self._pw is not None:
                 self._pw.stop()                                 # closes the browser it launched
         finally:
-            shutil.rmtree(getattr(self, "_work", ""), ignore_errors=True)
+            if self._work is not None:
+                shutil.rmtree(self._work, ignore_errors=True)
+            self._pw = self._page = self._work = None
 
     def _check(self, figs: list[Figure], labels: list[dict], out: Path, screenshots: bool) -> list[str]:
         page = self._page
