@@ -40,10 +40,12 @@ from pathlib import Path
 
 __all__ = ["KernelServer", "ForkedKernel", "spawn", "serve", "PRELOAD"]
 
-# what the lessons, the exercises and the grader's set-up cell import (a name missing here is simply skipped)
+# what the lessons, the exercises and the grader's set-up cell import, and orjson, which plotly imports to write its
+# first figure (a name missing here is simply skipped)
 # ipykernel is not among them: its traits read the kernel's environment when they are defined (JPY_PARENT_PID),
 # and after torch it costs a kernel 0.08 s to import for itself
-PRELOAD = ("torch", "torch._dynamo", "numpy", "parlab", "parlab.course.grading", "plotly.graph_objects", "plotly.io")
+PRELOAD = ("torch", "torch._dynamo", "numpy", "parlab", "parlab.course.grading", "plotly.graph_objects", "plotly.io",
+           "orjson")
 # read once when an interpreter (or torch's thread pools, or the C allocator) starts: a request whose values
 # differ from the server's cannot be served by a fork
 FIXED_AT_START = ("PYTHON", "OMP_", "MKL_", "OPENBLAS_", "KMP_", "GOMP_", "TORCH_", "LD_", "MALLOC_")
