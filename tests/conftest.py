@@ -4,6 +4,8 @@ Strict mode checks every tensor handed to communication (on the rank's device, c
 AVG only on floating types), so tests on CPU/gloo fail where NCCL on GPUs would. The fixture enters it in the
 pytest process; ranks started by `parlab.run` fork from it and inherit it (the spawn start method, used by one
 launch test only, starts fresh interpreters without it)."""
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -27,14 +29,47 @@ def _strict_comm():
 
 # The README's command runs the suite on three pytest-xdist workers, a file at a time (`-n 3 --dist loadfile`, so a
 # module's fixtures run once; three, not two, on 2 cores because many tests mostly wait: on subprocesses,
-# timeouts, browsers). Files are handed out in collection order (`--no-loadscope-reorder`: xdist would otherwise
+# timeouts, browsers), except the files whose tests run simulated ranks in the worker itself (`RANKS`): one worker
+# runs them one after the other (`pytest_xdist_make_scheduler`). One 8-rank world already keeps both cores busy,
+# and two or three at once cost far more CPU than the same worlds one after the other (test_hybrid,
+# test_expert_tensor_parallel and test_zero: 58.9 busy CPU s one file after the other, 96.9 on three workers at
+# once; benchmarks/README.md): gloo's ranks wake each other through sockets, and with more ranks than cores every
+# hop waits for a core.
+RANKS = {"test_zero.py", "test_hybrid.py", "test_expert_tensor_parallel.py", "test_expert_parallel.py", "test_fsdp.py",
+         "test_data_parallel.py", "test_pipeline_parallel.py", "test_checkpoint.py", "test_ring_attention.py",
+         "test_tensor_parallel.py", "test_sequence_parallel.py", "test_vocab_parallel_cross_entropy.py",
+         "test_grad_accumulation.py", "test_meta_init.py", "test_mixed_precision.py", "test_memory_construction.py",
+         "test_tp_comm.py", "test_dp_loss.py", "test_comm.py", "test_p2p_plan.py", "test_pipeline_program.py",
+         "test_replay_model.py", "test_grade_redteam_checks.py", "test_grading_data_parallel.py",
+         "test_grading_zero.py", "test_grading_tensor_parallel.py", "test_grading_context_parallel.py",
+         "test_grading_pipeline.py", "test_grading_hybrid.py", "test_grade_fsdp.py", "test_grade_ulysses.py",
+         "test_course.py"}
+# Files (and the ranks' group) are handed out in collection order (`--no-loadscope-reorder`: xdist would otherwise
 # sort them by their number of tests), so the longest go first: started last, one of them would leave the other
 # workers idle at the end. Seconds per file measured with --durations=0 (benchmarks/README.md).
-LONGEST_FIRST = ["test_viz_browser.py", "test_i18n_browser.py", "test_faults.py", "test_labs.py", "test_slurm.py", "test_grade_redteam.py",
-                 "test_nbgrader.py",
-                 "test_notebooks.py", "test_zero.py", "test_launch.py", "test_hybrid.py"]
+LONGEST_FIRST = ["ranks", "test_viz_browser.py", "test_i18n_browser.py", "test_faults.py", "test_labs.py",
+                 "test_slurm.py", "test_grade_redteam.py", "test_nbgrader.py", "test_notebooks.py", "test_launch.py"]
+
+
+def _scope(path: str) -> str:
+    name = Path(path).name
+    return "ranks" if name in RANKS else name
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    from xdist.scheduler import LoadFileScheduling
+
+    class RanksTogether(LoadFileScheduling):
+        """--dist loadfile, with the files of `RANKS` one unit of work."""
+
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return "ranks" if _scope(path) == "ranks" else super()._split_scope(nodeid)
+
+    return RanksTogether(config, log)
 
 
 def pytest_collection_modifyitems(config, items):
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))      # stable: the rest keep their order
+    items.sort(key=lambda item: rank.get(_scope(item.path), len(rank)))      # stable: the rest keep their order
