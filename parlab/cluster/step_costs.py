@@ -162,6 +162,7 @@ class StepCosts:
                              f"{layout.virtual} = {layout.pp * layout.virtual}")
         dropout = model.dropout if dropout is None else dropout
         self.model, self.layout, self.stages = model, layout, stages
+        self._tp_seconds: dict[str, float] = {}                     # one TP collective of act_bytes, by op
         # fp8 runs the weight GEMMs only (Transformer Engine, module docstring); another format runs every product
         fp8 = layout.precision == "fp8"
         self.hw = hardware if layout.precision in ("bf16", "fp8") else hardware.at(layout.precision)
@@ -218,7 +219,9 @@ class StepCosts:
         tp = self.layout.tp
         if tp == 1:
             return 0.0
-        return self.hw.collective_time(op, self.act_bytes, tp, self.tp_nodes > 1, self.tp_nodes)
+        if op not in self._tp_seconds:           # asked for by every layer of every action: ~150 times a layout
+            self._tp_seconds[op] = self.hw.collective_time(op, self.act_bytes, tp, self.tp_nodes > 1, self.tp_nodes)
+        return self._tp_seconds[op]
 
     def tp_forward(self) -> float:
         """Exposed TP communication of one layer's forward: 2 all-reduces, or 2 all-gathers + 2 reduce-scatters."""

@@ -47,6 +47,7 @@ class SyncCosts:
         self.model, self.hw, self.layout, self.layers, self.dp_nodes = model, hardware, layout, layers, dp_nodes
         self.stages = len(layers)
         self.experts = experts if experts is not None and model.experts else None    # an `ExpertCosts`
+        self._dp_seconds: dict[tuple, float] = {}     # (op, stages) -> seconds: asked for per action and stage
 
     def expert_params(self, stage: int) -> float:
         """The experts of virtual stage `stage` on one rank: E / ep MLPs / etp per MoE layer (0 for a dense model)."""
@@ -79,6 +80,12 @@ class SyncCosts:
     def _dp(self, op: str, stages) -> float:
         """One collective `op` of the 16-bit parameters (or gradients) of `stages` over the dp x cp replicas (and of
         their experts over the edp replicas)."""
+        key = (op, tuple(stages))
+        if key not in self._dp_seconds:
+            self._dp_seconds[key] = self._dp_time(op, key[1])
+        return self._dp_seconds[key]
+
+    def _dp_time(self, op: str, stages: tuple) -> float:
         n, e = self.layout.dp * self.layout.cp, self.experts
         psi = sum(self.dense_params(s) for s in stages)
         t = 0.0 if n == 1 else self.hw.collective_time(op, BYTES_16BIT * psi, n, self.dp_nodes > 1, self.dp_nodes)
