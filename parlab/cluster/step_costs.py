@@ -162,7 +162,7 @@ class StepCosts:
                              f"{layout.virtual} = {layout.pp * layout.virtual}")
         dropout = model.dropout if dropout is None else dropout
         self.model, self.layout, self.stages = model, layout, stages
-        self._tp_seconds: dict[str, float] = {}                     # one TP collective of act_bytes, by op
+        self._actions, self._tp_seconds = {}, {}      # memos: seconds of an action by (op, stage), of a TP call by op
         # fp8 runs the weight GEMMs only (Transformer Engine, module docstring); another format runs every product
         fp8 = layout.precision == "fp8"
         self.hw = hardware if layout.precision in ("bf16", "fp8") else hardware.at(layout.precision)
@@ -198,7 +198,6 @@ class StepCosts:
         self._placement(hardware)
         self.experts = ExpertCosts(self, t)                         # a mixture of experts' layers (expert_costs)
         self.sync = SyncCosts(model, self.hw, layout, self.layers, self.dp_nodes, self.experts)
-        self._actions: dict[tuple[str, int], float] = {}
         self._zero_parts: dict[tuple[str, int], float] = {}
 
     # ------------------------------------------------------------------ placement and links
@@ -216,11 +215,11 @@ class StepCosts:
         self.dp_nodes = nodes(grid.group_of(0, "cp-dp"))
 
     def _tp(self, op: str) -> float:
-        tp = self.layout.tp
-        if tp == 1:
+        if self.layout.tp == 1:
             return 0.0
         if op not in self._tp_seconds:           # asked for by every layer of every action: ~150 times a layout
-            self._tp_seconds[op] = self.hw.collective_time(op, self.act_bytes, tp, self.tp_nodes > 1, self.tp_nodes)
+            self._tp_seconds[op] = self.hw.collective_time(op, self.act_bytes, self.layout.tp, self.tp_nodes > 1,
+                                                           self.tp_nodes)
         return self._tp_seconds[op]
 
     def tp_forward(self) -> float:
