@@ -44,6 +44,7 @@ RANKS = {"test_zero.py", "test_hybrid.py", "test_expert_tensor_parallel.py", "te
          "test_grading_zero.py", "test_grading_tensor_parallel.py", "test_grading_context_parallel.py",
          "test_grading_pipeline.py", "test_grading_hybrid.py", "test_grade_fsdp.py", "test_grade_ulysses.py",
          "test_course.py"}
+assert not {n for n in RANKS if not (Path(__file__).parent / n).exists()}, "a file of RANKS was renamed or removed"
 # Files (and the ranks' group) are handed out in collection order (`--no-loadscope-reorder`: xdist would otherwise
 # sort them by their number of tests), so the longest go first: started last, one of them would leave the other
 # workers idle at the end. Seconds per file measured with --durations=0 (benchmarks/README.md).
@@ -51,7 +52,8 @@ LONGEST_FIRST = ["ranks", "test_viz_browser.py", "test_i18n_browser.py", "test_f
                  "test_slurm.py", "test_grade_redteam.py", "test_nbgrader.py", "test_notebooks.py", "test_launch.py"]
 
 
-def _scope(path: str) -> str:
+def _scope(path: str | Path) -> str:
+    """The unit of work of a test file: "ranks" for the files of `RANKS`, else the file's name."""
     name = Path(path).name
     return "ranks" if name in RANKS else name
 
