@@ -4,10 +4,19 @@ Strict mode checks every tensor handed to communication (on the rank's device, c
 AVG only on floating types), so tests on CPU/gloo fail where NCCL on GPUs would. The fixture enters it in the
 pytest process; ranks started by `parlab.run` fork from it and inherit it (the spawn start method, used by one
 launch test only, starts fresh interpreters without it)."""
+import os
 from pathlib import Path
 
-import pytest
-import torch
+# torch's intra-op threads (libgomp's pool, two a process on 2 cores) spin after each parallel region before they
+# sleep, unless OMP_WAIT_POLICY says PASSIVE. With three workers, their kernels and subprocesses sharing 2 cores,
+# that spinning took the cores others waited for: the README's command 672 -> 604-612 busy CPU s, 341 -> 304-310 s
+# (benchmarks/README.md).
+# Set here, in the process that starts the workers (this conftest loads before it starts them) and before torch
+# loads libgomp, which reads it once; every process of the suite inherits it.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 import nbval_kernel_retry  # noqa: F401  (a kernel that dies while starting is started again, for the suite's
                            # own nbval run of tests/notebooks/launcher.ipynb too: it failed one CI run so)
