@@ -9,7 +9,7 @@ from pathlib import Path
 
 # torch's intra-op threads (libgomp's pool, two a process on 2 cores) spin after each parallel region before they
 # sleep, unless OMP_WAIT_POLICY says PASSIVE. With three workers, their kernels and subprocesses sharing 2 cores,
-# that spinning took the cores others waited for: the README's command 672 -> 604-612 busy CPU s, 341 -> 304-310 s
+# that spinning took the cores others waited for: the README's command 672 -> 604-622 busy CPU s, 341 -> 305-312 s
 # (benchmarks/README.md).
 # Set here, in the process that starts the workers (this conftest loads before it starts them) and before torch
 # loads libgomp, which reads it once; every process of the suite inherits it.
