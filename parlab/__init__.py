@@ -34,8 +34,8 @@ _deferred_imports.defer_iri_grammars()
 
 __version__ = "0.1.0"
 #: public name -> the module it lives in
-_LAZY = {"run": "parlab.launch.ranks", "RunResult": "parlab.launch.ranks", "RankError": "parlab.launch.ranks",
-         "RankTimeout": "parlab.launch.ranks", "RankKilled": "parlab.launch.ranks",
+_LAZY = {"run": "parlab.launch.ranks", "RunResult": "parlab.launch.ranks", "RankError": "parlab.launch.blame",
+         "RankTimeout": "parlab.launch.blame", "RankKilled": "parlab.launch.blame",
          "init": "parlab.launch.torchrun", "Context": "parlab.launch.torchrun",
          "Trace": "parlab.trace.events", "region": "parlab.trace.events",
          "comm": "parlab.comm", "trace": "parlab.trace"}

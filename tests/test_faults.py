@@ -125,6 +125,25 @@ def _exit_code(code):
         dist.all_reduce(t)
 
 
+def _slow_exit():
+    """Rank 1's connections close a while before it is seen to exit (an exiting process descheduled on a busy
+    machine): its peers see the broken connection and report it first. Its sockets are closed under gloo, whose
+    epoll then forgets them without an event, so this rank's own gloo thread does not abort it."""
+    dist.barrier()
+    if dist.get_rank() == 1:
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                if os.readlink(f"/proc/self/fd/{fd}").startswith("socket:"):
+                    os.close(int(fd))
+            except OSError:
+                pass
+        time.sleep(0.3)
+        os._exit(0)
+    t = torch.ones(1000)
+    for _ in range(1000):
+        dist.all_reduce(t)
+
+
 def _signal_self(sig):
     dist.barrier()
     if dist.get_rank() == 1:
@@ -152,6 +171,7 @@ def _sys_exit_on_one():
 RANK_FAULTS = [  # (case, fn, args, exception, blamed rank, message)
     ("os._exit(3) on rank 1", _exit_code, (3,), RankKilled, 1, "exited with code 3 without reporting"),
     ("os._exit(0) on rank 1", _exit_code, (0,), RankKilled, 1, "exited with code 0 without reporting"),
+    ("os._exit(0) seen late on rank 1", _slow_exit, (), RankKilled, 1, "exited with code 0 without reporting"),
     ("SIGKILL on rank 1", _signal_self, (signal.SIGKILL,), RankKilled, 1, "killed by signal SIGKILL"),
     ("SIGTERM on rank 1", _signal_self, (signal.SIGTERM,), RankKilled, 1, "killed by signal SIGTERM"),
     ("exception on rank 2", _raise_on_two, (), RankError, 2, "ValueError: bad shard size"),

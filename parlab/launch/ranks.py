@@ -38,8 +38,8 @@ Faults never hang the caller: an exception on a rank raises `RankError`
 running after `timeout` seconds raise `RankTimeout` naming them; a rank killed
 by a signal, or one that exits without reporting (``os._exit``), raises
 `RankKilled`. Blame goes to the cause, not to the peers that saw the broken
-connection: a rank that died without a report is the culprit (its peers always
-report), else the earliest exception in time. Ctrl-C stops every rank at once
+connection (parlab.launch.blame): a rank that died without a report is the
+culprit (its peers always report), else the earliest exception in time. Ctrl-C stops every rank at once
 and still prints what each rank wrote so far. No child process and no
 temporary file survives a call: ranks are killed and the ``parlab-run-*``
 folder removed on every exit path, and ranks die with the parent
@@ -53,24 +53,22 @@ from __future__ import annotations
 
 import gc
 import os
-import pickle
-import re
 import shutil
-import signal
 import sys
 import tempfile
 import time
 from dataclasses import dataclass
-from multiprocessing import connection, get_context
+from multiprocessing import get_context
 from typing import Any, Callable
 
 import torch
 
+from parlab.launch.blame import explain, load_report, settle, wait
 from parlab.launch.child import _child, _spawn_entry
 from parlab.launch.torchrun import check_timeout
 from parlab.trace import Trace
 
-__all__ = ["run", "RunResult", "RankError", "RankTimeout", "RankKilled", "choose_backend"]
+__all__ = ["run", "RunResult", "choose_backend"]
 
 
 # ---------------------------------------------------------------------- results and errors
@@ -91,51 +89,6 @@ class RunResult:
 
     def __iter__(self):
         return iter(self.results)
-
-
-class RankError(RuntimeError):
-    """An exception raised inside `fn` on some rank; `.traceback` is the formatted traceback from that rank."""
-
-    def __init__(self, rank: int, exc_type: str, message: str, tb: str):
-        self.rank, self.exc_type, self.message, self.traceback = rank, exc_type, message, tb
-        super().__init__(f"rank {rank} raised {exc_type}: {message}\n\n--- traceback from rank {rank} ---\n{tb}")
-
-    def _render_traceback_(self) -> list[str]:
-        """IPython's hook (a notebook shows these lines instead of ~25 of parlab's and torch's frames): the
-        rank's error, and the frames of the code that raised it outside parlab, torch and Python's library."""
-        frames = re.findall(r'  File "([^"]+)", line (\d+), in (\S+)\n((?:    .*\n?)*)', self.traceback)
-        library = (os.path.dirname(os.path.dirname(os.path.abspath(__file__))), os.path.dirname(os.__file__),
-                   os.path.dirname(torch.__file__))
-        cell = lambda path: path.startswith("<") or "ipykernel_" in path       # noqa: E731  a notebook cell
-        mine = [f"  {'your cell' if cell(path) else path}, line {line}, in {fn}\n{code.rstrip()}"
-                for path, line, fn, code in frames if not path.startswith(library)]
-        said = f": {self.message}" if self.message else ""
-        return [f"\x1b[0;31mRankError\x1b[0m: rank {self.rank} raised {self.exc_type}{said}",
-                *mine[-3:], "(parlab's and torch's frames are hidden; the exception's .traceback has them all)"]
-
-
-class RankTimeout(TimeoutError):
-    """Some ranks did not finish within the timeout (often a deadlock: mismatched send/recv or collectives)."""
-
-    def __init__(self, unfinished: list[int], timeout: float, outputs: list[str], returned: list[int] = ()):
-        self.unfinished, self.timeout, self.outputs, self.returned = unfinished, timeout, outputs, list(returned)
-        if self.returned:      # some ranks were done: whatever the others wait for, those will never send it
-            why = (f", while ranks {self.returned} had already returned from the function. If the ranks still "
-                   f"inside wait in a collective or recv, it is a deadlock the returned ranks can never end: some "
-                   f"ranks ran more steps or collectives than others (an uneven number of batches, a collective "
-                   f"under an `if rank == ...`); give every rank the same sequence of collectives")
-        else:
-            why = ("; a common cause is a deadlock (a rank waiting in a collective or recv that its peers never "
-                   "enter)")
-        super().__init__(f"ranks {unfinished} did not finish within {timeout:g} s{why}. All ranks were stopped.")
-
-
-class RankKilled(RuntimeError):
-    """A rank process died from a signal (e.g. SIGKILL from the out-of-memory killer) or exited without a result."""
-
-    def __init__(self, rank: int, how: str):
-        self.rank, self.how = rank, how
-        super().__init__(f"rank {rank} {how}; all ranks were stopped")
 
 
 # ---------------------------------------------------------------------- backend choice
@@ -243,7 +196,7 @@ def run(fn: Callable, world_size: int, *args, backend: str = "gloo", timeout: fl
                     procs.append(p)
             finally:
                 gc.unfreeze()
-            failure = _wait(procs, timeout, t_start, workdir)
+            failure = wait(procs, timeout, t_start, workdir)
         except KeyboardInterrupt:
             # Ctrl-C: stop every rank now, then show what each had written (the output says where it hung)
             _stop(procs)
@@ -254,20 +207,20 @@ def run(fn: Callable, world_size: int, *args, backend: str = "gloo", timeout: fl
             raise
         outputs = [_read(os.path.join(workdir, f"out.{r}")) for r in range(world_size)]
         if failure is None:
-            statuses = [_load(workdir, r) for r in range(world_size)]
+            statuses = [load_report(workdir, r) for r in range(world_size)]
             if echo:
                 _echo(outputs)
             seconds = time.perf_counter() - t_start
             events = [s[2] for s in statuses] if trace else None
             return RunResult(results=[s[1] for s in statuses], outputs=outputs,
                              trace=Trace.merge(events) if trace else None, seconds=seconds, backend=backend)
-        time.sleep(0.05)   # let ranks that failed at the same moment finish writing their reports
+        settle(procs, workdir, failure)
         codes = [p.exitcode for p in procs]   # before stopping the rest: who exited on its own, and how
         _stop(procs)
         outputs = [_read(os.path.join(workdir, f"out.{r}")) for r in range(world_size)]
         if echo:
             _echo(outputs)
-        raise _explain(failure, workdir, world_size, timeout, outputs, codes)
+        raise explain(failure, workdir, world_size, timeout, outputs, codes)
     finally:
         _stop(procs)
         shutil.rmtree(workdir, ignore_errors=True)
@@ -306,73 +259,6 @@ def _stop(procs) -> None:
             p.join(timeout=5)
         except (OSError, ValueError, AssertionError):
             pass
-
-
-def _reported(workdir: str, rank: int) -> bool:
-    return os.path.exists(os.path.join(workdir, f"result.{rank}"))
-
-
-def _wait(procs, timeout: float, t_start: float, workdir: str):
-    """Wait until every rank exited cleanly (-> None) or something went wrong (-> a description)."""
-    pending = {p.sentinel: r for r, p in enumerate(procs)}
-    while pending:
-        left = timeout - (time.perf_counter() - t_start)
-        if left <= 0:
-            return ("timeout", sorted(pending.values()))
-        for s in connection.wait(list(pending), timeout=left):
-            r = pending.pop(s)
-            procs[r].join()
-            if procs[r].exitcode != 0 or not _reported(workdir, r):   # os._exit(0) in fn reports nothing
-                return ("failed", r, procs[r].exitcode)
-    return None
-
-
-def _explain(failure, workdir: str, world_size: int, timeout: float, outputs: list[str],
-             codes: list[int | None]) -> Exception:
-    """Turn a failure into the exception that names the cause (`codes`: each rank's exit status, None if
-    it was still running when the failure was seen).
-
-    A rank that reports always reports: an exception in `fn` (or a peer's broken connection) writes an
-    error report before the rank exits. So a rank that exited *without* a report (killed by a signal,
-    ``os._exit``, a crash in C++) is the cause, and its peers' connection errors are its consequences.
-    SIGABRT is the exception: gloo can abort a healthy rank whose peer vanished, so an abort is blamed
-    only when no rank reported an error. Otherwise the earliest reported exception in time is the cause."""
-    if failure[0] == "timeout":  # name the ranks still inside fn (finished ones wait at the exit barrier)
-        inside = [r for r in failure[1] if not _reported(workdir, r)]
-        returned = [r for r in range(world_size) if r not in (inside or failure[1])]
-        return RankTimeout(inside or failure[1], timeout, outputs, returned)
-    silent, errors = [], []
-    for r in range(world_size):
-        if not _reported(workdir, r):
-            if codes[r] is not None:
-                silent.append((codes[r] == -signal.SIGABRT, r, codes[r]))   # exited without a report
-            continue
-        st = _load(workdir, r)
-        if st[0] == "error":
-            errors.append((st[1], r, st))
-    silent.sort()   # non-aborts first, then by rank
-    if silent and (not silent[0][0] or not errors):
-        _, r, code = silent[0]
-        return RankKilled(r, _how(code))
-    if errors:  # the first error in time is the cause; the others are usually peers losing their connection
-        _, r, st = min(errors)
-        return RankError(r, st[2], st[3], st[4])
-    return RankKilled(failure[1], _how(failure[2]))
-
-
-def _how(code: int | None) -> str:
-    if code is not None and code < 0:
-        try:
-            name = signal.Signals(-code).name
-        except ValueError:
-            name = str(-code)
-        return f"was killed by signal {name}" + (" (often the out-of-memory killer)" if name == "SIGKILL" else "")
-    return f"exited with code {code} without reporting a result (os._exit in fn, or a crash inside C++?)"
-
-
-def _load(workdir: str, rank: int):
-    with open(os.path.join(workdir, f"result.{rank}"), "rb") as f:
-        return pickle.load(f)
 
 
 def _read(path: str) -> str:
