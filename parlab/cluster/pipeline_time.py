@@ -145,7 +145,10 @@ def _run(needs, dur, x: float):
                     t = fin[q][k]
                     if t is None:
                         break
-                    start = max(start, max(t, fin_r[j] if j >= 0 else 0.0) + x)
+                    if j >= 0 and fin_r[j] > t:       # the rank's own earlier action ends later
+                        t = fin_r[j]
+                    if t + x > start:                 # start = max(start, max(t, fin_r[j]) + x)
+                        start = t + x
                 free[r] = fin_r[i] = start + dur_r[i]
                 i += 1
                 progress = True
@@ -168,7 +171,8 @@ def simulated_step(costs, m: int, schedule: str = "1f1b") -> float:
     program built from that schedule times it (module docstring)."""
     pp, v = costs.layout.pp, costs.layout.virtual
     s, ops, needs, sends = _shape(schedule, pp, m, v)
-    dur = [[costs.action(op, st) for op, st in ops_r] for ops_r in ops]
+    once = {key: costs.action(*key) for key in {key for ops_r in ops for key in ops_r}}   # the same for every mb
+    dur = [[once[key] for key in ops_r] for ops_r in ops]
     hw = costs.hw                                      # a message ends its link's delay later (Hardware.p2p_delay)
     delay = hw.comm_delay if hw.p2p_delay is None else hw.p2p_delay
     ends, sent = _ends(needs, sends, dur, costs.message() + delay)
