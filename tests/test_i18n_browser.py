@@ -9,8 +9,10 @@ import json
 import re
 from pathlib import Path
 
+import nbformat
 import pytest
 
+import lesson_tables
 from parlab.course import figcheck as check
 from parlab.course.translated import write_course
 
@@ -41,6 +43,13 @@ def test_chinese_lesson_runs_and_its_figures_pass_in_chromium(chinese_lessons, n
     assert [p for p in problems if p.split("/")[0].split(":")[0] == name] == [], "\n".join(problems)
     shown = json.loads((out / "figures.json").read_text())
     assert sum(f["name"].startswith(name) for f in shown) >= 3, name
+
+
+@pytest.mark.parametrize("name,check_tables", [("02_data_parallel", lesson_tables.check_lesson_02),
+                                               ("07_hybrid_4d", lesson_tables.check_lesson_07)])
+def test_chinese_lesson_tables_line_up_and_read_chinese(chinese_lessons, name, check_tables):
+    """The printed tables of lessons 02 and 07, as executed above in Chinese (tests/lesson_tables.py)."""
+    check_tables(nbformat.read(chinese_lessons[0] / f"{name}.ipynb", 4), "zh_CN")
 
 
 def test_every_chinese_figure_was_drawn(chinese_lessons):

@@ -1,7 +1,9 @@
-"""What a Chinese student reads in the printed tables and schedule names of lessons 05 and 07: Chinese headers and
-names (no English word left but the names the glossary keeps), and columns that line up by display width (a
-Chinese character takes two columns) in both languages. Each test runs the lesson's own cell, as translated,
-with the inputs of its earlier cells made small or stubbed (a stub stands in only for what the table prints)."""
+"""What a Chinese student reads in the printed tables, schedule names and controls of lessons 05 and 07: Chinese
+headers and names (no English word left but the names the glossary keeps), and columns that line up by display
+width (a Chinese character takes two columns) in both languages. Each test runs the lesson's own cell, as
+translated, with the inputs of its earlier cells made small or stubbed (a stub stands in only for what the table
+prints). The tables of lessons 02 and 07, whose inputs are the lessons' own runs, are checked in the lessons as
+executed (tests/lesson_tables.py, from tests/test_viz_browser.py and tests/test_i18n_browser.py)."""
 import re
 import types
 from pathlib import Path
@@ -105,49 +107,13 @@ def test_lesson_05_figures_title_the_schedules_in_chinese_and_keep_their_keys():
 
 @pytest.fixture(scope="module")
 def lesson_07():
-    """Lesson 07's imports and its 8-rank hybrid run (cell 26cfc3ed's `res`, about 4 s): what the cells read."""
+    """Lesson 07's imports and seed 000's grid: what the explorers' cells read (its tables are checked in the
+    lesson as executed: tests/lesson_tables.py)."""
     cells = {lang: _cells("07_hybrid_4d.ipynb", lang) for lang in ("en", "zh_CN")}
     ns: dict = {}
     exec(cells["en"]["7f30cb6f"], ns)
-    exec(cells["en"]["26cfc3ed"].split("\ndense = ")[0], ns)      # the run; not the one-process comparison
     exec(cells["en"]["6261c0ab"], ns)                              # seed 000's grid
     return cells, ns
-
-
-@pytest.mark.parametrize("lang", ["en", "zh_CN"])
-def test_lesson_07_traffic_tables_line_up_and_read_chinese(lesson_07, lang, capsys):
-    """Cells 2fb49810 (bytes per dimension, traced and by formula, and each dimension's link) and 7ae61743 (the
-    replayed placements): columns end in one display column in both languages; in Chinese no English word is
-    left (the links were "inter-node"/"intra-node", the placements "TP inside a node ..."). Cell 45c495c5 still
-    finds the rows the placements' names key."""
-    cells, ns = lesson_07[0][lang], dict(lesson_07[1])
-    with use_language(lang):
-        capsys.readouterr()
-        exec(cells["2fb49810"], ns)
-        traffic = capsys.readouterr().out.splitlines()[:4]
-        exec(cells["7ae61743"], ns)
-        places = capsys.readouterr().out.splitlines()
-        exec(cells["45c495c5"], ns)                                   # looks the rows up by the same names
-    link_column = {width(line) - width(re.split(r"\s{2,}", line)[-1]) for line in traffic}   # where the link starts
-    numbers_end = {width(line[:m.end()]) for line in traffic[1:] for m in [list(re.finditer(r"\d ", line))[-1]]}
-    assert len(link_column) == 1 and len(numbers_end) == 1, "\n".join(traffic)
-    assert width(traffic[0][:traffic[0].rindex(re.split(r"\s{2,}", traffic[0])[-1])].rstrip()) == min(numbers_end) - 1
-    assert len(places) == 5 and len(_right_edges(places)) == 1, "\n".join(places)
-    assert len({width(line[:line.index(" ms")]) for line in places[1:]}) == 1, "\n".join(places)
-    if lang == "zh_CN":
-        assert _english("\n".join(traffic + places)) == [], "\n".join(traffic + places)
-        assert {line.split()[-1] for line in traffic[1:]} <= {"跨节点", "节点内"}, traffic
-    else:
-        assert {line.split()[-1] for line in traffic[1:]} == {"node", "nodes"}, traffic
-
-
-def test_lesson_07_volume_bars_name_the_links_in_chinese(lesson_07):
-    """Cell 850eafca's bars ("Try it": GB per GPU along each dimension) say in Chinese which link each uses."""
-    cells, ns = lesson_07[0]["zh_CN"], dict(lesson_07[1])
-    with use_language("zh_CN"):
-        exec(cells["850eafca"], ns)
-        fig = ns["volume_bars"]()
-    assert list(fig.data[0].text) == ["节点内", "节点内", "跨节点", "规模 1"], fig.data[0].text
 
 
 # ---------------------------------------------------------------------- the exercises' locked demonstration cells
@@ -205,54 +171,6 @@ def test_what_the_demo_cells_print_reads_chinese():
     with use_language("zh_CN"):
         lines = Trace(evs).summary().splitlines()
     assert len({width(line) for line in lines}) == 1, "\n".join(lines)      # the Chinese header lines up
-
-
-# ---------------------------------------------------------------------- lesson 02's tables (a Chinese student's report)
-@pytest.fixture(scope="module")
-def lesson_02():
-    """Lesson 02's imports and runs, once, in English (about 15 s): the naive run (l02-04), the DDP runs (l02-12
-    without its printing) and the metered DDP step (87c9e763 without its table)."""
-    cells = {lang: _cells("02_data_parallel.ipynb", lang) for lang in ("en", "zh_CN")}
-    ns: dict = {}
-    with use_language("en"):
-        exec(cells["en"]["l02-01"], ns)
-        exec(cells["en"]["l02-04"], ns)
-        exec(cells["en"]["l02-12"].split("\nhead = ")[0], ns)
-        exec(cells["en"]["87c9e763"].split("\nviews = ")[0], ns)
-    return cells, ns
-
-
-@pytest.mark.parametrize("lang", ["en", "zh_CN"])
-def test_lesson_02_tables_line_up_and_read_chinese(lesson_02, lang, capsys):
-    """Cells l02-04 (the other ranks' losses), l02-08 (bytes per phase: header and rows in the same display
-    columns, phases through event_label), l02-12 (the two buckets' '=' one under the other), l02-17 (memory
-    categories as the figure's legend names them) and 87c9e763/eaf19c4d (the three views, keyed by short names
-    the next cell looks up): no English word left in Chinese but rank, GPT, DDP, gloo, all-reduce, None and units."""
-    cells, ns = lesson_02[0][lang], dict(lesson_02[1])
-    out = {}
-    with use_language(lang):
-        capsys.readouterr()
-        exec(cells["l02-04"].split("\nnaive = ")[0] + "\n" + cells["l02-04"][cells["l02-04"].index("\nprint("):], ns)
-        out["l02-04"] = capsys.readouterr().out.splitlines()[:1]
-        for cid in ("l02-08", "l02-17", "87c9e763"):
-            exec(cells[cid] if cid != "87c9e763" else cells[cid][cells[cid].index("\nviews = "):], ns)
-            out[cid] = capsys.readouterr().out.splitlines()
-        exec(cells["l02-12"][cells["l02-12"].index("\nhead = "):], ns)
-        out["l02-12"] = capsys.readouterr().out.splitlines()[:2]
-        exec(cells["eaf19c4d"], ns)                           # finds the views by their keys
-    table = out["l02-08"][:7]
-    edges = {width(line.rstrip()) for line in table[1:]}
-    header_cells = [m.end() for m in re.finditer(r"rank \d", table[0])]
-    assert len(edges) == 1 and width(table[0][:header_cells[-1]]) == edges.pop(), "\n".join(table)
-    assert len({width(line[:line.index("=")]) for line in out["l02-12"]}) == 1, "\n".join(out["l02-12"])
-    mem = out["l02-17"][2:]
-    assert len({width(line[:line.index(" rank 0")]) for line in mem}) == 1, "\n".join(mem)
-    views = out["87c9e763"]
-    assert len(views) == 3 and len({width(line[:line.index(" ms")]) for line in views}) == 1, "\n".join(views)
-    if lang == "zh_CN":
-        text = "\n".join(out["l02-04"] + table + [line.split("=")[0] for line in out["l02-12"]] + mem + views)
-        assert [w for w in _english(re.sub(r"all-reduce|None", "", text)) if w not in {"DDP", "gloo", "MiB"}] == [], text
-        assert "其他 rank" in out["l02-04"][0] and "优化器状态" in "\n".join(mem), out
 
 
 @pytest.mark.parametrize("lang", ["en", "zh_CN"])

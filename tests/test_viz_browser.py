@@ -13,6 +13,7 @@ import plotly.graph_objects as go
 import pytest
 from plotly.subplots import make_subplots
 
+import lesson_tables
 from parlab import viz
 from parlab.trace import Event
 from parlab.course import figcheck as check, figpage
@@ -203,6 +204,13 @@ def test_lesson_runs_and_its_figures_pass_in_chromium(lessons_checked, name):
     assert sum(f["name"].startswith(name) for f in shown) >= 3, name          # the lesson's figures were seen
     path = ROOT / "lessons" / f"{name}.ipynb"                                  # the tracked notebook stays clean
     assert not any(c.get("outputs") for c in nbformat.read(path, 4).cells if c.cell_type == "code")
+
+
+@pytest.mark.parametrize("name,check_tables", [("02_data_parallel", lesson_tables.check_lesson_02),
+                                               ("07_hybrid_4d", lesson_tables.check_lesson_07)])
+def test_lesson_tables_line_up(lessons_checked, name, check_tables):
+    """The printed tables of lessons 02 and 07, as executed above (tests/lesson_tables.py)."""
+    check_tables(nbformat.read(lessons_checked[0] / f"{name}.ipynb", 4), "en")
 
 
 def test_every_lesson_figure_and_widget_was_drawn(lessons_checked):
