@@ -165,7 +165,7 @@ def test_start_opens_first_no_notebook_is_modified_on_open_and_the_explorer_redr
     with sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=chromium_path(), args=CHROMIUM_ARGS)
         try:
-            page = browser.new_page(viewport={"width": 1280, "height": 900})
+            page = browser.new_page(viewport={"width": 1440, "height": 900})
             page.goto(url)                                          # the URL parlab course open printed
             page.wait_for_selector(".jp-NotebookPanel", state="attached", timeout=90_000)
             _kernel_idle(page)
@@ -175,7 +175,7 @@ def test_start_opens_first_no_notebook_is_modified_on_open_and_the_explorer_redr
             assert "jp-mod-current" in tabs["START.ipynb"] and "jp-mod-dirty" not in tabs["START.ipynb"], tabs
             base = url.split("/lab")[0].split("?")[0]
             token = url.split("token=")[1]
-            for rel, shot in ((LESSON, "lesson.png"), (EXERCISE, "exercise.png")):
+            for rel, shot in ((EXERCISE, "exercise.png"), (LESSON, "lesson.png")):   # the lesson stays open
                 page.goto(f"{base}/lab/tree/{rel}?token={token}")
                 page.wait_for_function(f"() => [...document.querySelectorAll('.lm-TabBar-tab')].some("
                                        f"e => e.innerText.trim() === '{Path(rel).name}')", timeout=90_000)
@@ -183,18 +183,14 @@ def test_start_opens_first_no_notebook_is_modified_on_open_and_the_explorer_redr
                 page.screenshot(path=str(tmp / shot))
                 dirty = [t for t, c in _tabs(page).items() if "jp-mod-dirty" in c]
                 assert dirty == [], f"marked modified on open: {dirty}"
-            _explorer_redraws(page, f"{base}/lab/tree/{LESSON}?token={token}", tmp)
+            _explorer_redraws(page, tmp)
         finally:
             browser.close()
     assert {rel: (root / rel).read_bytes() for rel in tracked} == tracked
 
 
-def _explorer_redraws(page, lesson_url: str, tmp) -> None:
-    """Run lesson 07 in the page (Run > Run All Cells), then move the explorer's controls."""
-    page.set_viewport_size({"width": 1440, "height": 900})
-    page.goto(lesson_url)                                                     # lesson 07's tab again
-    page.wait_for_selector(".jp-NotebookPanel", state="attached", timeout=90_000)
-    _kernel_idle(page)
+def _explorer_redraws(page, tmp) -> None:
+    """Run lesson 07, the current tab, in the page (Run > Run All Cells), then move the explorer's controls."""
     page.click(".lm-MenuBar-itemLabel:text-is('Run')")
     page.click(".lm-Menu-itemLabel:text-is('Run All Cells')")
     title = "#jp-main-dock-panel .jp-NotebookPanel:not(.lm-mod-hidden) .parlab-explorer .js-plotly-plot .gtitle"
