@@ -5,6 +5,7 @@ the source with `ast` (nothing is imported but what a test names), so they are i
 which rule.
 """
 import ast
+import functools
 import importlib
 import json
 import pathlib
@@ -59,12 +60,16 @@ def _imports(name: str) -> dict[str, set[str]]:
     return out
 
 
-GRAPH = {name: _imports(name) for name in FILES}
+@functools.cache
+def graph() -> dict[str, dict[str, set[str]]]:
+    """{module: its imports} for every module of parlab (read once, by the first test that needs it, not when the
+    suite is collected on every pytest worker)."""
+    return {name: _imports(name) for name in FILES}
 
 
 def _home(face: str, what: str) -> str:
     """The module a face takes `what` from (the face itself if it defines it)."""
-    for dep, names in GRAPH[face].items():
+    for dep, names in graph()[face].items():
         if what in names and dep.startswith(face + "."):
             return dep
     return face
@@ -73,7 +78,7 @@ def _home(face: str, what: str) -> str:
 def _depends(name: str) -> set[str]:
     """Modules `name` really needs: through a face, only the modules of the names it takes."""
     out = set()
-    for dep, names in GRAPH[name].items():
+    for dep, names in graph()[name].items():
         out |= {_home(dep, w) for w in names} if dep in FACES and "*" not in names else {dep}
     return out
 
@@ -92,7 +97,7 @@ def test_no_import_cycles():
         k[0] += 1
         stack.append(v)
         on.add(v)
-        for w in GRAPH.get(v, ()):
+        for w in graph().get(v, ()):
             if w not in index:
                 visit(w)
                 low[v] = min(low[v], low[w])
@@ -109,7 +114,7 @@ def test_no_import_cycles():
             if len(c) > 1:
                 cycles.append(sorted(c))
 
-    for v in GRAPH:
+    for v in graph():
         if v not in index:
             visit(v)
     assert cycles == [], f"import cycles: {cycles}"
@@ -117,7 +122,7 @@ def test_no_import_cycles():
 
 def test_no_technique_imports_another():
     bad = []
-    for name, deps in GRAPH.items():
+    for name, deps in graph().items():
         mine = name.split(".")[2] if name.startswith("parlab.parallel.") and name.count(".") >= 3 else None
         if mine not in TECHNIQUES:
             continue
@@ -130,14 +135,14 @@ def test_no_technique_imports_another():
 
 def test_imports_run_one_way():
     bad = [f"{name} (layer {_layer(name)}) imports {dep} (layer {_layer(dep)})"
-           for name, deps in GRAPH.items() for dep in deps
+           for name, deps in graph().items() for dep in deps
            if _layer(name) is not None and _layer(dep) is not None and _layer(dep) > _layer(name)]
     assert bad == [], "an import runs upward (CONTRIBUTING.md, Layout):\n" + "\n".join(bad)
 
 
 def test_inside_a_package_siblings_come_from_their_module():
     bad = [f"{name} imports {sorted(names)} from its own face {dep}"
-           for name, deps in GRAPH.items() for dep, names in deps.items()
+           for name, deps in graph().items() for dep, names in deps.items()
            if dep in FACES and name.startswith(dep + ".") and FACES[dep] != FILES[name]
            and any(_home(dep, w) != dep for w in names)]
     assert bad == [], "\n".join(bad)

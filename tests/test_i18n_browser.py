@@ -23,13 +23,20 @@ pytestmark = pytest.mark.skipif(check.chromium_path() is None,
 
 
 @pytest.fixture(scope="module")
-def chinese_lessons(tmp_path_factory):
+def browser():
+    """One Chromium for the module: the figure check's page, and a page for the handout."""
+    with check.Browser() as b:
+        yield b
+
+
+@pytest.fixture(scope="module")
+def chinese_lessons(tmp_path_factory, browser):
     """The Chinese course written out (`write_course`), its lessons executed two at a time in Chinese and every
     figure checked: (folder with figures.json, problems)."""
     course = write_course(ROOT, "zh_CN", tmp_path_factory.mktemp("course-zh"))
     out = tmp_path_factory.mktemp("figcheck-zh")
     return out, check.run([course / "lessons" / f"{name}.ipynb" for name in LESSONS], out, jobs=2, lang="zh_CN",
-                          screenshots=False)      # measured, not looked at: PNGs are for people
+                          screenshots=False, browser=browser)      # measured, not looked at: PNGs are for people
 
 
 def test_the_glyph_check_finds_a_character_no_font_draws():
@@ -59,26 +66,23 @@ def test_every_chinese_figure_was_drawn(chinese_lessons):
     assert all(f["height"] > 100 for f in shown), [f["name"] for f in shown if f["height"] <= 100]   # drawn
 
 
-def test_chinese_handout_reads_offline_with_every_glyph(chinese_lessons, tmp_path):
+def test_chinese_handout_reads_offline_with_every_glyph(chinese_lessons, browser, tmp_path):
     """The Chinese lesson 00, as executed above, exported as a handout (what `parlab course html --lang zh`
     writes, without running the lesson a second time): Chinese prose, formulas typeset, figures drawn, offline,
     every glyph drawn."""
-    from playwright.sync_api import sync_playwright
-
     from parlab import course
     out, _problems = chinese_lessons
     page, = course.export_html([out / "00_why_parallel.ipynb"], tmp_path, executed=True)
-    with sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=check.chromium_path(), args=check.CHROMIUM_ARGS)
-        tab = browser.new_page(viewport={"width": 1200, "height": 900})
+
+    def read(tab):
         tab.route("http*://**", lambda route: route.abort())
         tab.goto(page.as_uri())
         tab.wait_for_function("() => window.MathJax && MathJax.Hub && MathJax.Hub.queue.pending === 0",
                               timeout=120_000)
-        text = tab.evaluate("() => document.body.innerText")
-        drawn = tab.evaluate("() => document.querySelectorAll('.plotly-graph-div .main-svg').length")
-        tab.screenshot(path=str(tmp_path / "handout-zh.png"), full_page=True)
-        browser.close()
+        tab.screenshot(path=str(tmp_path / "handout-zh.png"))           # the first screen, for a person
+        return (tab.evaluate("() => document.body.innerText"),
+                tab.evaluate("() => document.querySelectorAll('.plotly-graph-div .main-svg').length"))
+    text, drawn = browser.with_page(read)                               # the module's Chromium, a page of its own
     assert "第 00 课" in text and len(re.findall(r"[\u4e00-\u9fff]", text)) > 500, text[:300]
     assert drawn >= 3
     assert check.missing_glyphs(text) == []

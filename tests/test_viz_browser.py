@@ -231,32 +231,29 @@ def handout(lessons_checked, tmp_path_factory):
     return page
 
 
-def test_handout_reads_offline_math_figures_and_widgets(handout, tmp_path):
+def test_handout_reads_offline_math_figures_and_widgets(handout, browser, tmp_path):
     """`parlab course html` pages with the network cut off: formulas typeset (not raw TeX), every figure drawn,
     and each "Try it" widget shown at its initial setting with the figure it drew."""
-    from playwright.sync_api import sync_playwright
-
     page = handout
     text = page.read_text(encoding="utf-8")
     assert "https://cdn" not in "".join(l for l in text.splitlines() if "<script src=" in l)
     remote = []
-    with sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=check.chromium_path(), args=check.CHROMIUM_ARGS)
-        tab = browser.new_page(viewport={"width": 1200, "height": 900})
+
+    def read(tab):
         tab.route("http*://**", lambda route: (remote.append(route.request.url), route.abort()))   # offline
         tab.goto(page.as_uri())
         tab.wait_for_function("() => window.MathJax && MathJax.Hub && MathJax.Hub.queue.pending === 0 && "
                               "document.querySelectorAll('.MathJax, .MathJax_Display').length > 0", timeout=120_000)
-        seen = tab.evaluate("""() => ({
+        tab.screenshot(path=str(tmp_path / "handout.png"))                # the first screen, for a person
+        return tab.evaluate("""() => ({
             math: document.querySelectorAll('.MathJax, .MathJax_Display').length,
             error: document.body.innerText.includes('Math Processing Error'),
             raw: (document.body.innerText.match(/\\$[^$\\n]{1,60}\\$/g) || []).length,
             divs: document.querySelectorAll('.plotly-graph-div').length,
             drawn: document.querySelectorAll('.plotly-graph-div .main-svg').length,
             tryit: Array.from(document.querySelectorAll('.parlab-try-it')).map(e => e.innerText)})""")
-        figures = page.read_text(encoding="utf-8").count('class="plotly-graph-div"')   # exported figures
-        tab.screenshot(path=str(tmp_path / "handout.png"), full_page=True)
-        browser.close()
+    seen = browser.with_page(read)                                        # the module's Chromium, a page of its own
+    figures = text.count('class="plotly-graph-div"')                          # exported figures
     assert remote == [], f"the handout asked the network for {remote[:3]}"
     assert seen["math"] >= 10 and not seen["error"] and seen["raw"] == 0, seen
     assert figures >= 3, "lesson 00 should show its figures outside widgets, so that they export"

@@ -154,6 +154,7 @@ class Browser:
         with Browser() as browser:
             for figs in batches:
                 check_pages(figs, [], out, browser=browser)
+            title = browser.with_page(lambda page: (page.goto(url), page.title())[1])   # another page, same Chromium
     """
 
     def __init__(self, width: int = WIDTH, chromium: str | None = None):
@@ -185,6 +186,20 @@ class Browser:
         if self._thread is None:
             raise RuntimeError("use the Browser in a with-statement: `with Browser() as browser: ...`")
         return self._thread.submit(self._check, figs, labels, out, screenshots).result()
+
+    def with_page(self, fn, width: int = 1200, height: int = 900):
+        """fn(page) on a fresh page (a playwright `Page`, `width` x `height`) of this Chromium, in the thread
+        playwright runs in; the page is closed after, and fn's result returned (a handout read offline, say)."""
+        if self._thread is None:
+            raise RuntimeError("use the Browser in a with-statement: `with Browser() as browser: ...`")
+        return self._thread.submit(self._with_page, fn, width, height).result()
+
+    def _with_page(self, fn, width: int, height: int):
+        page = self._page.context.browser.new_page(viewport={"width": width, "height": height})
+        try:
+            return fn(page)
+        finally:
+            page.close()
 
     def _open(self) -> None:
         from playwright.sync_api import sync_playwright
