@@ -16,22 +16,30 @@ from pathlib import Path
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import pytest  # noqa: E402
-import torch  # noqa: E402
 
 import nbval_kernel_retry  # noqa: F401  (a kernel that dies while starting is started again, for the suite's
                            # own nbval run of tests/notebooks/launcher.ipynb too: it failed one CI run so)
-from parlab import comm
 
-# tests/gpu/ needs CUDA (NCCL collectives, CUDA events, meta construction on a GPU): it is collected only where
-# there is a device (`python -m parlab.labs.gpu_check` runs it on a GPU node), so a CPU run reports no skips;
-# tests/test_labs.py::test_gpu_tests_import_on_cpu checks on every machine that the file still imports.
+# torch is imported by the hooks below, in the processes that collect and run tests: the xdist controller, which
+# only loads this file and starts the workers, never pays for it (1.2 CPU s).
 # tests/notebooks/old_layout/ holds students' notebooks saved from the flat layout: tests/test_grade_redteam.py
 # grades them through `parlab grade` (which runs them); nbval need not run them a second time.
-collect_ignore_glob = ["notebooks/old_layout/*"] + ([] if torch.cuda.is_available() else ["gpu/*"])
+collect_ignore_glob = ["notebooks/old_layout/*"]
+
+
+def pytest_ignore_collect(collection_path, config):
+    """tests/gpu/ needs CUDA (NCCL collectives, CUDA events, meta construction on a GPU): it is collected only
+    where there is a device (`python -m parlab.labs.gpu_check` runs it on a GPU node), so a CPU run reports no
+    skips; tests/test_labs.py::test_gpu_tests_import_on_cpu checks on every machine that the file still imports."""
+    if collection_path.name == "gpu" and collection_path.parent == Path(__file__).parent:
+        import torch
+        return None if torch.cuda.is_available() else True
+    return None
 
 
 @pytest.fixture(autouse=True)
 def _strict_comm():
+    from parlab import comm
     with comm.strict():
         yield
 
