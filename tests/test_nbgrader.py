@@ -34,6 +34,7 @@ import pytest
 
 from parlab import course
 from parlab.course import gradebook, translated
+from parlab.course.kernel_server import KernelServer
 
 # nbgrader (and its database layer) is imported by the fixture, not when every pytest worker collects the suite
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("nbgrader") is None,
@@ -109,12 +110,13 @@ def nbgrader_course(tmp_path_factory):
             folder.mkdir(parents=True, exist_ok=True)
             nbformat.write(nb, str(folder / name.replace("_zh", "")))
     zh_course = translated.write_course(ROOT, "zh_CN", root.parent / (root.name + "-zh"))
-    with ThreadPoolExecutor(1) as pool:                                 # parlab grades while nbgrader works
+    # parlab grades while nbgrader works, both languages' kernels forked from one warm server
+    with KernelServer(env=gradebook.worker_env()) as server, ThreadPoolExecutor(1) as pool:
         parlab_grades = pool.submit(gradebook.grade, plain / "en", root / "parlab-gradebook", jobs=2,
-                                    progress=lambda line: None)
+                                    progress=lambda line: None, server=server.address)
         parlab_grades_zh = pool.submit(gradebook.grade, plain / "zh", root / "parlab-gradebook-zh", jobs=2,
                                        progress=lambda line: None, lang="zh_CN",
-                                       exercises=zh_course / "exercises")
+                                       exercises=zh_course / "exercises", server=server.address)
         (root / "source" / "all").mkdir(parents=True)
         for sol in sorted((ROOT / "exercises" / "solutions").glob("*.ipynb")):
             shutil.copy(sol, root / "source" / "all" / sol.name)

@@ -55,7 +55,7 @@ from parlab.i18n import _, language, normalize, use_language
 from parlab.course.gradebook.collect import Submission, collect, released_exercises, restore
 from parlab.course.kernel_server import KernelServer
 
-__all__ = ["Limits", "Result", "grade", "grade_one", "main"]
+__all__ = ["Limits", "Result", "grade", "grade_one", "worker_env", "main"]
 
 
 @dataclass
@@ -113,7 +113,7 @@ def _limit_memory(gb: float):
     return apply
 
 
-def _worker_env() -> dict:
+def worker_env() -> dict:
     """The environment of a grading worker, its kernel and the kernel's ranks: parlab importable from anywhere,
     and speaking the reports' language."""
     return dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[3]),
@@ -146,7 +146,7 @@ def grade_one(sub: Submission, released_path: Path, limits: Limits, server: str 
                str(work / "result.json"), "--cell-timeout", str(limits.cell_timeout),
                "--cpu-limit", str(limits.cpu_limit), *(["--kernel-server", server] if server else [])]
         proc = subprocess.Popen(cmd, cwd=work, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                preexec_fn=_limit_memory(limits.memory_gb), env=_worker_env())
+                                preexec_fn=_limit_memory(limits.memory_gb), env=worker_env())
         try:
             log = proc.communicate(timeout=limits.wall)[0]
             timed_out = False
@@ -196,10 +196,12 @@ def grade_one(sub: Submission, released_path: Path, limits: Limits, server: str 
 
 
 def grade(submissions: str | Path, out: str | Path, exercises: str | Path | None = None, jobs: int = 1,
-          limits: Limits | None = None, progress=print, lang: str | None = None) -> list[Result]:
+          limits: Limits | None = None, progress=print, lang: str | None = None, server: str = "") -> list[Result]:
     """Grade every submission under `submissions` against the released exercises; write the reports to `out`.
     `lang` ("en", "zh", ...; default: the language in force) is the language of the checks' messages (the kernels
-    run with PARLAB_LANG set to it) and of the reports."""
+    run with PARLAB_LANG set to it) and of the reports. `server`: the address of a running
+    `parlab.course.kernel_server.KernelServer` (``KernelServer(env=worker_env())``) to fork the kernels from, for
+    a caller that grades several folders; by default this call starts its own."""
     from parlab.course.gradebook import report
     from parlab.course import ROOT
 
@@ -216,9 +218,12 @@ def grade(submissions: str | Path, out: str | Path, exercises: str | Path | None
 
         # every kernel forked from one warm server (parlab.course.kernel_server): 2-3.5 s less CPU each. It
         # takes on the worker's memory limit, and dies with the worker when a timeout kills that
-        with KernelServer(env=_worker_env()) if len(subs) > 1 else contextlib.nullcontext() as server:
+        own = not server and len(subs) > 1
+        with KernelServer(env=worker_env()) if own else contextlib.nullcontext() as started:
+            address = started.address if started else server
+
             def one(sub):
-                r = grade_one(sub, released[sub.exercise], limits, server.address if server else "")
+                r = grade_one(sub, released[sub.exercise], limits, address)
                 progress(f"{r.status:>8}  {r.points:g}/{r.max_points:g}  {r.student} / {r.exercise}  "
                          f"({r.seconds:.0f} s)")
                 return r
