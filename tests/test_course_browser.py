@@ -3,7 +3,8 @@
 ``parlab course open --no-browser`` is run on a small course checkout as a student runs it, and the URL it prints
 (all a student on a remote machine or in a container has) is opened:
 
-* START.ipynb is the page that opens, not JupyterLab's Launcher;
+* START.ipynb is the page that opens, not JupyterLab's Launcher, and its links open the exercise and the lesson
+  (in new tabs of the same page, as a student clicks them);
 * no notebook is marked modified by opening it (the tab's dot): not START, not a lesson, not an exercise, once
   each has its kernel running (JupyterLab writes the kernel's metadata into a notebook when the kernel starts;
   the copies carry it already, `parlab.course.workspace.kernel_metadata`), and those kernels were forked by the
@@ -173,12 +174,17 @@ def test_start_opens_first_no_notebook_is_modified_on_open_and_the_explorer_redr
             tabs = _tabs(page)
             assert list(tabs) == ["START.ipynb"], tabs                # START, not the Launcher
             assert "jp-mod-current" in tabs["START.ipynb"] and "jp-mod-dirty" not in tabs["START.ipynb"], tabs
-            base = url.split("/lab")[0].split("?")[0]
-            token = url.split("token=")[1]
-            for rel, shot in ((EXERCISE, "exercise.png"), (LESSON, "lesson.png")):   # the lesson stays open
-                page.goto(f"{base}/lab/tree/{rel}?token={token}")
-                page.wait_for_function(f"() => [...document.querySelectorAll('.lm-TabBar-tab')].some("
-                                       f"e => e.innerText.trim() === '{Path(rel).name}')", timeout=90_000)
+            # as a student goes on: START's own links open the exercise, then the lesson (which stays current), in
+            # new tabs of the same page
+            for rel, link, shot in ((EXERCISE, "Exercise 05", "exercise.png"), (LESSON, "Lesson 07", "lesson.png")):
+                page.click("#jp-main-dock-panel .lm-TabBar-tab:has-text('START.ipynb')")
+                page.click(f"#jp-main-dock-panel .jp-NotebookPanel:not(.lm-mod-hidden) .jp-RenderedMarkdown "
+                           f"a:has-text('{link}')")
+                name = Path(rel).name
+                page.wait_for_function(f"() => [...document.querySelectorAll('#jp-main-dock-panel "
+                                       f".lm-TabBar-tab.jp-mod-current')].some(e => e.innerText.trim() === "
+                                       f"'{name}') && document.querySelector('#jp-main-statusbar').innerText"
+                                       f".includes('{name}')", timeout=90_000)
                 _kernel_idle(page)
                 page.screenshot(path=str(tmp / shot))
                 dirty = [t for t, c in _tabs(page).items() if "jp-mod-dirty" in c]
