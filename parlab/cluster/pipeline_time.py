@@ -161,8 +161,17 @@ def _run(needs, dur, x: float):
 def _ends(needs, sends, dur, x: float) -> tuple[list[float], list[float]]:
     """Per rank, when its last action ends, and when the last of its sends has arrived."""
     free, fin = _run(needs, dur, x)
-    return free, [max((max(fin[r][i], fin[q][j] if j >= 0 else 0.0) + x for i, q, j in sends[r]), default=0.0)
-                  for r in range(len(dur))]
+    arrived = [0.0] * len(dur)          # max over the sends of max(fin[r][i], fin[q][j]) + x, written out
+    for r, sends_r in enumerate(sends):
+        fin_r, last = fin[r], 0.0
+        for i, q, j in sends_r:
+            t = fin_r[i]
+            if j >= 0 and fin[q][j] > t:
+                t = fin[q][j]
+            if t > last:
+                last = t
+        arrived[r] = last + x if sends_r else 0.0
+    return free, arrived
 
 
 def simulated_step(costs, m: int, schedule: str = "1f1b") -> float:
