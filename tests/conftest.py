@@ -61,18 +61,42 @@ RANKS = {"test_zero.py", "test_hybrid.py", "test_expert_tensor_parallel.py", "te
          "test_grading_zero.py", "test_grading_tensor_parallel.py", "test_grading_context_parallel.py",
          "test_grading_pipeline.py", "test_grading_hybrid.py", "test_grade_fsdp.py", "test_grade_ulysses.py",
          "test_course.py"}
-assert not {n for n in RANKS if not (Path(__file__).parent / n).exists()}, "a file of RANKS was renamed or removed"
 # Files (and the ranks' group) are handed out in collection order (`--no-loadscope-reorder`: xdist would otherwise
 # sort them by their number of tests), so the longest go first: started last, one of them would leave the other
 # workers idle at the end. Seconds per file measured with --durations=0 (benchmarks/README.md).
-LONGEST_FIRST = ["ranks", "test_viz_browser.py", "test_i18n_browser.py", "test_faults.py", "test_labs.py",
-                 "test_slurm.py", "test_grade_redteam.py", "test_nbgrader.py", "test_notebooks.py", "test_launch.py"]
+LONGEST_FIRST = ["ranks", "browser", "test_faults.py", "test_labs.py", "test_slurm.py", "test_grade_redteam.py",
+                 "test_nbgrader.py", "test_notebooks.py", "test_launch.py"]
+# The lessons' run and figure check in English and in Chinese: one unit of work, so that one worker's Chromium
+# page (plotly.js loaded) and warm kernel server serve both languages (`chromium`, `lesson_kernels` below)
+BROWSER = {"test_viz_browser.py", "test_i18n_browser.py"}
+assert not {n for n in RANKS | BROWSER if not (Path(__file__).parent / n).exists()}, \
+    "a file of RANKS or BROWSER was renamed or removed"
 
 
 def _scope(path: str | Path) -> str:
-    """The unit of work of a test file: "ranks" for the files of `RANKS`, else the file's name."""
+    """The unit of work of a test file: "ranks" for the files of `RANKS`, "browser" for those of `BROWSER`, else
+    the file's name."""
     name = Path(path).name
-    return "ranks" if name in RANKS else name
+    return "ranks" if name in RANKS else "browser" if name in BROWSER else name
+
+
+@pytest.fixture(scope="session")
+def chromium():
+    """One Chromium page with plotly.js loaded (`parlab.course.figcheck.Browser`) for the files of `BROWSER`:
+    starting it and loading plotly.js cost ~3 CPU s, once per worker instead of once per file."""
+    from parlab.course import figcheck
+    with figcheck.Browser() as b:
+        yield b
+
+
+@pytest.fixture(scope="session")
+def lesson_kernels():
+    """The address of a warm kernel server (`parlab.course.kernel_server`) the lessons of both languages fork
+    their kernels from (each language's kernels get their own PARLAB_LANG): one server's imports, ~2.4 CPU s."""
+    from parlab.course.kernel_server import KernelServer
+    with KernelServer() as server:
+        assert server.ready
+        yield server.address
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -80,11 +104,11 @@ def pytest_xdist_make_scheduler(config, log):
     from xdist.scheduler import LoadFileScheduling
 
     class RanksTogether(LoadFileScheduling):
-        """--dist loadfile, with the files of `RANKS` one unit of work."""
+        """--dist loadfile, with the files of `RANKS` one unit of work, and those of `BROWSER` another."""
 
         def _split_scope(self, nodeid: str) -> str:
             path = nodeid.split("::", 1)[0]
-            return "ranks" if _scope(path) == "ranks" else super()._split_scope(nodeid)
+            return _scope(path) if _scope(path) in ("ranks", "browser") else super()._split_scope(nodeid)
 
     return RanksTogether(config, log)
 

@@ -2,8 +2,9 @@
 figure drawn in headless Chromium and checked like the English ones (`parlab.course.figcheck`: nothing overlaps
 or is cut, and no character lacks a glyph), and a Chinese handout read offline.
 
-The English lessons run in tests/test_viz_browser.py; this file runs beside it on another pytest worker. Needs
-Debian's chromium and a CJK font (fonts-noto-cjk), both installed by .ci/run.
+The English lessons run in tests/test_viz_browser.py; the two files are one unit of work on one pytest worker
+(tests/conftest.py, `BROWSER`), sharing its Chromium page and warm kernel server. Needs Debian's chromium and a
+CJK font (fonts-noto-cjk), both installed by .ci/run.
 """
 import json
 import re
@@ -23,20 +24,20 @@ pytestmark = pytest.mark.skipif(check.chromium_path() is None,
 
 
 @pytest.fixture(scope="module")
-def browser():
-    """One Chromium for the module: the figure check's page, and a page for the handout."""
-    with check.Browser() as b:
-        yield b
+def browser(chromium):
+    """The Chromium of the English lessons' checks (tests/conftest.py `chromium`, the same worker): the figure
+    check's page, and a page for the handout."""
+    return chromium
 
 
 @pytest.fixture(scope="module")
-def chinese_lessons(tmp_path_factory, browser):
+def chinese_lessons(tmp_path_factory, browser, lesson_kernels):
     """The Chinese course written out (`write_course`), its lessons executed two at a time in Chinese and every
     figure checked: (folder with figures.json, problems)."""
     course = write_course(ROOT, "zh_CN", tmp_path_factory.mktemp("course-zh"))
     out = tmp_path_factory.mktemp("figcheck-zh")
     return out, check.run([course / "lessons" / f"{name}.ipynb" for name in LESSONS], out, jobs=2, lang="zh_CN",
-                          screenshots=False, browser=browser)      # measured, not looked at: PNGs are for people
+                          screenshots=False, browser=browser, server=lesson_kernels)   # PNGs are for people
 
 
 def test_the_glyph_check_finds_a_character_no_font_draws():
@@ -82,7 +83,7 @@ def test_chinese_handout_reads_offline_with_every_glyph(chinese_lessons, browser
         tab.screenshot(path=str(tmp_path / "handout-zh.png"))           # the first screen, for a person
         return (tab.evaluate("() => document.body.innerText"),
                 tab.evaluate("() => document.querySelectorAll('.plotly-graph-div .main-svg').length"))
-    text, drawn = browser.with_page(read)                               # the module's Chromium, a page of its own
+    text, drawn = browser.with_page(read)                               # the suite's Chromium, a page of its own
     assert "第 00 课" in text and len(re.findall(r"[\u4e00-\u9fff]", text)) > 500, text[:300]
     assert drawn >= 3
     assert check.missing_glyphs(text) == []

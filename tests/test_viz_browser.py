@@ -24,11 +24,10 @@ pytestmark = pytest.mark.skipif(check.chromium_path() is None,
 
 
 @pytest.fixture(scope="module")
-def browser():
-    """One Chromium page with plotly.js loaded for all of the module's checks (starting Chromium and loading
-    plotly.js cost ~3 CPU s: once here, not per check)."""
-    with check.Browser() as b:
-        yield b
+def browser(chromium):
+    """One Chromium page with plotly.js loaded for all of the module's checks, and the Chinese lessons' too
+    (tests/conftest.py `chromium`: starting Chromium and loading plotly.js cost ~3 CPU s, once, not per check)."""
+    return chromium
 
 
 def _problems(browser, tmp_path, *figs, labels=()):
@@ -186,13 +185,13 @@ LESSONS = sorted(p.stem for p in (ROOT / "lessons").glob("[0-9][0-9]_*.ipynb")) 
 
 
 @pytest.fixture(scope="module")
-def lessons_checked(tmp_path_factory, browser):
+def lessons_checked(tmp_path_factory, browser, lesson_kernels):
     """Every lesson executed top to bottom (two at a time) and each figure and widget label checked in Chromium:
     (folder with figures.json, problems). The lessons' only execution in the suite: a cell that
     raises is a problem ("the notebook stopped with an error: ...") and fails its lesson below."""
     out = tmp_path_factory.mktemp("figcheck")
     return out, check.run([ROOT / "lessons" / f"{name}.ipynb" for name in LESSONS], out, jobs=2,
-                          screenshots=False, browser=browser)      # measured, not looked at: PNGs are for people
+                          screenshots=False, browser=browser, server=lesson_kernels)   # PNGs are for people
 
 
 @pytest.mark.parametrize("name", LESSONS)
@@ -252,7 +251,7 @@ def test_handout_reads_offline_math_figures_and_widgets(handout, browser, tmp_pa
             divs: document.querySelectorAll('.plotly-graph-div').length,
             drawn: document.querySelectorAll('.plotly-graph-div .main-svg').length,
             tryit: Array.from(document.querySelectorAll('.parlab-try-it')).map(e => e.innerText)})""")
-    seen = browser.with_page(read)                                        # the module's Chromium, a page of its own
+    seen = browser.with_page(read)                                        # the suite's Chromium, a page of its own
     figures = text.count('class="plotly-graph-div"')                          # exported figures
     assert remote == [], f"the handout asked the network for {remote[:3]}"
     assert seen["math"] >= 10 and not seen["error"] and seen["raw"] == 0, seen

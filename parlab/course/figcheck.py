@@ -131,18 +131,21 @@ def _has_outputs(nb) -> bool:
 
 
 def run(paths: list[Path], out: Path, jobs: int = 1, width: int = WIDTH, timeout: float = 300.0,
-        lang: str | None = None, screenshots: bool = True, browser: Browser | None = None) -> list[str]:
+        lang: str | None = None, screenshots: bool = True, browser: Browser | None = None,
+        server: str = "") -> list[str]:
     """Execute (parlab speaking `lang`, default this process's language), collect, draw and check (a PNG of each
     figure if `screenshots`; in `browser` if given); returns every problem as 'notebook/cellNN_k: what'. Each
-    executed notebook is left in `out` under its own name."""
+    executed notebook is left in `out` under its own name. `server`: the address of a running
+    `parlab.course.kernel_server.KernelServer` to fork the kernels from (a caller checking several batches, in
+    several languages); by default one is started for the call when it executes more than one notebook."""
     from parlab import course
     from parlab.course.kernel_server import KernelServer
     out.mkdir(parents=True, exist_ok=True)
     fresh = sum(not _has_outputs(course.read(p)) for p in paths)
     # kernels forked from one warm server (parlab.course.kernel_server): 3 s less CPU per lesson
-    with KernelServer() if fresh > 1 else contextlib.nullcontext() as server, \
+    with KernelServer() if fresh > 1 and not server else contextlib.nullcontext() as started, \
             ProcessPoolExecutor(max_workers=max(1, jobs)) as pool:
-        address = server.address if server else ""
+        address = started.address if started else server
         done = list(pool.map(_executed, map(str, paths), [timeout] * len(paths), [lang] * len(paths),
                              [address] * len(paths)))
     figs, labels, failed = [], [], []
