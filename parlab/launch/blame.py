@@ -92,7 +92,7 @@ def wait(procs, timeout: float, t_start: float, workdir: str):
 
 def settle(procs, workdir: str, failure, grace: float = 1.0) -> None:
     """Give the other ranks a moment to exit on their own after the first failure, so that `_explain` sees the
-    cause and not only its consequences.
+    cause and not only its consequences (`explain`).
 
     A rank that exits without a report (``os._exit``, a signal) closes its sockets a moment before the kernel
     marks it exited; on a busy machine its peers can notice the broken connection, report it and exit first.
@@ -103,6 +103,8 @@ def settle(procs, workdir: str, failure, grace: float = 1.0) -> None:
         time.sleep(0.05)
         return
     pending = {p.sentinel: r for r, p in enumerate(procs) if p.exitcode is None}
+    if any(r not in pending.values() and not reported(workdir, r) for r in range(len(procs))):
+        return                                   # a rank already gone without a report: the cause is known
     deadline = time.monotonic() + grace
     while pending and time.monotonic() < deadline:
         for s in connection.wait(list(pending), timeout=max(0.0, deadline - time.monotonic())):
