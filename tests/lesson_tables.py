@@ -15,6 +15,7 @@ KEPT = {"rank", "GPipe", "GPT"}
 
 
 def english(text: str) -> list[str]:
+    """The words of 3+ Latin letters in `text` that `KEPT` does not allow (tests/test_i18n_tables.py uses it too)."""
     return [w for w in re.findall(r"[A-Za-z]{3,}", text) if w not in KEPT]
 
 

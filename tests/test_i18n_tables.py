@@ -10,13 +10,12 @@ from pathlib import Path
 
 import pytest
 
+from lesson_tables import english          # English words of 3+ letters left, but rank, GPipe and GPT
 from parlab.course import translated
 from parlab.i18n import use_language
 from parlab.i18n.columns import pad, width
 
 ROOT = Path(__file__).resolve().parents[1]
-#: English a Chinese table may keep: the glossary's rank, and names (GPipe, GPT)
-KEPT = {"rank", "GPipe", "GPT"}
 
 
 def _cells(lesson: str, lang: str) -> dict[str, str]:
@@ -32,10 +31,6 @@ def _bars(lines: list[str]) -> set[tuple[int, ...]]:
 
 def _right_edges(lines: list[str]) -> set[int]:
     return {width(line.rstrip()) for line in lines}
-
-
-def _english(text: str) -> list[str]:
-    return [w for w in re.findall(r"[A-Za-z]{3,}", text) if w not in KEPT]
 
 
 def _lesson_05_inputs(P=4, M=8, V=2):
@@ -84,7 +79,7 @@ def test_lesson_05_tables_line_up_and_name_the_schedules_in_the_course_language(
         assert len(_right_edges(lines)) == 1, "\n".join(lines)
     text = "\n".join(tables["875bc42c"] + tables["5348769c"] + tables["8066f7c6"][:1])
     if lang == "zh_CN":
-        assert _english(text) == [], text
+        assert english(text) == [], text
         assert "朴素流水线" in text and "交错 1F1B (v=2)" in text, text
     else:
         assert "naive" in text and "interleaved 1F1B (v=2)" in text and "pipeline schedule" in text
@@ -205,7 +200,7 @@ def test_lesson_05_explorer_speaks_the_course_language(lang, capsys):
                       shown[0].layout.title.text, shown[1].layout.yaxis.title.text])
     assert "6" in impossible and "8" in impossible and len(impossible.splitlines()) == 2, impossible
     if lang == "zh_CN":
-        assert _english(re.sub(r"microbatches|<[^>]*>", "", text)) == ["DualPipeV"] * 2, text
+        assert english(re.sub(r"microbatches|<[^>]*>", "", text)) == ["DualPipeV"] * 2, text
         assert "交错" in text and "平均损失" in losses, text
     else:
         assert "micro-batches" in impossible and "interleaved (memory-optimised)" in text and "mean loss" in losses
@@ -251,9 +246,9 @@ def test_lesson_07_controls_and_messages_speak_chinese(lesson_07, capsys):
     names = {k: w.description for k, w in controls.items() if k not in ("tp", "pp", "cp")}
     assert set(names) == {"world_size", "gpus_per_node", "order", "highlight", "model_name", "global_batch",
                           "nodes", "gpu_mem_gb"}, names
-    assert _english(re.sub(r"world size|GB|GPU", "", " ".join(names.values()))) == [], names
+    assert english(re.sub(r"world size|GB|GPU", "", " ".join(names.values()))) == [], names
     assert len(invalid.splitlines()) == 2 and "32" in invalid and "不能被" in invalid, invalid
-    assert _english(re.sub(r"world_size|tp\*pp\*cp|gpus_per_node|GPU", "", invalid)) == [], invalid
+    assert english(re.sub(r"world_size|tp\*pp\*cp|gpus_per_node|GPU", "", invalid)) == [], invalid
 
 
 def test_lesson_09_bytes_by_label_names_the_expert_calls_in_chinese():

@@ -91,8 +91,8 @@ def wait(procs, timeout: float, t_start: float, workdir: str):
 
 
 def settle(procs, workdir: str, failure, grace: float = 1.0) -> None:
-    """Give the other ranks a moment to exit on their own after the first failure, so that `_explain` sees the
-    cause and not only its consequences (`explain`).
+    """Give the other ranks a moment to exit on their own after the first failure, so that `explain` sees the
+    cause and not only its consequences.
 
     A rank that exits without a report (``os._exit``, a signal) closes its sockets a moment before the kernel
     marks it exited; on a busy machine its peers can notice the broken connection, report it and exit first.
@@ -102,9 +102,9 @@ def settle(procs, workdir: str, failure, grace: float = 1.0) -> None:
     if failure[0] != "failed" or not reported(workdir, failure[1]):
         time.sleep(0.05)
         return
-    pending = {p.sentinel: r for r, p in enumerate(procs) if p.exitcode is None}
-    if any(r not in pending.values() and not reported(workdir, r) for r in range(len(procs))):
+    if any(p.exitcode is not None and not reported(workdir, r) for r, p in enumerate(procs)):
         return                                   # a rank already gone without a report: the cause is known
+    pending = {p.sentinel: r for r, p in enumerate(procs) if p.exitcode is None}
     deadline = time.monotonic() + grace
     while pending and time.monotonic() < deadline:
         for s in connection.wait(list(pending), timeout=max(0.0, deadline - time.monotonic())):
@@ -115,7 +115,7 @@ def settle(procs, workdir: str, failure, grace: float = 1.0) -> None:
 
 
 def explain(failure, workdir: str, world_size: int, timeout: float, outputs: list[str],
-             codes: list[int | None]) -> Exception:
+            codes: list[int | None]) -> Exception:
     """Turn a failure into the exception that names the cause (`codes`: each rank's exit status, None if
     it was still running when the failure was seen).
 

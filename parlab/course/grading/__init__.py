@@ -56,8 +56,9 @@ __all__ = ["run_student", "call_student", "TIMEOUT", "check_ring_reduce_scatter"
 
 guard.protect(__name__)
 # the faces students call, and the modules behind them (whose private helpers the public names call)
-for _mod in ("parlab.launch", "parlab.launch.ranks", "parlab.launch.blame", "parlab.launch.child", "parlab.comm", "parlab.comm.traced",
-             "parlab.comm.direct", "parlab.trace", "parlab.trace.events", "parlab.trace.wire", "parlab.models",
+for _mod in ("parlab.launch", "parlab.launch.ranks", "parlab.launch.blame", "parlab.launch.child", "parlab.comm",
+             "parlab.comm.traced", "parlab.comm.direct", "parlab.trace", "parlab.trace.events", "parlab.trace.wire",
+             "parlab.models",
              "parlab.parallel.pipeline", "parlab.parallel.pipeline.schedules", "parlab.parallel.pipeline.simulation",
              "parlab.parallel.context.ring", "parlab.parallel.context.ring_plan", "parlab.parallel.topology",
              "parlab.parallel.zero.memory", "parlab.cluster.planner", "parlab.parallel.data.buckets"):
